@@ -1,0 +1,79 @@
+"""Load a Hugging Face checkpoint (safetensors, sharded or not) into our Transformer, or dummy weights."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from lmbatch.model import Transformer
+
+# HF name suffix -> (our parameter suffix, index of the shard within a fused parameter, or None)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def _shard_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def _fused_slice(model: Transformer, target: str, shard: int) -> slice:
+    cfg = model.cfg
+    if target.endswith("qkv_proj"):
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        starts = [0, q, q + kv, q + 2 * kv]
+    else:
+        i = cfg.intermediate_size
+        starts = [0, i, 2 * i]
+    return slice(starts[shard], starts[shard + 1])
+
+
+@torch.no_grad()
+def load_weights(model: Transformer, path: str | Path) -> None:
+    """Copy every tensor of the checkpoint into the model; fail if any parameter is left unset."""
+    params = dict(model.named_parameters())
+    pending = set(params)
+    for file in _shard_files(Path(path)):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                ours = name.removeprefix("model.")
+                if "rotary_emb" in ours or (ours == "lm_head.weight" and model.lm_head is None):
+                    continue
+                parts = ours.rsplit(".", 1)
+                module, kind = parts[0], parts[1]
+                for hf_sfx, (our_sfx, shard) in _FUSED.items():
+                    if module.endswith(hf_sfx):
+                        key = module[: -len(hf_sfx)] + our_sfx + "." + kind
+                        params[key][_fused_slice(model, our_sfx, shard)].copy_(f.get_tensor(name))
+                        pending.discard(key)
+                        break
+                else:
+                    if ours not in params:
+                        raise KeyError(f"checkpoint tensor {name} has no place in the model")
+                    params[ours].copy_(f.get_tensor(name))
+                    pending.discard(ours)
+    if pending:
+        raise KeyError(f"checkpoint at {path} lacks: {', '.join(sorted(pending)[:5])}")
+
+
+@torch.no_grad()
+def init_dummy(model: Transformer, seed: int = 0) -> None:
+    """Random weights of the config's shapes (like vLLM's --load-format dummy): for speed work only."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("layernorm.weight") or name == "norm.weight":
+            p.fill_(1.0)
+        else:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)

@@ -1,0 +1,36 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-6)
+
+TINY_CONFIGS = {
+    "llama": lambda: LlamaConfig(**TINY, rope_theta=10000.0, tie_word_embeddings=False),
+    "llama3-rope-tied": lambda: LlamaConfig(**TINY, rope_theta=500000.0, tie_word_embeddings=True,
+                                            rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                          "original_max_position_embeddings": 64}),
+    "qwen2": lambda: Qwen2Config(**TINY, rope_theta=1000000.0, tie_word_embeddings=True),
+}
+
+
+def make_tiny_hf(kind: str, path, seed: int = 0):
+    """A tiny random HF model saved to `path`; every weight (biases and norms too) drawn at random."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[kind](), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+    model.eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session", params=list(TINY_CONFIGS))
+def tiny_model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, path, make_tiny_hf(request.param, path)
