@@ -1,0 +1,382 @@
+"""Executor: runs a whole batch of requests in the planner's order over the radix-tree KV cache.
+
+Each request's uncached tokens go into ragged forward batches of at most `max_tokens_per_batch`
+tokens. A request's prompt is inserted into the tree as soon as its slots are allocated, so a later
+request of the same batch already matches it and reads KV that the same forward pass writes: siblings
+batched together compute their shared prefix once. Logits are computed only at positions some
+request scores or samples from, and are captured whichever request happens to compute the position.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from lmbatch.attention import ForwardBatch, make_backend
+from lmbatch.config import ModelConfig
+from lmbatch.kv_pool import KVPool
+from lmbatch.model import Transformer
+from lmbatch.requests import (GenerateRequest, GenerateResult, RunStats, SamplingParams, ScoreRequest,
+                              ScoreResult)
+from lmbatch.sampling import sample
+from lmbatch.scheduler.planner import Plan, PlanNode, make_plan
+from lmbatch.scheduler.radix_tree import Node, RadixTree
+
+FULL_ROW = -1  # demand marker: keep the whole logits row (to sample from it)
+Key = tuple[PlanNode, int]
+
+
+@dataclass
+class Captured:
+    argmax: int
+    logprobs: dict[int, float]
+    row: torch.Tensor | None = None
+
+
+@dataclass
+class _Batch:
+    ids: list[torch.Tensor] = field(default_factory=list)
+    positions: list[torch.Tensor] = field(default_factory=list)
+    out_slots: list[torch.Tensor] = field(default_factory=list)
+    kv: list[torch.Tensor] = field(default_factory=list)
+    qo_indptr: list[int] = field(default_factory=lambda: [0])
+    kv_indptr: list[int] = field(default_factory=lambda: [0])
+    logit_rows: list[int] = field(default_factory=list)
+    logit_keys: list[Key] = field(default_factory=list)
+    locks: list[Node] = field(default_factory=list)
+    to_free: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.qo_indptr[-1]
+
+    def add(self, ids, start: int, out_slots, kv_slots, wanted: list[tuple[int, Key]]) -> None:
+        row0 = self.num_tokens
+        n = len(ids)
+        self.ids.append(torch.as_tensor(ids, dtype=torch.int64))
+        self.positions.append(torch.arange(start, start + n, dtype=torch.int64))
+        self.out_slots.append(out_slots)
+        self.kv.append(kv_slots)
+        self.qo_indptr.append(row0 + n)
+        self.kv_indptr.append(self.kv_indptr[-1] + len(kv_slots))
+        for pos, key in wanted:
+            self.logit_rows.append(row0 + pos - start)
+            self.logit_keys.append(key)
+
+    def build(self) -> ForwardBatch:
+        return ForwardBatch(torch.cat(self.ids), torch.cat(self.positions), torch.cat(self.out_slots),
+                            self.qo_indptr, self.kv_indptr, torch.cat(self.kv),
+                            torch.as_tensor(self.logit_rows, dtype=torch.int64))
+
+
+@dataclass
+class _Running:
+    """A generation request between its prefill and its end."""
+    index: int
+    node: Node | None
+    slots: torch.Tensor             # prompt slots, then the reserved decode slots
+    prompt_len: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    out: list[int] = field(default_factory=list)
+    finish: str = ""
+
+
+class Engine:
+    def __init__(self, model: Transformer, *, kv_cache_tokens: int = 32768, max_tokens_per_batch: int = 4096,
+                 attention: str = "torch", cache: bool = True, max_running: int = 256, tokenizer=None):
+        cfg = model.cfg
+        self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
+        self.device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        self.pool = KVPool(kv_cache_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
+        self.attn = make_backend(attention, self.pool, cfg.num_heads, cfg.head_dim)
+        self.tree = RadixTree(self.pool.free) if cache else None
+        self.max_tokens_per_batch = max_tokens_per_batch
+        self.max_running = max_running
+
+    @classmethod
+    def from_pretrained(cls, path, *, device="cpu", dtype=torch.float32, load_format="auto", **kw) -> "Engine":
+        from lmbatch.weights import init_dummy, load_weights
+
+        cfg = ModelConfig.from_dir(path)
+        with torch.device(device):
+            model = Transformer(cfg).to(dtype)
+        init_dummy(model) if load_format == "dummy" else load_weights(model, path)
+        return cls(model.eval(), **kw)
+
+    # ---- public API -------------------------------------------------------------------------
+    def score(self, requests: Sequence[ScoreRequest], **kw) -> tuple[list[ScoreResult], RunStats]:
+        return self.run(requests, **kw)
+
+    def generate(self, requests: Sequence[GenerateRequest], **kw) -> tuple[list[GenerateResult], RunStats]:
+        return self.run(requests, **kw)
+
+    @torch.inference_mode()
+    def run(self, requests: Sequence[ScoreRequest | GenerateRequest], schedule: str = "dfs", seed: int = 0,
+            progress: Callable[[int, RunStats], None] | None = None):
+        """Execute every request; results come back in the order of `requests`."""
+        prompts = [r.tokens for r in requests]
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"request {i} has an empty prompt")
+        plan = make_plan(prompts, schedule, seed)
+        self._plan, self._requests, self._progress = plan, requests, progress
+        self._captured: dict[Key, Captured] = {}
+        self._pending: set[Key] = set()
+        self._register_demands(plan, requests)
+        self.stats = RunStats(requests=len(requests), prompt_tokens=plan.prompt_tokens,
+                              unique_tokens=plan.unique_tokens, optimal_hit_rate=plan.optimal_hit_rate,
+                              engine_optimal_hit_rate=plan.engine_optimal_hit_rate, order=list(plan.order))
+        self._results = [GenerateResult() if isinstance(r, GenerateRequest) else ScoreResult() for r in requests]
+        self._running: list[_Running] = []
+        self._done = 0
+        self._batch = _Batch()
+        self._own_slots: dict[int, torch.Tensor] = {}   # without a cache: each request's own KV
+        for i in plan.order:
+            self._prefill(i)
+        self._flush()
+        self._decode_all()
+        for i, r in enumerate(requests):
+            if isinstance(r, ScoreRequest):
+                self._finish_score(i, r)
+        return self._results, self.stats
+
+    # ---- planning of logits ---------------------------------------------------------------
+    def _register_demands(self, plan: Plan, requests) -> None:
+        self._paths: list[list[PlanNode]] = [plan.path(i) for i in range(len(requests))]
+        for i, r in enumerate(requests):
+            if isinstance(r, ScoreRequest):
+                toks = r.tokens
+                for p in range(len(r.context) - 1, len(toks) - 1):
+                    self._node_at(i, p).demands.setdefault(p, set()).add(toks[p + 1])
+            else:
+                p = len(r.prompt) - 1
+                self._node_at(i, p).demands.setdefault(p, set()).add(FULL_ROW)
+
+    def _node_at(self, i: int, pos: int) -> PlanNode:
+        for node in self._paths[i]:
+            if node.start <= pos < node.end:
+                return node
+        raise IndexError(pos)
+
+    def _wanted(self, i: int, start: int, end: int) -> list[tuple[int, Key]]:
+        """Demanded positions in [start, end) of request i's path that nobody has captured yet."""
+        out = []
+        for node in self._paths[i]:
+            if node.end <= start or node.start >= end:
+                continue
+            for p in node.demands:
+                key = (node, p)
+                if start <= p < end and key not in self._captured and key not in self._pending:
+                    out.append((p, key))
+        return out
+
+    def _own_positions(self, i: int) -> range:
+        r = self._requests[i]
+        if isinstance(r, ScoreRequest):
+            return range(len(r.context) - 1, len(r.tokens) - 1)
+        return range(len(r.prompt) - 1, len(r.prompt))
+
+    def _first_missing(self, i: int, end: int) -> int:
+        """Lowest position below `end` where request i needs logits that are neither captured nor
+        on their way (only after an earlier call left them in the cache); `end` if none."""
+        for p in self._own_positions(i):
+            if p >= end:
+                break
+            key = (self._node_at(i, p), p)
+            if key not in self._captured and key not in self._pending:
+                return p
+        return end
+
+    # ---- prefill ---------------------------------------------------------------------------
+    def _match(self, i: int, toks: list[int]) -> tuple[torch.Tensor, Node | None, int]:
+        if self.tree is None:
+            return self._own_slots.get(i, torch.empty(0, dtype=torch.int64)), None, len(self._own_slots.get(i, ()))
+        slots, node = self.tree.match_prefix(toks)
+        return slots, node, len(slots)
+
+    def _prefill(self, i: int) -> None:
+        req, res = self._requests[i], self._results[i]
+        toks = req.tokens
+        n = len(toks)
+        res.prompt_tokens = n
+        first = True
+        while True:
+            slots, node, matched = self._match(i, toks)
+            m = self._first_missing(i, matched)
+            if first:
+                res.cached_tokens, first = m, False
+                self.stats.cached_tokens += m
+            if m == n:
+                break
+            if node is not None:
+                self.tree.lock(node)
+            chunk = min(n - m, self.max_tokens_per_batch - self._batch.num_tokens)
+            new = self._alloc(chunk) if chunk > 0 else None
+            if node is not None:
+                self.tree.unlock(node)
+            if new is None:
+                if self._batch.num_tokens == 0:
+                    raise RuntimeError(f"KV pool of {self.pool.num_slots} tokens cannot hold request {i} "
+                                       f"({n} tokens); raise kv_cache_tokens")
+                self._flush()
+                continue
+            full = torch.cat([slots[:m], new])
+            self._issue(i, toks, m, m + chunk, full)
+            res.computed_tokens += chunk
+            self.stats.computed_tokens += chunk
+            if m + chunk == n:
+                break
+        if isinstance(req, GenerateRequest):
+            self._admit(i, req)
+        else:
+            self._request_done()
+
+    def _issue(self, i: int, toks: list[int], start: int, end: int, full: torch.Tensor) -> None:
+        b = self._batch
+        wanted = self._wanted(i, start, end)
+        self._pending.update(k for _, k in wanted)
+        if self.tree is not None:
+            present, node = self.tree.insert(toks[:end], full)
+            if present > start:  # we recompute tokens the tree already holds: free our copies after
+                b.to_free.append(full[start:present])
+            self.tree.lock(node)
+            b.locks.append(node)
+        else:
+            self._own_slots[i] = full
+        b.add(toks[start:end], start, full[start:end], full, wanted)
+
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        short = n - self.pool.num_free
+        if short > 0 and self.tree is not None:
+            self.stats.evicted_tokens += self.tree.evict(short)
+        return self.pool.alloc(n)
+
+    def _flush(self) -> None:
+        b = self._batch
+        if b.num_tokens == 0:
+            return
+        fb = b.build().to(self.device)
+        logits = self.model(fb, self.attn)
+        self.stats.forward_batches += 1
+        self._capture(b.logit_keys, logits)
+        for node in b.locks:
+            self.tree.unlock(node)
+        for slots in b.to_free:
+            self.pool.free(slots)
+        self._batch = _Batch()
+        if self.tree is None:  # without a cache, a scored request's slots die with its batch
+            for i in [i for i in self._own_slots if not isinstance(self._requests[i], GenerateRequest)
+                      and self._results[i].computed_tokens == len(self._requests[i].tokens)]:
+                self.pool.free(self._own_slots.pop(i))
+
+    def _capture(self, keys: list[Key], logits: torch.Tensor) -> None:
+        if not keys:
+            return
+        logprobs = torch.log_softmax(logits, dim=-1)
+        argmax = logits.argmax(dim=-1).tolist()
+        for r, key in enumerate(keys):
+            targets = key[0].demands[key[1]]
+            lp = {t: float(logprobs[r, t]) for t in targets if t != FULL_ROW}
+            row = logits[r].cpu() if FULL_ROW in targets else None
+            self._captured[key] = Captured(argmax[r], lp, row)
+            self._pending.discard(key)
+
+    def _request_done(self) -> None:
+        self._done += 1
+        if self._progress:
+            self._progress(self._done, self.stats)
+
+    def _finish_score(self, i: int, req: ScoreRequest) -> None:
+        res = self._results[i]
+        toks = req.tokens
+        greedy, total = True, 0.0
+        for p in range(len(req.context) - 1, len(toks) - 1):
+            cap = self._captured[(self._node_at(i, p), p)]
+            total += cap.logprobs[toks[p + 1]]
+            greedy &= cap.argmax == toks[p + 1]
+        res.logprob, res.num_tokens, res.is_greedy = total, len(req.continuation), greedy
+
+    # ---- generation ------------------------------------------------------------------------
+    def _admit(self, i: int, req: GenerateRequest) -> None:
+        """Hold the prompt's KV and reserve slots for the decode steps; decode when full."""
+        n = len(req.prompt)
+        reserve = max(req.params.max_new_tokens - 1, 0)
+        while True:
+            slots, node, matched = self._match(i, req.prompt)
+            if node is not None:
+                self.tree.lock(node)
+            extra = self._alloc(reserve) if len(self._running) < self.max_running else None
+            if extra is not None:
+                break
+            if node is not None:
+                self.tree.unlock(node)
+            if not self._running and self._batch.num_tokens == 0:
+                raise RuntimeError(f"KV pool of {self.pool.num_slots} tokens cannot hold request {i} "
+                                   f"({n} prompt + {reserve} new tokens); raise kv_cache_tokens")
+            self._flush()
+            self._decode_all()
+        if self.tree is None:
+            slots = self._own_slots.pop(i)
+        assert len(slots) >= n, "prompt KV must be in the pool"
+        p = req.params
+        gen = torch.Generator().manual_seed(p.seed) if p.temperature > 0 else None
+        self._running.append(_Running(i, node, torch.cat([slots[:n], extra]), n, p, gen))
+
+    def _decode_all(self) -> None:
+        """Sample each running request's first token, then decode them together to the end."""
+        if not self._running:
+            return
+        self._flush()
+        for r in self._running:
+            req = self._requests[r.index]
+            cap = self._captured[(self._node_at(r.index, r.prompt_len - 1), r.prompt_len - 1)]
+            self._append(r, sample(cap.row.to(self.device)[None], [r.params], [r.generator])[0])
+        live = [r for r in self._running if not r.finish]
+        while live:
+            b = _Batch()
+            for r in live:
+                pos = r.prompt_len + len(r.out) - 1
+                b.add([r.out[-1]], pos, r.slots[pos:pos + 1], r.slots[:pos + 1], [(pos, None)])
+            logits = self.model(b.build().to(self.device), self.attn)
+            self.stats.forward_batches += 1
+            tokens = sample(logits, [r.params for r in live], [r.generator for r in live])
+            for r, t in zip(live, tokens):
+                self._append(r, t)
+            live = [r for r in live if not r.finish]
+        for r in self._running:
+            self._release(r)
+        self._running = []
+
+    def _append(self, r: _Running, token: int) -> None:
+        r.out.append(token)
+        p = r.params
+        if not p.ignore_eos and token in self.cfg.eos_token_ids:
+            r.finish = "eos"
+        elif p.stop and self.tokenizer is not None and any(s in self.tokenizer.decode(r.out) for s in p.stop):
+            r.finish = "stop"
+        elif len(r.out) >= p.max_new_tokens:
+            r.finish = "length"
+
+    def _release(self, r: _Running) -> None:
+        """Insert prompt + output into the tree (so later calls extending it hit), free the rest."""
+        fed = r.prompt_len + len(r.out) - 1       # the last sampled token was never run
+        if self.tree is not None:
+            toks = list(self._requests[r.index].prompt) + r.out[:-1]
+            present, _ = self.tree.insert(toks, r.slots[:fed])
+            self.pool.free(r.slots[r.prompt_len:present])
+            self.pool.free(r.slots[fed:])
+            self.tree.unlock(r.node)
+        else:
+            self.pool.free(r.slots)
+        res = self._results[r.index]
+        res.token_ids, res.finish_reason, res.decode_tokens = r.out, r.finish, len(r.out)
+        if self.tokenizer is not None:
+            res.text = self.tokenizer.decode(r.out)
+            if r.finish == "stop":
+                cut = min(res.text.find(s) for s in r.params.stop if s in res.text)
+                res.text = res.text[:cut]
+        self.stats.decode_tokens += len(r.out)
+        self._request_done()

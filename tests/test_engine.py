@@ -1,0 +1,180 @@
+"""Executor + planner on tiny random models: exact token counts, optimal hit rate, schedule- and
+budget-independent scores, eviction under a small pool, generation."""
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lmbatch.engine import Engine
+from lmbatch.requests import GenerateRequest, SamplingParams, ScoreRequest
+from lmbatch.scheduler.planner import make_plan
+
+
+def engine(path, **kw):
+    return Engine.from_pretrained(path, **kw)
+
+
+def hf_score(hf, req: ScoreRequest) -> tuple[float, bool]:
+    ids = torch.tensor([req.tokens])
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(ids).logits[0].float(), -1)
+    c = len(req.context)
+    rows = lp[c - 1 : len(req.tokens) - 1]
+    target = torch.tensor(req.continuation)
+    return float(rows.gather(1, target[:, None]).sum()), bool((rows.argmax(-1) == target).all())
+
+
+def random_requests(rng: random.Random, n: int, vocab: int = 128) -> list[ScoreRequest]:
+    """Shared and unshared prefixes, duplicates, and prompts that are prefixes of others."""
+    stems = [[rng.randrange(vocab) for _ in range(rng.randint(1, 30))] for _ in range(3)]
+    reqs = []
+    while len(reqs) < n:
+        kind = rng.random()
+        if kind < 0.15 and reqs:
+            reqs.append(rng.choice(reqs))                                    # duplicate
+            continue
+        if kind < 0.3 and reqs:
+            base = rng.choice(reqs).tokens
+            toks = base[: rng.randint(2, len(base))] if len(base) >= 2 else base + [1]  # prefix of another
+        else:
+            toks = rng.choice(stems) + [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+        if len(toks) < 2:
+            toks = toks + [rng.randrange(vocab)]
+        cut = rng.randint(1, len(toks) - 1)
+        reqs.append(ScoreRequest(toks[:cut], toks[cut:]))
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from conftest import make_tiny_hf
+    path = tmp_path_factory.mktemp("llama-engine")
+    return path, make_tiny_hf("llama", path, seed=5)
+
+
+def test_scores_match_transformers(tiny_model):
+    _, path, hf = tiny_model
+    reqs = random_requests(random.Random(0), 24)
+    results, stats = engine(path, kv_cache_tokens=2048, max_tokens_per_batch=64).score(reqs)
+    for req, res in zip(reqs, results):
+        lp, greedy = hf_score(hf, req)
+        assert abs(res.logprob - lp) < 1e-4
+        assert res.is_greedy == greedy
+        assert res.num_tokens == len(req.continuation)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 30), budget=st.sampled_from([1, 5, 16, 200]))
+def test_dfs_computes_each_edge_once(llama, seed, n, budget):
+    path, _ = llama
+    reqs = random_requests(random.Random(seed), n)
+    longest = max(len(r.tokens) for r in reqs)
+    _, stats = engine(path, kv_cache_tokens=longest + budget + 64, max_tokens_per_batch=budget).score(reqs)
+    plan = make_plan([r.tokens for r in reqs])
+    assert stats.computed_tokens == plan.unique_tokens
+    assert stats.cached_tokens == plan.prompt_tokens - plan.unique_tokens
+    assert stats.hit_rate == pytest.approx(plan.optimal_hit_rate, abs=1e-12)
+    assert stats.prompt_tokens == sum(len(r.tokens) for r in reqs)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10**6))
+def test_scores_independent_of_budget_schedule_and_pool(llama, seed):
+    path, _ = llama
+    rng = random.Random(seed)
+    reqs = random_requests(rng, 20)
+    longest = max(len(r.tokens) for r in reqs)
+    base, _ = engine(path, kv_cache_tokens=4096, cache=False).score(reqs)
+    runs = [
+        engine(path, kv_cache_tokens=4096, max_tokens_per_batch=rng.choice([1, 3, 7, 50, 4096])).score(
+            reqs, schedule=rng.choice(["dfs", "fcfs", "random"]), seed=seed)[0],
+        # pool as small as the longest request plus one batch: evicts and recomputes
+        engine(path, kv_cache_tokens=longest + 8, max_tokens_per_batch=8).score(reqs)[0],
+    ]
+    for results in runs:
+        for a, b in zip(base, results):
+            assert abs(a.logprob - b.logprob) < 1e-5
+            assert a.is_greedy == b.is_greedy
+
+
+def test_small_pool_evicts_and_degrades_gracefully(llama):
+    path, _ = llama
+    reqs = random_requests(random.Random(7), 40)
+    longest = max(len(r.tokens) for r in reqs)
+    big = engine(path, kv_cache_tokens=4096, max_tokens_per_batch=8).score(reqs)
+    small = engine(path, kv_cache_tokens=longest + 8, max_tokens_per_batch=8).score(reqs)
+    assert small[1].evicted_tokens > 0
+    assert small[1].hit_rate <= big[1].hit_rate
+    assert [r.logprob for r in small[0]] == pytest.approx([r.logprob for r in big[0]], abs=1e-5)
+
+
+def test_pool_smaller_than_a_request_is_a_clear_error(llama):
+    path, _ = llama
+    with pytest.raises(RuntimeError, match="cannot hold request"):
+        engine(path, kv_cache_tokens=4, max_tokens_per_batch=4).score([ScoreRequest([1, 2, 3, 4], [5, 6])])
+
+
+def test_no_cache_and_other_schedules_compute_more(llama):
+    path, _ = llama
+    reqs = random_requests(random.Random(3), 30)
+    plan = make_plan([r.tokens for r in reqs])
+    _, dfs = engine(path).score(reqs)
+    _, nocache = engine(path, cache=False).score(reqs)
+    assert dfs.computed_tokens == plan.unique_tokens
+    assert nocache.computed_tokens == plan.prompt_tokens and nocache.cached_tokens == 0
+
+
+def test_greedy_generation_matches_transformers(tiny_model):
+    _, path, hf = tiny_model
+    prompts = [[3, 17, 42, 9], [3, 17, 42, 9, 100, 5], [77]]
+    reqs = [GenerateRequest(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in prompts]
+    results, stats = engine(path, max_tokens_per_batch=5).generate(reqs)
+    for p, res in zip(prompts, results):
+        ids = list(p)
+        with torch.no_grad():
+            for _ in range(8):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert res.token_ids == ids[len(p):]
+        assert res.finish_reason == "length" and res.decode_tokens == 8
+    assert stats.decode_tokens == 24
+
+
+def test_sampling_is_deterministic_and_batch_independent(llama):
+    path, _ = llama
+    reqs = [GenerateRequest([5, 6, 7, i], SamplingParams(max_new_tokens=6, temperature=0.9, top_p=0.9, seed=i,
+                                                         ignore_eos=True)) for i in range(6)]
+    a, _ = engine(path, max_tokens_per_batch=3).generate(reqs)
+    b, _ = engine(path, max_tokens_per_batch=64, max_running=2).generate(reqs, schedule="random", seed=1)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert len({tuple(r.token_ids) for r in a}) > 1
+
+
+class CharTokenizer:
+    def decode(self, ids):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_stop_strings_cut_the_text(llama):
+    path, _ = llama
+    eng = engine(path, tokenizer=CharTokenizer())
+    free, _ = eng.generate([GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=12, ignore_eos=True))])
+    text = CharTokenizer().decode(free[0].token_ids)
+    stop = text[4:6]
+    res, _ = engine(path, tokenizer=CharTokenizer()).generate(
+        [GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=12, stop=(stop,), ignore_eos=True))])
+    assert res[0].finish_reason == "stop"
+    assert res[0].text == text[: text.find(stop)]
+
+
+def test_finished_generations_are_cached_for_later_calls(llama):
+    path, _ = llama
+    eng = engine(path)
+    prompt = [9, 8, 7, 6, 5]
+    res, _ = eng.generate([GenerateRequest(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))])
+    follow = prompt + res[0].token_ids + [1, 2]
+    out, stats = eng.score([ScoreRequest(follow[:-1], follow[-1:])])
+    # everything but the last generated token (never run) and the new tokens was cached
+    assert stats.cached_tokens == len(prompt) + 6 - 1
+    assert stats.computed_tokens == 3
