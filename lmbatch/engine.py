@@ -8,6 +8,7 @@ request scores or samples from, and are captured whichever request happens to co
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -116,22 +117,27 @@ class Engine:
     @torch.inference_mode()
     def run(self, requests: Sequence[ScoreRequest | GenerateRequest], schedule: str = "dfs", seed: int = 0,
             progress: Callable[[int, RunStats], None] | None = None):
-        """Execute every request; results come back in the order of `requests`."""
-        prompts = [r.tokens for r in requests]
+        """Execute every request; results come back in the order of `requests`.
+
+        `progress(i, stats)` is called as request i's last prompt token is issued (scoring) or as
+        its generation ends."""
+        t0 = time.perf_counter()
+        prompts = [r.prompt for r in requests]
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"request {i} has an empty prompt")
-        plan = make_plan(prompts, schedule, seed)
+        plan = make_plan(prompts, schedule, seed, mergeable=[isinstance(r, ScoreRequest) for r in requests])
         self._plan, self._requests, self._progress = plan, requests, progress
         self._captured: dict[Key, Captured] = {}
         self._pending: set[Key] = set()
         self._register_demands(plan, requests)
-        self.stats = RunStats(requests=len(requests), prompt_tokens=plan.prompt_tokens,
+        self.stats = RunStats(requests=len(requests), executed=len(plan.order), prompt_tokens=plan.prompt_tokens,
                               unique_tokens=plan.unique_tokens, optimal_hit_rate=plan.optimal_hit_rate,
-                              engine_optimal_hit_rate=plan.engine_optimal_hit_rate, order=list(plan.order))
+                              engine_optimal_hit_rate=plan.engine_optimal_hit_rate, order=list(plan.order),
+                              members=plan.members)
+        t1 = time.perf_counter()
         self._results = [GenerateResult() if isinstance(r, GenerateRequest) else ScoreResult() for r in requests]
         self._running: list[_Running] = []
-        self._done = 0
         self._batch = _Batch()
         self._own_slots: dict[int, torch.Tensor] = {}   # without a cache: each request's own KV
         for i in plan.order:
@@ -141,6 +147,9 @@ class Engine:
         for i, r in enumerate(requests):
             if isinstance(r, ScoreRequest):
                 self._finish_score(i, r)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.stats.plan_s, self.stats.execute_s = t1 - t0, time.perf_counter() - t1
         return self._results, self.stats
 
     # ---- planning of logits ---------------------------------------------------------------
@@ -149,7 +158,7 @@ class Engine:
         for i, r in enumerate(requests):
             if isinstance(r, ScoreRequest):
                 toks = r.tokens
-                for p in range(len(r.context) - 1, len(toks) - 1):
+                for p in self._score_positions(r):
                     self._node_at(i, p).demands.setdefault(p, set()).add(toks[p + 1])
             else:
                 p = len(r.prompt) - 1
@@ -173,19 +182,25 @@ class Engine:
                     out.append((p, key))
         return out
 
-    def _own_positions(self, i: int) -> range:
-        r = self._requests[i]
-        if isinstance(r, ScoreRequest):
-            return range(len(r.context) - 1, len(r.tokens) - 1)
-        return range(len(r.prompt) - 1, len(r.prompt))
+    @staticmethod
+    def _score_positions(r: ScoreRequest) -> range:
+        return range(len(r.context) - 1, len(r.tokens) - 1)
 
-    def _first_missing(self, i: int, end: int) -> int:
-        """Lowest position below `end` where request i needs logits that are neither captured nor
+    def _own_positions(self, j: int) -> list[int]:
+        """Positions where executed request j (and the requests merged into it) need logits."""
+        out = set()
+        for i in self.stats.members[j]:
+            r = self._requests[i]
+            out.update(self._score_positions(r) if isinstance(r, ScoreRequest) else [len(r.prompt) - 1])
+        return sorted(out)
+
+    def _first_missing(self, j: int, end: int) -> int:
+        """Lowest position below `end` where request j needs logits that are neither captured nor
         on their way (only after an earlier call left them in the cache); `end` if none."""
-        for p in self._own_positions(i):
+        for p in self._own_positions(j):
             if p >= end:
                 break
-            key = (self._node_at(i, p), p)
+            key = (self._node_at(j, p), p)
             if key not in self._captured and key not in self._pending:
                 return p
         return end
@@ -199,7 +214,7 @@ class Engine:
 
     def _prefill(self, i: int) -> None:
         req, res = self._requests[i], self._results[i]
-        toks = req.tokens
+        toks = req.prompt
         n = len(toks)
         res.prompt_tokens = n
         first = True
@@ -232,7 +247,8 @@ class Engine:
         if isinstance(req, GenerateRequest):
             self._admit(i, req)
         else:
-            self._request_done()
+            for member in self.stats.members[i]:
+                self._request_done(member)
 
     def _issue(self, i: int, toks: list[int], start: int, end: int, full: torch.Tensor) -> None:
         b = self._batch
@@ -269,7 +285,7 @@ class Engine:
         self._batch = _Batch()
         if self.tree is None:  # without a cache, a scored request's slots die with its batch
             for i in [i for i in self._own_slots if not isinstance(self._requests[i], GenerateRequest)
-                      and self._results[i].computed_tokens == len(self._requests[i].tokens)]:
+                      and self._results[i].computed_tokens == len(self._requests[i].prompt)]:
                 self.pool.free(self._own_slots.pop(i))
 
     def _capture(self, keys: list[Key], logits: torch.Tensor) -> None:
@@ -284,16 +300,15 @@ class Engine:
             self._captured[key] = Captured(argmax[r], lp, row)
             self._pending.discard(key)
 
-    def _request_done(self) -> None:
-        self._done += 1
+    def _request_done(self, i: int) -> None:
         if self._progress:
-            self._progress(self._done, self.stats)
+            self._progress(i, self.stats)
 
     def _finish_score(self, i: int, req: ScoreRequest) -> None:
         res = self._results[i]
         toks = req.tokens
         greedy, total = True, 0.0
-        for p in range(len(req.context) - 1, len(toks) - 1):
+        for p in self._score_positions(req):
             cap = self._captured[(self._node_at(i, p), p)]
             total += cap.logprobs[toks[p + 1]]
             greedy &= cap.argmax == toks[p + 1]
@@ -379,4 +394,4 @@ class Engine:
                 cut = min(res.text.find(s) for s in r.params.stop if s in res.text)
                 res.text = res.text[:cut]
         self.stats.decode_tokens += len(r.out)
-        self._request_done()
+        self._request_done(r.index)

@@ -24,19 +24,22 @@ class ScoreRequest:
     def tokens(self) -> list[int]:
         return self.context + self.continuation
 
+    @property
+    def prompt(self) -> list[int]:
+        """What must run through the model: the continuation's last token is scored, never run.
+        Requests with equal prompts (e.g. one-token choices after one context) run once."""
+        return self.context + self.continuation[:-1]
+
 
 @dataclass(frozen=True)
 class GenerateRequest:
     prompt: list[int]
     params: SamplingParams = SamplingParams()
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt
-
 
 @dataclass
 class Counters:
+    """Per executed request. Score requests merged into another's execution (same prompt) keep zeros."""
     prompt_tokens: int = 0
     cached_tokens: int = 0          # prompt tokens whose KV came from the cache
     computed_tokens: int = 0        # prompt tokens run through the model for this request
@@ -59,7 +62,8 @@ class GenerateResult(Counters):
 
 @dataclass
 class RunStats:
-    requests: int = 0
+    requests: int = 0               # requests asked for
+    executed: int = 0               # distinct executed requests (equal score prompts merged)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     computed_tokens: int = 0
@@ -69,7 +73,10 @@ class RunStats:
     engine_optimal_hit_rate: float = 0.0
     forward_batches: int = 0
     evicted_tokens: int = 0
-    order: list[int] = field(default_factory=list)
+    order: list[int] = field(default_factory=list)                  # executed requests, in execution order
+    members: dict[int, list[int]] = field(default_factory=dict)    # executed request -> requests it served
+    plan_s: float = 0.0             # building the radix tree and the order (and logit demands)
+    execute_s: float = 0.0          # everything after planning
 
     @property
     def hit_rate(self) -> float:

@@ -115,3 +115,16 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[
     if not ctx:
         raise ValueError("empty context: lm-eval would use a prefix token here, lmbatch does not")
     return list(ctx), list(whole[len(ctx):])
+
+
+def build_instances(tokenizer: Tokenizer, shots: int, limit: int | None, subjects: list[str] | None):
+    """One multiple-choice instance per test question: context + the four letter continuations."""
+    from lmbatch.tasks import ChoiceInstance
+
+    out = []
+    for q in load_questions(subjects, limit):
+        context = build_context(q.subject, shots, q)
+        pairs = [encode_pair(tokenizer, context, c) for c in CONTINUATIONS]
+        out.append(ChoiceInstance(task="mmlu", subject=q.subject, id=f"{q.subject}/{q.index}", gold=q.answer,
+                                  context=pairs[0][0], continuations=[c for _, c in pairs]))
+    return out

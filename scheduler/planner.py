@@ -35,10 +35,11 @@ class PlanNode:
 
 @dataclass
 class Plan:
-    order: list[int]                # request indices in execution order
+    order: list[int]                # executed requests (indices into the prompts), in execution order
+    members: dict[int, list[int]]   # executed request -> the requests it serves (itself first)
     root: PlanNode
     ends: list[PlanNode]            # node where each request's prompt ends
-    prompt_tokens: int
+    prompt_tokens: int              # over executed requests
     unique_tokens: int              # sum of edge lengths
 
     @property
@@ -102,20 +103,29 @@ def build_tree(prompts: list[list[int]]) -> tuple[PlanNode, list[PlanNode], list
     return root, ends, order
 
 
-def make_plan(prompts: list[list[int]], schedule: str = "dfs", seed: int = 0) -> Plan:
+def make_plan(prompts: list[list[int]], schedule: str = "dfs", seed: int = 0,
+              mergeable: list[bool] | None = None) -> Plan:
+    """Plan a batch. Requests flagged mergeable whose prompts are equal execute once (as lm-eval
+    runs one forward per context for one-token choices); the hit rates count executed requests."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
     root, ends, dfs_order = build_tree(prompts)
+    mergeable = mergeable or [False] * len(prompts)
+    rep: dict[int, int] = {}                 # id(end node) -> executed request
+    members: dict[int, list[int]] = {}
+    for i in range(len(prompts)):
+        j = rep.setdefault(id(ends[i]), i) if mergeable[i] else i
+        members.setdefault(j, []).append(i)
+    executed = set(members)
     unique, stack = 0, [root]
     while stack:
         node = stack.pop()
         unique += node.length
         stack.extend(node.children)
     if schedule == "dfs":
-        order = dfs_order
-    elif schedule == "fcfs":
-        order = list(range(len(prompts)))
+        order = [i for i in dfs_order if i in executed]
     else:
-        order = list(range(len(prompts)))
-        random.Random(seed).shuffle(order)
-    return Plan(order, root, ends, sum(len(p) for p in prompts), unique)
+        order = sorted(executed)
+        if schedule == "random":
+            random.Random(seed).shuffle(order)
+    return Plan(order, members, root, ends, sum(len(prompts[i]) for i in executed), unique)

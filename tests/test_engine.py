@@ -72,11 +72,13 @@ def test_dfs_computes_each_edge_once(llama, seed, n, budget):
     reqs = random_requests(random.Random(seed), n)
     longest = max(len(r.tokens) for r in reqs)
     _, stats = engine(path, kv_cache_tokens=longest + budget + 64, max_tokens_per_batch=budget).score(reqs)
-    plan = make_plan([r.tokens for r in reqs])
+    plan = make_plan([r.prompt for r in reqs], mergeable=[True] * len(reqs))
     assert stats.computed_tokens == plan.unique_tokens
     assert stats.cached_tokens == plan.prompt_tokens - plan.unique_tokens
     assert stats.hit_rate == pytest.approx(plan.optimal_hit_rate, abs=1e-12)
-    assert stats.prompt_tokens == sum(len(r.tokens) for r in reqs)
+    distinct = {tuple(r.prompt) for r in reqs}
+    assert stats.executed == len(distinct)
+    assert stats.prompt_tokens == sum(len(p) for p in distinct)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -119,7 +121,7 @@ def test_pool_smaller_than_a_request_is_a_clear_error(llama):
 def test_no_cache_and_other_schedules_compute_more(llama):
     path, _ = llama
     reqs = random_requests(random.Random(3), 30)
-    plan = make_plan([r.tokens for r in reqs])
+    plan = make_plan([r.prompt for r in reqs], mergeable=[True] * len(reqs))
     _, dfs = engine(path).score(reqs)
     _, nocache = engine(path, cache=False).score(reqs)
     assert dfs.computed_tokens == plan.unique_tokens
@@ -175,6 +177,6 @@ def test_finished_generations_are_cached_for_later_calls(llama):
     res, _ = eng.generate([GenerateRequest(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))])
     follow = prompt + res[0].token_ids + [1, 2]
     out, stats = eng.score([ScoreRequest(follow[:-1], follow[-1:])])
-    # everything but the last generated token (never run) and the new tokens was cached
+    # everything but the last generated token (never run) and the new prompt token was cached
     assert stats.cached_tokens == len(prompt) + 6 - 1
-    assert stats.computed_tokens == 3
+    assert stats.computed_tokens == 2

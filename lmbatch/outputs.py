@@ -1,0 +1,56 @@
+"""Write a run directory atomically: built beside its final name, renamed into place when complete."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+@contextmanager
+def atomic_dir(final: Path, overwrite: bool):
+    """Yields a temporary directory; on success it replaces `final`, on any error it vanishes."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if final.exists() and overwrite:
+            old = final.parent / f".{final.name}.old-{os.getpid()}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_parquet(path: Path, rows: list[dict], schema: pa.Schema) -> None:
+    table = pa.Table.from_pylist(rows, schema=schema)
+    pq.write_table(table, path)
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+INSTANCE_SCHEMA = pa.schema([
+    ("task", pa.string()), ("subject", pa.string()), ("id", pa.string()),
+    ("prediction", pa.int32()), ("gold", pa.int32()), ("correct", pa.bool_()),
+    ("logprobs", pa.list_(pa.float64())), ("is_greedy", pa.list_(pa.bool_())),
+    ("prompt_tokens", pa.int64()), ("cached_tokens", pa.int64()), ("computed_tokens", pa.int64()),
+])
+
+
+def request_schema(with_tokens: bool) -> pa.Schema:
+    fields = [("order", pa.int64()), ("instance_id", pa.string()), ("choices", pa.list_(pa.int32())),
+              ("prompt_tokens", pa.int64()), ("cached_tokens", pa.int64()), ("computed_tokens", pa.int64())]
+    if with_tokens:
+        fields.append(("token_ids", pa.list_(pa.int32())))
+    return pa.schema(fields)

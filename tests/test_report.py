@@ -1,0 +1,155 @@
+"""lmbatch.report on synthetic run directories (no model, no data)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lmbatch.errors import UserError
+from lmbatch.report import compare, load_summary, render, report_rows
+
+
+def make_summary(run_id="mmlu-a", task="mmlu", instances=570, accuracy=0.31, hit_rate=0.86,
+                 optimal_hit_rate=0.86, programs_per_s=12.0, execute_s=47.5) -> dict:
+    """A summary.json dict following docs/outputs.md."""
+    return {
+        "run_id": run_id, "task": task, "created": "2026-11-21T06:15:00+00:00",
+        "lmbatch_version": "0.1.0", "git_commit": None,
+        "model": "/root/.cache/lmbatch/models/SmolLM2-135M-Instruct",
+        "device": "cpu", "dtype": "float32", "options": {"shots": 5, "schedule": "dfs"},
+        "counts": {"instances": instances, "requests": 4 * instances},
+        "accuracy": accuracy, "accuracy_by_subject": {"abstract_algebra": 0.3},
+        "tokens": {"prompt": 1000, "cached": 800, "computed": 200, "unique": 140, "decode": 0},
+        "hit_rate": hit_rate, "optimal_hit_rate": optimal_hit_rate, "engine_optimal_hit_rate": 0.86,
+        "time_s": {"load": 1.0, "plan": 0.5, "execute": execute_s, "total": 49.0},
+        "throughput": {"programs_per_s": programs_per_s, "prompt_tokens_per_s": 21052.63,
+                       "computed_tokens_per_s": 4210.5},
+    }
+
+
+def write_run(root: Path, summary: dict) -> Path:
+    run = root / summary["run_id"]
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(summary))
+    return run
+
+
+@pytest.fixture
+def rows(tmp_path):
+    a = write_run(tmp_path, make_summary("run-a", hit_rate=0.43, optimal_hit_rate=0.86))
+    b = write_run(tmp_path, make_summary("run-b", hit_rate=0.0, optimal_hit_rate=0.0,
+                                         programs_per_s=3.25))
+    return report_rows([load_summary(a), load_summary(b)])
+
+
+def test_rows_and_ratio(rows):
+    assert [r["run_id"] for r in rows] == ["run-a", "run-b"]
+    a = rows[0]
+    assert a == {
+        "run_id": "run-a", "task": "mmlu", "model": "SmolLM2-135M-Instruct", "device": "cpu",
+        "instances": 570, "accuracy": 0.31, "hit_rate": 0.43, "optimal_hit_rate": 0.86,
+        "hit_ratio": 0.5, "execute_s": 47.5, "programs_per_s": 12.0,
+        "prompt_tokens_per_s": 21052.63, "computed_tokens_per_s": 4210.5,
+    }
+    assert rows[1]["hit_ratio"] == 1.0  # optimum 0 -> ratio 1.0
+
+
+def test_render_table(rows):
+    lines = render(rows, "table").splitlines()
+    assert len(lines) == 4  # header, rule, two runs
+    assert lines[0].split() == ["run_id", "task", "model", "device", "instances", "accuracy",
+                                "hit_rate", "optimal_hit_rate", "hit_ratio", "execute_s",
+                                "programs_per_s", "prompt_tokens_per_s", "computed_tokens_per_s"]
+    assert set(lines[1].replace(" ", "")) == {"-"}
+    assert lines[2].split() == ["run-a", "mmlu", "SmolLM2-135M-Instruct", "cpu", "570", "0.3100",
+                                "0.4300", "0.8600", "0.5000", "47.50", "12.0", "21052.6", "4210.5"]
+    assert lines[3].split()[-4:] == ["47.50", "3.2", "21052.6", "4210.5"]  # 3.25 -> 3.2 (half-even)
+    # aligned: every column of the run lines ends where the header's column ends (right-aligned)
+    assert lines[2].index("12.0") + 4 == lines[0].index("programs_per_s") + len("programs_per_s")
+
+
+def test_render_markdown(rows):
+    lines = render(rows, "markdown").splitlines()
+    assert lines[0].startswith("| run_id | task | model |")
+    assert lines[1].startswith("|---|---|")
+    assert all(line.startswith("|") and line.endswith("|") for line in lines)
+    assert lines[2].startswith("| run-a | mmlu | SmolLM2-135M-Instruct | cpu | 570 | 0.3100 |")
+    assert "| run-b |" in lines[3]
+    assert len(lines) == 4
+
+
+def test_render_json(rows):
+    assert json.loads(render(rows, "json")) == rows
+
+
+def test_render_unknown_format(rows):
+    with pytest.raises(UserError, match="unknown format 'html'"):
+        render(rows, "html")
+
+
+def test_missing_summary(tmp_path):
+    with pytest.raises(UserError, match=r"is not an lmbatch run directory \(no summary.json\)"):
+        load_summary(tmp_path)
+    with pytest.raises(UserError, match="not an lmbatch run directory"):
+        load_summary(tmp_path / "absent")
+    (tmp_path / "summary.json").write_text("{oops")
+    with pytest.raises(UserError, match="is not valid JSON"):
+        load_summary(tmp_path)
+
+
+def test_compare_pass():
+    ok, lines = compare(make_summary(programs_per_s=12.0, hit_rate=0.8),
+                        make_summary(programs_per_s=12.3, accuracy=0.32))
+    assert ok
+    assert lines == [
+        "speed: candidate 12.3 programs/s vs base 12.0 (+2.5%) ok",
+        "hit rate: candidate 0.8600 of optimal 0.8600 (ratio 1.0000, base 0.9302) ok",
+        "accuracy: candidate 0.3200 vs base 0.3100 (+0.0100) ok",
+    ]
+
+
+def test_compare_speed_regression():
+    # exactly 5% slower (base / cand - 1 == 0.05) passes; beyond it fails
+    ok, lines = compare(make_summary(programs_per_s=10.5), make_summary(programs_per_s=10.0))
+    assert ok and lines[0].startswith("speed: ") and lines[0].endswith(" ok")
+    ok, lines = compare(make_summary(programs_per_s=12.0), make_summary(programs_per_s=11.2))
+    assert not ok
+    assert lines[0] == ("REGRESSION speed: candidate 11.2 programs/s vs base 12.0 (-6.7%) "
+                        "is 7.1% slower, more than the 5.0% allowed")
+    assert not lines[1].startswith("REGRESSION") and not lines[2].startswith("REGRESSION")
+
+
+def test_compare_hit_ratio_regression():
+    ok, lines = compare(make_summary(), make_summary(hit_rate=0.99, optimal_hit_rate=1.0))
+    assert ok and lines[1].endswith(" ok")  # ratio exactly 0.99
+    ok, lines = compare(make_summary(), make_summary(hit_rate=0.8, optimal_hit_rate=0.86))
+    assert not ok
+    assert lines[1] == ("REGRESSION hit rate: candidate 0.8000 of optimal 0.8600 "
+                        "(ratio 0.9302, base 1.0000) is below the 0.9900 required")
+    assert [l.startswith("REGRESSION") for l in lines] == [False, True, False]
+    # optimum 0 counts as ratio 1.0
+    assert compare(make_summary(), make_summary(hit_rate=0.0, optimal_hit_rate=0.0))[0]
+
+
+def test_compare_accuracy_regression():
+    ok, lines = compare(make_summary(accuracy=0.31), make_summary(accuracy=0.305))
+    assert ok and lines[2] == "accuracy: candidate 0.3050 vs base 0.3100 (-0.0050) ok"
+    ok, lines = compare(make_summary(accuracy=0.31), make_summary(accuracy=0.304))
+    assert not ok
+    assert lines[2] == ("REGRESSION accuracy: candidate 0.3040 vs base 0.3100 (-0.0060) "
+                        "dropped by more than the 0.0050 allowed")
+    assert [l.startswith("REGRESSION") for l in lines] == [False, False, True]
+
+
+def test_compare_custom_thresholds():
+    ok, _ = compare(make_summary(programs_per_s=12.0), make_summary(programs_per_s=11.2),
+                    max_slowdown=0.10, min_hit_ratio=0.9)
+    assert ok
+
+
+def test_compare_refuses_different_runs():
+    with pytest.raises(UserError, match="^cannot compare: base ran mmlu on 570 instances, "
+                                        "candidate ran mmlu on 57$"):
+        compare(make_summary(instances=570), make_summary(instances=57))
+    with pytest.raises(UserError, match="candidate ran hellaswag on 570"):
+        compare(make_summary(), make_summary(task="hellaswag"))
