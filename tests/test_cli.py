@@ -1,0 +1,134 @@
+"""The CLI end to end on a tiny random model with the embedded tokenizer: outputs, user errors, report."""
+import json
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+from typer.testing import CliRunner
+
+from lmbatch.cli import app
+from lmbatch.models import embedded_model_dir
+
+runner = CliRunner()
+
+
+def make_model(path, max_positions: int):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                      tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    for f in embedded_model_dir().iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            shutil.copy(f, path / f.name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("tiny"), 2048)
+
+
+def lmbatch(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def run_args(model, out, run_id, *extra):
+    return ["run", "mmlu", "--shots", 2, "--limit", 1, "--subjects", "anatomy", "--subjects", "virology",
+            "--model", model, "--out", out, "--run-id", run_id, "--quiet", *extra]
+
+
+def test_run_writes_complete_outputs(tiny, tmp_path):
+    r = lmbatch(*run_args(tiny, tmp_path, "a", "--save-token-ids"))
+    assert r.exit_code == 0, r.output
+    d = tmp_path / "a"
+    assert sorted(p.name for p in d.iterdir()) == ["instances.parquet", "requests.parquet", "summary.json"]
+    s = json.loads((d / "summary.json").read_text())
+    assert s["counts"] == {"instances": 2, "requests": 8, "executed_requests": 2, "truncated_instances": 0}
+    assert s["hit_rate"] == pytest.approx(s["optimal_hit_rate"], abs=1e-12)
+    assert s["tokens"]["computed"] == s["tokens"]["unique"]
+    assert set(s["accuracy_by_subject"]) == {"anatomy", "virology"}
+    assert s["options"]["shots"] == 2 and s["dtype"] == "float32"
+    inst = pq.read_table(d / "instances.parquet").to_pylist()
+    assert [row["id"] for row in inst] == ["anatomy/0", "virology/0"]
+    assert all(len(row["logprobs"]) == 4 and row["prediction"] == max(range(4), key=row["logprobs"].__getitem__)
+               for row in inst)
+    reqs = pq.read_table(d / "requests.parquet").to_pylist()
+    assert [row["choices"] for row in reqs] == [[0, 1, 2, 3]] * 2
+    assert sum(row["prompt_tokens"] for row in reqs) == s["tokens"]["prompt"]
+    assert all(len(row["token_ids"]) == row["prompt_tokens"] for row in reqs)
+    assert not list(tmp_path.glob(".*partial*"))
+
+
+def _error(r, *needles):
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    for n in needles:
+        assert n in lines[0]
+
+
+def test_unknown_task_lists_known_ones(tmp_path):
+    _error(lmbatch("run", "mmlux", "--out", tmp_path), "unknown task 'mmlux'", "mmlu")
+
+
+def test_too_many_shots(tmp_path):
+    _error(lmbatch("run", "mmlu", "--shots", 6, "--out", tmp_path), "--shots 6", "5")
+
+
+def test_missing_model_path(tmp_path):
+    _error(lmbatch("run", "mmlu", "--model", tmp_path / "nope", "--out", tmp_path), "does not exist")
+
+
+def test_model_that_is_not_a_causal_lm(tmp_path):
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
+    _error(lmbatch("run", "mmlu", "--model", tmp_path / "bert", "--out", tmp_path), "bert")
+
+
+def test_prompt_longer_than_context_names_the_instance(tmp_path):
+    short = make_model(tmp_path / "short", 64)
+    _error(lmbatch(*run_args(short, tmp_path, "x")), "instance anatomy/0", "--truncate-left")
+    assert not (tmp_path / "x").exists()
+    r = lmbatch(*run_args(short, tmp_path, "x", "--truncate-left"))
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "x" / "summary.json").read_text())["counts"]["truncated_instances"] == 2
+
+
+def test_existing_output_dir_needs_overwrite(tiny, tmp_path):
+    assert lmbatch(*run_args(tiny, tmp_path, "a")).exit_code == 0
+    before = (tmp_path / "a" / "summary.json").read_text()
+    _error(lmbatch(*run_args(tiny, tmp_path, "a")), "exists", "--overwrite")
+    assert (tmp_path / "a" / "summary.json").read_text() == before
+    r = lmbatch(*run_args(tiny, tmp_path, "a", "--overwrite", "--schedule", "random"))
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["options"]["schedule"] == "random"
+
+
+def test_bad_option_values(tmp_path):
+    _error(lmbatch("run", "mmlu", "--schedule", "lifo", "--out", tmp_path), "--schedule lifo")
+    _error(lmbatch("run", "mmlu", "--dtype", "int4", "--out", tmp_path), "--dtype int4")
+    _error(lmbatch("run", "mmlu", "--subjects", "astrology", "--out", tmp_path), "astrology")
+
+
+def test_report_and_compare_exit_codes(tiny, tmp_path):
+    for name, extra in (("base", []), ("nocache", ["--no-cache"])):
+        assert lmbatch(*run_args(tiny, tmp_path, name, *extra)).exit_code == 0
+    r = lmbatch("report", tmp_path / "base", tmp_path / "nocache", "--format", "markdown")
+    assert r.exit_code == 0 and "| base " in r.output and "| nocache " in r.output
+    rows = json.loads(lmbatch("report", tmp_path / "base", "--format", "json").output)
+    assert rows[0]["hit_ratio"] == pytest.approx(1.0)
+    same = lmbatch("report", "--compare", tmp_path / "base", tmp_path / "base")
+    assert same.exit_code == 0, same.output
+    # no cache: achieved hit rate 0 against a positive optimum is a regression
+    worse = lmbatch("report", "--compare", tmp_path / "base", tmp_path / "nocache", "--max-slowdown", 100)
+    assert worse.exit_code == 1 and "REGRESSION hit rate" in worse.output
+    _error(lmbatch("report", tmp_path / "missing"), "not an lmbatch run directory")
+
+
+def test_tasks_lists_mmlu():
+    r = lmbatch("tasks")
+    assert r.exit_code == 0 and r.output.startswith("mmlu")
