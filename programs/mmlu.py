@@ -106,15 +106,21 @@ def build_context(subject: str, shots: int, question: MMLUQuestion) -> str:
 
 def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """lm-eval HFLM ``_encode_pair``: context's trailing whitespace moves onto the continuation."""
+    ctx, (cont,) = encode_choices(tokenizer, context, [continuation])
+    return ctx, cont
+
+
+def encode_choices(tokenizer: Tokenizer, context: str, continuations) -> tuple[list[int], list[list[int]]]:
+    """``encode_pair`` for several continuations of one context, encoding the context once."""
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces > 0:
-        continuation = context[-n_spaces:] + continuation
+        continuations = [context[-n_spaces:] + c for c in continuations]
         context = context[:-n_spaces]
-    whole = tokenizer.encode(context + continuation, add_special_tokens=False)
     ctx = tokenizer.encode(context, add_special_tokens=False)
     if not ctx:
         raise ValueError("empty context: lm-eval would use a prefix token here, lmbatch does not")
-    return list(ctx), list(whole[len(ctx):])
+    wholes = [tokenizer.encode(context + c, add_special_tokens=False) for c in continuations]
+    return list(ctx), [list(w[len(ctx):]) for w in wholes]
 
 
 def build_instances(tokenizer: Tokenizer, shots: int, limit: int | None, subjects: list[str] | None):
@@ -124,7 +130,7 @@ def build_instances(tokenizer: Tokenizer, shots: int, limit: int | None, subject
     out = []
     for q in load_questions(subjects, limit):
         context = build_context(q.subject, shots, q)
-        pairs = [encode_pair(tokenizer, context, c) for c in CONTINUATIONS]
+        ctx, conts = encode_choices(tokenizer, context, CONTINUATIONS)
         out.append(ChoiceInstance(task="mmlu", subject=q.subject, id=f"{q.subject}/{q.index}", gold=q.answer,
-                                  context=pairs[0][0], continuations=[c for _, c in pairs]))
+                                  context=ctx, continuations=conts))
     return out

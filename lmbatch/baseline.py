@@ -1,0 +1,59 @@
+"""Plain transformers scoring, as lm-eval-harness's HF backend does it: the reference for parity
+tests and the baseline of the benchmarks. Length-sorted, left-padded batches; logits at the last
+position only; the choices of a question are one-token continuations of its context."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lmbatch.tasks import ChoiceInstance
+
+
+@dataclass
+class BaselineRun:
+    logprobs: list[list[float]]      # per instance, per choice
+    predictions: list[int]
+    seconds: float
+    prompt_tokens: int
+
+
+def load_hf(path, device="cpu", dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
+@torch.inference_mode()
+def score_choices(model, instances: list[ChoiceInstance], batch_tokens: int = 8192) -> BaselineRun:
+    """Each instance's context once; logprob of each one-token choice at the last position."""
+    assert all(len(c) == 1 for inst in instances for c in inst.continuations), "one-token choices only"
+    device = next(model.parameters()).device
+    order = sorted(range(len(instances)), key=lambda i: -len(instances[i].context))
+    out: list[list[float]] = [[] for _ in instances]
+    start = time.perf_counter()
+    k = 0
+    while k < len(order):
+        width = len(instances[order[k]].context)
+        size = max(1, batch_tokens // width)
+        idx = order[k:k + size]
+        k += size
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        mask = torch.zeros(len(idx), width, dtype=torch.long)
+        for row, i in enumerate(idx):
+            ctx = instances[i].context
+            ids[row, width - len(ctx):] = torch.tensor(ctx)
+            mask[row, width - len(ctx):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device),
+                       logits_to_keep=1).logits[:, -1].float()
+        lp = torch.log_softmax(logits, -1).cpu()
+        for row, i in enumerate(idx):
+            out[i] = [float(lp[row, c[0]]) for c in instances[i].continuations]
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    preds = [max(range(len(lps)), key=lps.__getitem__) for lps in out]
+    return BaselineRun(out, preds, seconds, sum(len(inst.context) for inst in instances))
