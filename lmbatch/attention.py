@@ -113,10 +113,27 @@ class TorchBackend(AttentionBackend):
         return (w1 * o1.float() + (1 - w1) * o2.float()).to(q.dtype)
 
 
-BACKENDS = {"torch": TorchBackend}
+BACKENDS = ("torch", "triton", "flashinfer")
+
+
+def default_backend(device: torch.device) -> str:
+    """FlashInfer on CUDA when installed, else our Triton kernels; the torch reference on CPU."""
+    if device.type != "cuda":
+        return "torch"
+    try:
+        import flashinfer  # noqa: F401
+        return "flashinfer"
+    except ImportError:
+        return "triton"
 
 
 def make_backend(name: str, pool: KVPool, num_heads: int, head_dim: int) -> AttentionBackend:
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}")
-    return BACKENDS[name](pool, num_heads, head_dim)
+    if name == "torch":
+        return TorchBackend(pool, num_heads, head_dim)
+    if name == "triton":
+        from lmbatch.kernels.backends import TritonBackend
+        return TritonBackend(pool, num_heads, head_dim)
+    if name == "flashinfer":
+        from lmbatch.kernels.backends import FlashInferBackend
+        return FlashInferBackend(pool, num_heads, head_dim)
+    raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}")

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from lmbatch.attention import ForwardBatch, make_backend
+from lmbatch.attention import ForwardBatch, default_backend, make_backend
 from lmbatch.config import ModelConfig
 from lmbatch.kv_pool import KVPool
 from lmbatch.model import Transformer
@@ -86,13 +86,13 @@ class _Running:
 
 class Engine:
     def __init__(self, model: Transformer, *, kv_cache_tokens: int = 32768, max_tokens_per_batch: int = 4096,
-                 attention: str = "torch", cache: bool = True, max_running: int = 256, tokenizer=None):
+                 attention: str | None = None, cache: bool = True, max_running: int = 256, tokenizer=None):
         cfg = model.cfg
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         self.pool = KVPool(kv_cache_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
-        self.attn = make_backend(attention, self.pool, cfg.num_heads, cfg.head_dim)
+        self.attn = make_backend(attention or default_backend(self.device), self.pool, cfg.num_heads, cfg.head_dim)
         self.tree = RadixTree(self.pool.free) if cache else None
         self.max_tokens_per_batch = max_tokens_per_batch
         self.max_running = max_running

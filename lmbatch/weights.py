@@ -40,40 +40,47 @@ def _fused_slice(model: Transformer, target: str, shard: int) -> slice:
     return slice(starts[shard], starts[shard + 1])
 
 
-@torch.no_grad()
-def load_weights(model: Transformer, path: str | Path) -> None:
-    """Copy every tensor of the checkpoint into the model; fail if any parameter is left unset."""
-    params = dict(model.named_parameters())
-    pending = set(params)
-    for file in _shard_files(Path(path)):
+def _checkpoint_tensors(path: Path):
+    for file in _shard_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                ours = name.removeprefix("model.")
-                if "rotary_emb" in ours or (ours == "lm_head.weight" and model.lm_head is None):
-                    continue
-                parts = ours.rsplit(".", 1)
-                module, kind = parts[0], parts[1]
-                for hf_sfx, (our_sfx, shard) in _FUSED.items():
-                    if module.endswith(hf_sfx):
-                        key = module[: -len(hf_sfx)] + our_sfx + "." + kind
-                        params[key][_fused_slice(model, our_sfx, shard)].copy_(f.get_tensor(name))
-                        pending.discard(key)
-                        break
-                else:
-                    if ours not in params:
-                        raise KeyError(f"checkpoint tensor {name} has no place in the model")
-                    params[ours].copy_(f.get_tensor(name))
-                    pending.discard(ours)
+                yield name, f.get_tensor(name)
+
+
+@torch.no_grad()
+def load_weights(model: Transformer, source) -> None:
+    """Copy every tensor of a checkpoint folder (or of a HF state dict) into the model; fail if any
+    parameter is left unset."""
+    tensors = source.items() if isinstance(source, dict) else _checkpoint_tensors(Path(source))
+    params = dict(model.named_parameters())
+    pending = set(params)
+    for name, tensor in tensors:
+        ours = name.removeprefix("model.")
+        if "rotary_emb" in ours or (ours == "lm_head.weight" and model.lm_head is None):
+            continue
+        module, kind = ours.rsplit(".", 1)
+        for hf_sfx, (our_sfx, shard) in _FUSED.items():
+            if module.endswith(hf_sfx):
+                key = module[: -len(hf_sfx)] + our_sfx + "." + kind
+                params[key][_fused_slice(model, our_sfx, shard)].copy_(tensor)
+                pending.discard(key)
+                break
+        else:
+            if ours not in params:
+                raise KeyError(f"checkpoint tensor {name} has no place in the model")
+            params[ours].copy_(tensor)
+            pending.discard(ours)
     if pending:
-        raise KeyError(f"checkpoint at {path} lacks: {', '.join(sorted(pending)[:5])}")
+        raise KeyError(f"checkpoint lacks: {', '.join(sorted(pending)[:5])}")
 
 
 @torch.no_grad()
 def init_dummy(model: Transformer, seed: int = 0) -> None:
     """Random weights of the config's shapes (like vLLM's --load-format dummy): for speed work only."""
-    g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("layernorm.weight") or name == "norm.weight":
             p.fill_(1.0)
         else:
-            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            p.copy_(torch.randn(p.shape, generator=g, device=device) * 0.02)

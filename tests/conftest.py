@@ -1,5 +1,14 @@
 import pytest
 import torch
+
+# GPU tests (marked gpu) need CUDA: on a machine without it they are not collected at all.
+collect_ignore = [] if torch.cuda.is_available() else ["test_gpu.py"]
+
+
+def pytest_report_header(config):
+    if collect_ignore:
+        return "gpu tests: not collected (no CUDA here); run them on the GPU machine with -m gpu"
+
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,

@@ -1,0 +1,170 @@
+"""MMLU scoring benchmark, every variant in one process on the same prompts and the same weights:
+lmbatch (DFS), the paper's ablations (--schedule fcfs / random, no cache), and plain transformers
+(sdpa, length-sorted padded batches, last-position logits: what lm-eval's HF backend does).
+
+    # CPU, embedded model (real weights), a subset:
+    python benchmarks/bench_mmlu.py --device cpu --limit 100 --subjects 5 --variants dfs,hf
+    # GPU, Qwen2.5-1.5B shape with dummy weights, full MMLU 5-shot:
+    python benchmarks/bench_mmlu.py --device cuda --preset qwen2.5-1.5b --variants dfs,fcfs,random,nocache,hf
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--preset", help="presets/<name>/config.json with dummy weights (default: the embedded model)")
+    ap.add_argument("--tokenizer", help="tokenizer folder (default: the embedded model's)")
+    ap.add_argument("--shots", type=int, default=5)
+    ap.add_argument("--limit", type=int)
+    ap.add_argument("--subjects", type=int, help="only the first N subjects")
+    ap.add_argument("--variants", default="dfs,fcfs,random,nocache,hf")
+    ap.add_argument("--backend", help="attention backend for the lmbatch runs (default: per device)")
+    ap.add_argument("--max-tokens-per-batch", type=int, default=16384)
+    ap.add_argument("--kv-cache-tokens", type=int, default=None)
+    ap.add_argument("--hf-batch-tokens", type=int, default=32768)
+    ap.add_argument("--out", default="results/bench_mmlu.parquet")
+    args = ap.parse_args()
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from lmbatch.baseline import score_choices
+    from lmbatch.config import ModelConfig
+    from lmbatch.engine import Engine
+    from lmbatch.model import Transformer
+    from lmbatch.models import embedded_model_dir
+    from lmbatch.programs import mmlu
+    from lmbatch.weights import load_weights
+
+    dev = torch.device(args.device)
+    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    tok_dir = args.tokenizer or str(embedded_model_dir())
+    model_dir = ROOT / "presets" / args.preset if args.preset else embedded_model_dir()
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    subjects = mmlu.SUBJECTS[: args.subjects] if args.subjects else None
+    t0 = time.perf_counter()
+    instances = mmlu.build_instances(tok, args.shots, args.limit, subjects)
+    reqs = [r for inst in instances for r in inst.requests()]
+    print(f"{len(instances)} questions tokenized in {time.perf_counter() - t0:.1f}s", flush=True)
+
+    # one set of weights for everyone: transformers' model, copied into ours
+    if args.preset:
+        with torch.device(dev):
+            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype,
+                                                  attn_implementation="sdpa").eval()
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
+    cfg = ModelConfig.from_dir(model_dir)
+    with torch.device(dev):
+        model = Transformer(cfg).to(dtype)
+    load_weights(model, hf.state_dict())
+    model.eval()
+    peak = _peak_flops(dev, dtype)
+
+    rows, preds = [], {}
+    variants = args.variants.split(",")
+    longest = max(len(r.prompt) for r in reqs)
+    kv_tokens = args.kv_cache_tokens or max(longest + args.max_tokens_per_batch, 1 << 16)
+    for name in variants:
+        if name == "hf":
+            score_choices(hf, instances[:8], args.hf_batch_tokens)  # warm-up
+            _reset(dev)
+            base = score_choices(hf, instances, args.hf_batch_tokens)
+            preds[name] = base.predictions
+            rows.append(_row(name, base.seconds, len(instances), base.prompt_tokens, base.prompt_tokens, None,
+                             None, _flops(cfg, base.prompt_tokens, 0, [(len(i.context), 0) for i in instances]),
+                             peak, dev))
+            continue
+        schedule = {"dfs": "dfs", "fcfs": "fcfs", "random": "random", "nocache": "dfs",
+                    "dfs-torch": "dfs"}[name]
+        backend = "torch" if name == "dfs-torch" else args.backend
+        def engine():
+            return Engine(model, kv_cache_tokens=kv_tokens, max_tokens_per_batch=args.max_tokens_per_batch,
+                          cache=name != "nocache", attention=backend)
+        engine().score(reqs[:64], schedule=schedule)          # warm-up: kernel JIT, allocator
+        eng = engine()
+        _reset(dev)
+        results, stats = eng.score(reqs, schedule=schedule)
+        preds[name] = [inst.prediction(results[4 * k:4 * k + 4]) for k, inst in enumerate(instances)]
+        pairs = [(results[j].prompt_tokens, results[j].cached_tokens) for j in stats.order]
+        rows.append(_row(name, stats.execute_s, len(instances), stats.prompt_tokens, stats.computed_tokens,
+                         stats.hit_rate, stats.optimal_hit_rate, _flops(cfg, stats.computed_tokens, len(pairs), pairs),
+                         peak, dev))
+        del eng
+    ref = "dfs" if "dfs" in preds else variants[0]
+    for row in rows:
+        p = preds[row["variant"]]
+        row["agree_with_" + ref] = sum(a == b for a, b in zip(p, preds[ref])) / len(p)
+    base_s = next((r["seconds"] for r in rows if r["variant"] == "hf"), None)
+    for row in rows:
+        row["speedup_vs_hf"] = base_s / row["seconds"] if base_s else None
+    _print(rows, dev, args, peak)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist(rows), out)
+
+
+def _reset(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_flops(dev, dtype) -> float:
+    """Measured dense matmul rate of this device (the MFU denominator)."""
+    n = 8192 if dev.type == "cuda" else 1024
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    reps = 20 if dev.type == "cuda" else 3
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n ** 3 * reps / (time.perf_counter() - t)
+
+
+def _flops(cfg, computed: int, scored: int, pairs) -> float:
+    """Model FLOPs of the computed tokens: linear layers, attention over each token's context, LM head
+    at scored positions."""
+    h, L = cfg.hidden_size, cfg.num_layers
+    qkvo = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim * h
+    per_token = 2 * L * (qkvo + 3 * h * cfg.intermediate_size)
+    attn = sum((n * n - c * c) / 2 for n, c in pairs) * 4 * L * cfg.num_heads * cfg.head_dim
+    return computed * per_token + attn + 2 * max(scored, len(pairs)) * h * cfg.vocab_size
+
+
+def _row(name, seconds, programs, prompt, computed, hit, optimum, flops, peak, dev) -> dict:
+    mem = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
+    return dict(variant=name, seconds=seconds, programs_per_s=programs / seconds, prompt_tokens=prompt,
+                computed_tokens=computed, prompt_tokens_per_s=prompt / seconds, computed_tokens_per_s=computed / seconds,
+                hit_rate=hit, optimal_hit_rate=optimum, mfu=flops / seconds / peak, peak_mem_gib=mem)
+
+
+def _print(rows, dev, args, peak) -> None:
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    print(f"\n{name}, {args.preset or 'embedded SmolLM2-135M'}, measured peak {peak / 1e12:.0f} TFLOP/s")
+    keys = list(rows[0])
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join(f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in keys))
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Triton extend/decode attention over a paged KV pool with page size 1.
+
+Each program handles one sequence, one query head and a block of BLOCK_M of the sequence's new
+tokens (the last q_len of its kv_len tokens). It walks the sequence's slot table in blocks of
+BLOCK_N, gathers K/V rows from the pool, and keeps an online softmax (running max and sum), so a
+cached prefix and the causal new part are one loop. Decode is the case q_len == 1.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _extend_kernel(Q, K, V, O, kv_indices, qo_indptr, kv_indptr, scale,
+                   stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    seq, head, mblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(qo_indptr + seq)
+    q_len = tl.load(qo_indptr + seq + 1) - q_start
+    if mblock * BLOCK_M >= q_len:
+        return
+    kv_start = tl.load(kv_indptr + seq)
+    kv_len = tl.load(kv_indptr + seq + 1) - kv_start
+    prefix = kv_len - q_len
+    kv_head = head // GROUP
+
+    rows = mblock * BLOCK_M + tl.arange(0, BLOCK_M)          # index among the new tokens
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < q_len
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(Q + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    qpos = prefix + rows                                     # position in the sequence
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_end = tl.minimum(kv_len, prefix + (mblock + 1) * BLOCK_M)  # keys the block's last row sees
+    for n0 in range(0, kv_end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < kv_end
+        slots = tl.load(kv_indices + kv_start + cols, mask=col_ok, other=0).to(tl.int64)
+        kv_off = slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
+        k = tl.load(K + kv_off, mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        visible = (cols[None, :] <= qpos[:, None]) & col_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(V + kv_off, mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(O + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             out.to(O.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indices: torch.Tensor,
+                     qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, max_q_len: int, scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k_pool/v_pool: [slots, KVH, D]; indptrs int32 on the device. Returns [T, H, D]."""
+    T, H, D = q.shape
+    group = H // k_pool.shape[1]
+    out = torch.empty_like(q)
+    block_m = 64 if max_q_len > 16 else 16
+    grid = (qo_indptr.numel() - 1, H, triton.cdiv(max_q_len, block_m))
+    _extend_kernel[grid](q, k_pool, v_pool, out, kv_indices, qo_indptr, kv_indptr, scale,
+                         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0), out.stride(1),
+                         GROUP=group, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
+                         BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=2)
+    return out
