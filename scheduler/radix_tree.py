@@ -26,12 +26,20 @@ class Node:
 
 
 def _common_len(a: list[int], b: list[int], start: int) -> int:
-    """Length of the common prefix of a and b[start:]."""
+    """Length of the common prefix of a and b[start:] (whole edges compare at C speed)."""
     n = min(len(a), len(b) - start)
-    i = 0
-    while i < n and a[i] == b[start + i]:
-        i += 1
-    return i
+    if a[:n] == b[start:start + n]:
+        return n
+    lo, hi = 0, n            # a[:lo] matches, a[:hi] does not
+    while hi - lo > 8:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[start + lo:start + mid]:
+            lo = mid
+        else:
+            hi = mid
+    while a[lo] == b[start + lo]:
+        lo += 1
+    return lo
 
 
 class RadixTree:
