@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-tokens", type=int, default=None)
     ap.add_argument("--hf-batch-tokens", type=int, default=32768)
     ap.add_argument("--out", default="results/bench_mmlu.parquet")
+    ap.add_argument("--profile", action="store_true", help="cProfile the lmbatch runs (host time by function)")
     args = ap.parse_args()
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -93,7 +94,14 @@ def main() -> None:
         engine().score(reqs[:64], schedule=schedule)          # warm-up: kernel JIT, allocator
         eng = engine()
         _reset(dev)
-        results, stats = eng.score(reqs, schedule=schedule)
+        if args.profile:
+            import cProfile
+            import pstats
+            prof = cProfile.Profile()
+            results, stats = prof.runcall(eng.score, reqs, schedule=schedule)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+        else:
+            results, stats = eng.score(reqs, schedule=schedule)
         preds[name] = [inst.prediction(results[4 * k:4 * k + 4]) for k, inst in enumerate(instances)]
         pairs = [(results[j].prompt_tokens, results[j].cached_tokens) for j in stats.order]
         rows.append(_row(name, stats.execute_s, len(instances), stats.prompt_tokens, stats.computed_tokens,

@@ -37,8 +37,8 @@ class Captured:
 
 @dataclass
 class _Batch:
-    ids: list[torch.Tensor] = field(default_factory=list)
-    positions: list[torch.Tensor] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
     out_slots: list[torch.Tensor] = field(default_factory=list)
     kv: list[torch.Tensor] = field(default_factory=list)
     qo_indptr: list[int] = field(default_factory=lambda: [0])
@@ -55,8 +55,8 @@ class _Batch:
     def add(self, ids, start: int, out_slots, kv_slots, wanted: list[tuple[int, Key]]) -> None:
         row0 = self.num_tokens
         n = len(ids)
-        self.ids.append(torch.as_tensor(ids, dtype=torch.int64))
-        self.positions.append(torch.arange(start, start + n, dtype=torch.int64))
+        self.ids.extend(ids)
+        self.positions.extend(range(start, start + n))
         self.out_slots.append(out_slots)
         self.kv.append(kv_slots)
         self.qo_indptr.append(row0 + n)
@@ -66,9 +66,20 @@ class _Batch:
             self.logit_keys.append(key)
 
     def build(self) -> ForwardBatch:
-        return ForwardBatch(torch.cat(self.ids), torch.cat(self.positions), torch.cat(self.out_slots),
+        return ForwardBatch(torch.tensor(self.ids), torch.tensor(self.positions), torch.cat(self.out_slots),
                             self.qo_indptr, self.kv_indptr, torch.cat(self.kv),
                             torch.as_tensor(self.logit_rows, dtype=torch.int64))
+
+
+@dataclass
+class _InFlight:
+    """Logits of a launched batch, reduced on the device and on their way to the host."""
+    keys: list[Key]
+    pairs: list[tuple[int, int]]    # (row, target token) for each value
+    values: torch.Tensor            # logprob of each pair
+    argmax: torch.Tensor
+    rows: dict[int, torch.Tensor]   # full logits rows, for sampling
+    event: torch.cuda.Event | None
 
 
 @dataclass
@@ -130,6 +141,7 @@ class Engine:
         self._plan, self._requests, self._progress = plan, requests, progress
         self._captured: dict[Key, Captured] = {}
         self._pending: set[Key] = set()
+        self._inflight: list[_InFlight] = []
         self._register_demands(plan, requests)
         self.stats = RunStats(requests=len(requests), executed=len(plan.order), prompt_tokens=plan.prompt_tokens,
                               unique_tokens=plan.unique_tokens, optimal_hit_rate=plan.optimal_hit_rate,
@@ -144,6 +156,7 @@ class Engine:
             self._prefill(i)
         self._flush()
         self._decode_all()
+        self._drain()
         for i, r in enumerate(requests):
             if isinstance(r, ScoreRequest):
                 self._finish_score(i, r)
@@ -277,7 +290,11 @@ class Engine:
         fb = b.build().to(self.device)
         logits = self.model(fb, self.attn)
         self.stats.forward_batches += 1
-        self._capture(b.logit_keys, logits)
+        # Keep one batch in flight: the host schedules the next batch while the device runs this one.
+        # Unlocking now is safe: later batches run after this one on the same stream.
+        self._drain()
+        if b.logit_keys:
+            self._inflight.append(self._start_capture(b.logit_keys, logits))
         for node in b.locks:
             self.tree.unlock(node)
         for slots in b.to_free:
@@ -288,17 +305,37 @@ class Engine:
                       and self._results[i].computed_tokens == len(self._requests[i].prompt)]:
                 self.pool.free(self._own_slots.pop(i))
 
-    def _capture(self, keys: list[Key], logits: torch.Tensor) -> None:
-        if not keys:
-            return
+    def _start_capture(self, keys: list[Key], logits: torch.Tensor) -> _InFlight:
+        """Reduce logits to what was asked for (logprobs of wanted tokens, argmax, rows to sample from)
+        on the device, and start one copy of them to the host."""
+        pairs = [(r, t) for r, key in enumerate(keys) for t in key[0].demands[key[1]] if t != FULL_ROW]
         logprobs = torch.log_softmax(logits, dim=-1)
-        argmax = logits.argmax(dim=-1).tolist()
-        for r, key in enumerate(keys):
-            targets = key[0].demands[key[1]]
-            lp = {t: float(logprobs[r, t]) for t in targets if t != FULL_ROW}
-            row = logits[r].cpu() if FULL_ROW in targets else None
-            self._captured[key] = Captured(argmax[r], lp, row)
-            self._pending.discard(key)
+        rows_idx = torch.tensor([r for r, _ in pairs], dtype=torch.int64).to(logits.device, non_blocking=True)
+        toks_idx = torch.tensor([t for _, t in pairs], dtype=torch.int64).to(logits.device, non_blocking=True)
+        reduced = torch.cat([logprobs[rows_idx, toks_idx], logits.argmax(dim=-1).float()])
+        rows = {r: logits[r] for r, key in enumerate(keys) if FULL_ROW in key[0].demands[key[1]]}
+        event = None
+        if logits.device.type == "cuda":
+            host = torch.empty(reduced.shape, dtype=reduced.dtype, pin_memory=True)
+            host.copy_(reduced, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            reduced = host
+        n = len(pairs)
+        return _InFlight(keys, pairs, reduced[:n], reduced[n:], rows, event)
+
+    def _drain(self) -> None:
+        """Record the logits of every batch still in flight."""
+        for f in self._inflight:
+            if f.event is not None:
+                f.event.synchronize()
+            values, argmax = f.values.tolist(), f.argmax.tolist()
+            for r, key in enumerate(f.keys):
+                self._captured[key] = Captured(int(argmax[r]), {}, f.rows.get(r))
+                self._pending.discard(key)
+            for (r, t), v in zip(f.pairs, values):
+                self._captured[f.keys[r]].logprobs[t] = v
+        self._inflight = []
 
     def _request_done(self, i: int) -> None:
         if self._progress:
@@ -345,6 +382,7 @@ class Engine:
         if not self._running:
             return
         self._flush()
+        self._drain()
         for r in self._running:
             req = self._requests[r.index]
             cap = self._captured[(self._node_at(r.index, r.prompt_len - 1), r.prompt_len - 1)]

@@ -24,10 +24,13 @@ TINY_CONFIGS = {
 }
 
 
-def make_tiny_hf(kind: str, path, seed: int = 0):
+def make_tiny_hf(kind: str, path, seed: int = 0, **overrides):
     """A tiny random HF model saved to `path`; every weight (biases and norms too) drawn at random."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[kind](), dtype=torch.float32)
+    cfg = TINY_CONFIGS[kind]()
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
