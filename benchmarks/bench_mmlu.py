@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--hf-batch-tokens", type=int, default=32768)
     ap.add_argument("--out", default="results/bench_mmlu.parquet")
     ap.add_argument("--profile", action="store_true", help="cProfile the lmbatch runs (host time by function)")
+    ap.add_argument("--torch-profile", action="store_true", help="device time by kernel, on the first 4000 requests")
     args = ap.parse_args()
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -74,7 +75,9 @@ def main() -> None:
     rows, preds = [], {}
     variants = args.variants.split(",")
     longest = max(len(r.prompt) for r in reqs)
-    kv_tokens = args.kv_cache_tokens or max(longest + args.max_tokens_per_batch, 1 << 16)
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+    free = torch.cuda.mem_get_info()[0] // 2 if dev.type == "cuda" else 4 << 30
+    kv_tokens = args.kv_cache_tokens or max(longest + args.max_tokens_per_batch, min(free // per_token, 1 << 22))
     for name in variants:
         if name == "hf":
             score_choices(hf, instances[:8], args.hf_batch_tokens)  # warm-up
@@ -92,6 +95,11 @@ def main() -> None:
             return Engine(model, kv_cache_tokens=kv_tokens, max_tokens_per_batch=args.max_tokens_per_batch,
                           cache=name != "nocache", attention=backend)
         engine().score(reqs[:64], schedule=schedule)          # warm-up: kernel JIT, allocator
+        if args.torch_profile:
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                engine().score(reqs[:4000], schedule=schedule)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
         eng = engine()
         _reset(dev)
         if args.profile:
