@@ -54,4 +54,4 @@ class FlashInferBackend(_DeviceMeta):
     def forward(self, layer, q, k, v):
         self.store(layer, k, v)
         kv = (self.pool.k[layer].unsqueeze(1), self.pool.v[layer].unsqueeze(1))
-        return self.wrapper.run(q, kv)
+        return self.wrapper.run(q.contiguous(), kv)

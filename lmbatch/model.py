@@ -1,5 +1,12 @@
-"""Decoder-only transformer (Llama / Qwen2 families) over the paged KV pool, read top to bottom."""
+"""Decoder-only transformer (Llama / Qwen2 families) over the paged KV pool, read top to bottom.
+
+The residual stream is passed beside the hidden state (h, residual), so that on CUDA the residual add
+fuses into the next RMSNorm; the small ops run as fused Triton kernels there (lmbatch.kernels.fused)
+and as plain PyTorch elsewhere, rounding at the same points.
+"""
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -9,16 +16,37 @@ from lmbatch.attention import AttentionBackend, ForwardBatch
 from lmbatch.config import ModelConfig
 
 
+@functools.cache
+def _fused():
+    """The Triton kernels, or None where they cannot run (no Triton)."""
+    try:
+        from lmbatch.kernels import fused
+        return fused
+    except ImportError:
+        return None
+
+
+def _use_fused(x: torch.Tensor):
+    return _fused() if x.is_cuda else None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); or, given the residual stream, (norm(residual + x), residual + x)."""
+        if (k := _use_fused(x)) is not None:
+            out = k.rmsnorm(x, self.weight, self.eps, residual)  # updates residual in place
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            x = residual = residual + x
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        out = self.weight * xf.to(x.dtype)
+        return out if residual is None else (out, residual)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -26,6 +54,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.float().chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if (k := _use_fused(gate_up)) is not None:
+        return k.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class Attention(nn.Module):
@@ -39,9 +74,12 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, attn: AttentionBackend):
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
-        q = apply_rope(q.view(T, self.nh, self.hd), cos, sin)
-        k = apply_rope(k.view(T, self.nkv, self.hd), cos, sin)
-        o = attn.forward(self.layer, q, k, v.view(T, self.nkv, self.hd))
+        q, k, v = q.view(T, self.nh, self.hd), k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd)
+        if (kern := _use_fused(x)) is not None:
+            kern.rope_(q, k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attn.forward(self.layer, q, k, v)
         return self.o_proj(o.reshape(T, self.nh * self.hd))
 
 
@@ -52,8 +90,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class Block(nn.Module):
@@ -64,9 +101,14 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, attn):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, residual, cos, sin, attn):
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, attn)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Transformer(nn.Module):
@@ -87,12 +129,10 @@ class Transformer(nn.Module):
             self._inv_freq[pos.device] = self.cfg.inv_freq().float().double().to(pos.device)
         freqs = pos[:, None].double() * self._inv_freq[pos.device][None, :]
         cos, sin = freqs.cos().float(), freqs.sin().float()
-        x = self.embed_tokens(batch.input_ids)
+        x, residual = self.embed_tokens(batch.input_ids), None
         for block in self.layers:
-            x = block(x, cos, sin, attn)
-        return self.logits(x[batch.logit_rows])
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        h = self.norm(hidden)
+            x, residual = block(x, residual, cos, sin, attn)
+        rows = batch.logit_rows                    # the LM head runs only where logits are wanted
+        h, _ = self.norm(x[rows], residual[rows])
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, w).float()

@@ -107,3 +107,32 @@ def test_eviction_under_small_pool(tiny, name):
     small, stats = _engine(path, name, kv_cache_tokens=longest + 8, max_tokens_per_batch=8).score(reqs)
     assert stats.evicted_tokens > 0
     assert max(abs(a.logprob - b.logprob) for a, b in zip(big, small)) < 0.05
+
+
+def test_fused_ops_match_torch_path():
+    import torch.nn.functional as F
+
+    from lmbatch.kernels import fused
+    from lmbatch.model import apply_rope
+
+    g = torch.Generator("cuda").manual_seed(0)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x, r = torch.randn(300, 1536, generator=g, **bf), torch.randn(300, 1536, generator=g, **bf)
+    w = torch.randn(1536, generator=g, **bf)
+    s = r + x
+    ref = w * (s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    res = r.clone()
+    got = fused.rmsnorm(x, w, 1e-6, res)
+    assert torch.equal(res, s)
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(fused.rmsnorm(s, w, 1e-6), ref)
+    gu = torch.randn(300, 2 * 8960, generator=g, **bf)
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(fused.silu_mul(gu), F.silu(gate) * up)
+    qkv = torch.randn(300, (12 + 4) * 128, generator=g, **bf)
+    q, k = qkv[:, :12 * 128].view(300, 12, 128), qkv[:, 12 * 128:14 * 128].view(300, 2, 128)
+    ang = torch.rand(300, 64, generator=g, device="cuda") * 6
+    want_q, want_k = apply_rope(q, ang.cos(), ang.sin()), apply_rope(k, ang.cos(), ang.sin())
+    fused.rope_(q, k, ang.cos(), ang.sin())
+    torch.testing.assert_close(q, want_q)
+    torch.testing.assert_close(k, want_k)

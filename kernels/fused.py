@@ -1,0 +1,80 @@
+"""Fused small ops for the GPU forward pass (Triton). Each rounds where the plain PyTorch bf16 ops
+round, so results match the reference path: residual add, RMSNorm (normalize in float32, round,
+then scale by the weight), SiLU(gate) * up, and rotate-half RoPE on q and k in place."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rmsnorm_kernel(X, R, W, Y, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(X + row * N + cols, mask=ok, other=0.0)
+    if HAS_RES:  # residual += x, rounded to the activation dtype, then normalized
+        x = (x.to(tl.float32) + tl.load(R + row * N + cols, mask=ok, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(R + row * N + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    normed = (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + row * N + cols, (w * normed).to(Y.dtype.element_ty), mask=ok)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of x (or, with residual, of residual += x, updated in place). x: [T, N] contiguous."""
+    T, N = x.shape
+    y = torch.empty_like(x)
+    _add_rmsnorm_kernel[(T,)](x, residual if residual is not None else x, weight, y, N, eps,
+                              HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(N), num_warps=8)
+    return y
+
+
+@triton.jit
+def _silu_mul_kernel(GU, Y, I, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < I
+    g = tl.load(GU + row * 2 * I + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(GU + row * 2 * I + I + cols, mask=ok, other=0.0).to(tl.float32)
+    a = (g * tl.sigmoid(g)).to(Y.dtype.element_ty).to(tl.float32)
+    tl.store(Y + row * I + cols, (a * u).to(Y.dtype.element_ty), mask=ok)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
+    T, I2 = gate_up.shape
+    I = I2 // 2
+    y = torch.empty(T, I, dtype=gate_up.dtype, device=gate_up.device)
+    _silu_mul_kernel[(T, triton.cdiv(I, 1024))](gate_up, y, I, BLOCK=1024, num_warps=4)
+    return y
+
+
+@triton.jit
+def _rope_kernel(Q, K, COS, SIN, stride_qt, stride_kt, NQ: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK)
+    ok = d < HALF
+    cos = tl.load(COS + t * HALF + d, mask=ok, other=0.0)
+    sin = tl.load(SIN + t * HALF + d, mask=ok, other=0.0)
+    if h < NQ:
+        base = Q + t * stride_qt + h * 2 * HALF
+    else:
+        base = K + t * stride_kt + (h - NQ) * 2 * HALF
+    x1 = tl.load(base + d, mask=ok, other=0.0)
+    x2 = tl.load(base + HALF + d, mask=ok, other=0.0)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(base + d, (f1 * cos - f2 * sin).to(x1.dtype), mask=ok)
+    tl.store(base + HALF + d, (f2 * cos + f1 * sin).to(x1.dtype), mask=ok)
+
+
+def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate-half RoPE in place. q: [T, H, D], k: [T, KVH, D] (row strides may differ, heads
+    contiguous); cos/sin: [T, D/2] float32."""
+    T, H, D = q.shape
+    _rope_kernel[(T, H + k.shape[1])](q, k, cos, sin, q.stride(0), k.stride(0), NQ=H, HALF=D // 2,
+                                      BLOCK=triton.next_power_of_2(D // 2), num_warps=1)
