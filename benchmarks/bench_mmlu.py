@@ -30,7 +30,10 @@ def main() -> None:
     ap.add_argument("--variants", default="dfs,fcfs,random,nocache,hf")
     ap.add_argument("--backend", help="attention backend for the lmbatch runs (default: per device)")
     ap.add_argument("--max-tokens-per-batch", type=int, default=16384)
-    ap.add_argument("--kv-cache-tokens", type=int, default=None)
+    ap.add_argument("--kv-cache-tokens", type=int, default=None, help="pool of the dfs and dfs-torch runs "
+                    "(default: half the free GPU memory)")
+    ap.add_argument("--ablation-kv-tokens", type=int, default=131072,
+                    help="pool of dfs-small, fcfs, random, nocache: the paper's ablation needs a bounded cache")
     ap.add_argument("--hf-batch-tokens", type=int, default=32768)
     ap.add_argument("--out", default="results/bench_mmlu.parquet")
     ap.add_argument("--profile", action="store_true", help="cProfile the lmbatch runs (host time by function)")
@@ -87,12 +90,15 @@ def main() -> None:
             rows.append(_row(name, base.seconds, len(instances), base.prompt_tokens, base.prompt_tokens, None,
                              None, _flops(cfg, base.prompt_tokens, 0, [(len(i.context), 0) for i in instances]),
                              peak, dev))
+            rows[-1]["kv_cache_tokens"] = None
             continue
-        schedule = {"dfs": "dfs", "fcfs": "fcfs", "random": "random", "nocache": "dfs",
+        schedule = {"dfs": "dfs", "dfs-small": "dfs", "fcfs": "fcfs", "random": "random", "nocache": "dfs",
                     "dfs-torch": "dfs"}[name]
         backend = "torch" if name == "dfs-torch" else args.backend
+        pool = kv_tokens if name in ("dfs", "dfs-torch") else max(args.ablation_kv_tokens,
+                                                                   longest + args.max_tokens_per_batch)
         def engine():
-            return Engine(model, kv_cache_tokens=kv_tokens, max_tokens_per_batch=args.max_tokens_per_batch,
+            return Engine(model, kv_cache_tokens=pool, max_tokens_per_batch=args.max_tokens_per_batch,
                           cache=name != "nocache", attention=backend)
         engine().score(reqs[:64], schedule=schedule)          # warm-up: kernel JIT, allocator
         if args.torch_profile:
@@ -115,11 +121,13 @@ def main() -> None:
         rows.append(_row(name, stats.execute_s, len(instances), stats.prompt_tokens, stats.computed_tokens,
                          stats.hit_rate, stats.optimal_hit_rate, _flops(cfg, stats.computed_tokens, len(pairs), pairs),
                          peak, dev))
+        rows[-1]["kv_cache_tokens"] = pool
         del eng
-    ref = "dfs" if "dfs" in preds else variants[0]
-    for row in rows:
-        p = preds[row["variant"]]
-        row["agree_with_" + ref] = sum(a == b for a, b in zip(p, preds[ref])) / len(p)
+    for ref in ("dfs", "dfs-torch", "hf"):
+        if ref in preds:
+            for row in rows:
+                p = preds[row["variant"]]
+                row["agree_" + ref] = sum(a == b for a, b in zip(p, preds[ref])) / len(p)
     base_s = next((r["seconds"] for r in rows if r["variant"] == "hf"), None)
     for row in rows:
         row["speedup_vs_hf"] = base_s / row["seconds"] if base_s else None

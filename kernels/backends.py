@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from lmbatch.attention import AttentionBackend
+from lmbatch.attention import AttentionBackend, to_device
 
 
 class _DeviceMeta(AttentionBackend):
@@ -14,7 +14,7 @@ class _DeviceMeta(AttentionBackend):
         dev = self.pool.k.device
         self.qo_indptr = torch.tensor(batch.qo_indptr, dtype=torch.int32)
         self.kv_indptr = torch.tensor(batch.kv_indptr, dtype=torch.int32)
-        self.kv_indices = batch.kv_indices.to(device=dev, dtype=torch.int32, non_blocking=True)
+        self.kv_indices = to_device(batch.kv_indices.to(torch.int32), dev)
         self.max_q_len = max(b - a for a, b in zip(batch.qo_indptr, batch.qo_indptr[1:]))
 
 
@@ -22,8 +22,8 @@ class TritonBackend(_DeviceMeta):
     def plan(self, batch):
         super().plan(batch)
         dev = self.pool.k.device
-        self.qo_dev = self.qo_indptr.to(dev, non_blocking=True)
-        self.kv_dev = self.kv_indptr.to(dev, non_blocking=True)
+        self.qo_dev = to_device(self.qo_indptr, dev)
+        self.kv_dev = to_device(self.kv_indptr, dev)
 
     def forward(self, layer, q, k, v):
         from lmbatch.kernels.extend_attention import extend_attention
@@ -54,4 +54,5 @@ class FlashInferBackend(_DeviceMeta):
     def forward(self, layer, q, k, v):
         self.store(layer, k, v)
         kv = (self.pool.k[layer].unsqueeze(1), self.pool.v[layer].unsqueeze(1))
-        return self.wrapper.run(q.contiguous(), kv)
+        q = q.contiguous()
+        return self.wrapper.run(q, kv, out=torch.empty_like(q))  # no zero-fill of a fresh output

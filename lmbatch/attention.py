@@ -30,8 +30,17 @@ class ForwardBatch:
         return len(self.input_ids)
 
     def to(self, device) -> "ForwardBatch":
-        return ForwardBatch(self.input_ids.to(device), self.positions.to(device), self.out_slots.to(device),
-                            self.qo_indptr, self.kv_indptr, self.kv_indices.to(device), self.logit_rows.to(device))
+        move = lambda t: to_device(t, device)  # noqa: E731
+        return ForwardBatch(move(self.input_ids), move(self.positions), move(self.out_slots),
+                            self.qo_indptr, self.kv_indptr, move(self.kv_indices), move(self.logit_rows))
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """Host -> device without blocking the host: a copy from pageable memory would wait for all work
+    queued on the stream, which would serialize scheduling with the batch in flight."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 class AttentionBackend:

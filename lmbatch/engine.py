@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from lmbatch.attention import ForwardBatch, default_backend, make_backend
+from lmbatch.attention import ForwardBatch, default_backend, make_backend, to_device
 from lmbatch.config import ModelConfig
 from lmbatch.kv_pool import KVPool
 from lmbatch.model import Transformer
@@ -315,8 +315,8 @@ class Engine:
         on the device, and start one copy of them to the host."""
         pairs = [(r, t) for r, key in enumerate(keys) for t in key[0].demands[key[1]] if t != FULL_ROW]
         logprobs = torch.log_softmax(logits, dim=-1)
-        rows_idx = torch.tensor([r for r, _ in pairs], dtype=torch.int64).to(logits.device, non_blocking=True)
-        toks_idx = torch.tensor([t for _, t in pairs], dtype=torch.int64).to(logits.device, non_blocking=True)
+        rows_idx = to_device(torch.tensor([r for r, _ in pairs], dtype=torch.int64), logits.device)
+        toks_idx = to_device(torch.tensor([t for _, t in pairs], dtype=torch.int64), logits.device)
         reduced = torch.cat([logprobs[rows_idx, toks_idx], logits.argmax(dim=-1).float()])
         rows = {r: logits[r] for r, key in enumerate(keys) if FULL_ROW in key[0].demands[key[1]]}
         event = None
