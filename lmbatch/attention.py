@@ -38,7 +38,7 @@ class ForwardBatch:
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
     """Host -> device without blocking the host: a copy from pageable memory would wait for all work
     queued on the stream, which would serialize scheduling with the batch in flight."""
-    if torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda" or t.is_cuda:
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
