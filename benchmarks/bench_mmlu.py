@@ -31,7 +31,9 @@ def main() -> None:
     ap.add_argument("--backend", help="attention backend for the lmbatch runs (default: per device)")
     ap.add_argument("--max-tokens-per-batch", type=int, default=16384)
     ap.add_argument("--kv-cache-tokens", type=int, default=None, help="pool of the dfs and dfs-torch runs "
-                    "(default: half the free GPU memory)")
+                    "(default: as lmbatch run: half the free GPU memory, at most 262144 tokens)")
+    ap.add_argument("--tie-margin", type=float, default=0.05,
+                    help="questions whose top-2 logprobs differ by less (nats) in either run count as bf16 ties")
     ap.add_argument("--ablation-kv-tokens", type=int, default=131072,
                     help="pool of dfs-small, fcfs, random, nocache: the paper's ablation needs a bounded cache")
     ap.add_argument("--hf-batch-tokens", type=int, default=32768)
@@ -75,18 +77,18 @@ def main() -> None:
     model.eval()
     peak = _peak_flops(dev, dtype)
 
-    rows, preds = [], {}
+    rows, preds, logprobs = [], {}, {}
     variants = args.variants.split(",")
     longest = max(len(r.prompt) for r in reqs)
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
     free = torch.cuda.mem_get_info()[0] // 2 if dev.type == "cuda" else 4 << 30
-    kv_tokens = args.kv_cache_tokens or max(longest + args.max_tokens_per_batch, min(free // per_token, 1 << 22))
+    kv_tokens = args.kv_cache_tokens or max(longest + args.max_tokens_per_batch, min(free // per_token, 1 << 18))
     for name in variants:
         if name == "hf":
             score_choices(hf, instances[:8], args.hf_batch_tokens)  # warm-up
             _reset(dev)
             base = score_choices(hf, instances, args.hf_batch_tokens)
-            preds[name] = base.predictions
+            preds[name], logprobs[name] = base.predictions, base.logprobs
             rows.append(_row(name, base.seconds, len(instances), base.prompt_tokens, base.prompt_tokens, None,
                              None, _flops(cfg, base.prompt_tokens, 0, [(len(i.context), 0) for i in instances]),
                              peak, dev))
@@ -117,6 +119,7 @@ def main() -> None:
         else:
             results, stats = eng.score(reqs, schedule=schedule)
         preds[name] = [inst.prediction(results[4 * k:4 * k + 4]) for k, inst in enumerate(instances)]
+        logprobs[name] = [[r.logprob for r in results[4 * k:4 * k + 4]] for k in range(len(instances))]
         pairs = [(results[j].prompt_tokens, results[j].cached_tokens) for j in stats.order]
         rows.append(_row(name, stats.execute_s, len(instances), stats.prompt_tokens, stats.computed_tokens,
                          stats.hit_rate, stats.optimal_hit_rate, _flops(cfg, stats.computed_tokens, len(pairs), pairs),
@@ -128,6 +131,10 @@ def main() -> None:
             for row in rows:
                 p = preds[row["variant"]]
                 row["agree_" + ref] = sum(a == b for a, b in zip(p, preds[ref])) / len(p)
+                clear = [k for k in range(len(p)) if min(_margin(logprobs[row["variant"]][k]),
+                                                         _margin(logprobs[ref][k])) >= args.tie_margin]
+                row["agree_" + ref + "_noties"] = sum(p[k] == preds[ref][k] for k in clear) / max(len(clear), 1)
+                row["clear_questions_" + ref] = len(clear)
     base_s = next((r["seconds"] for r in rows if r["variant"] == "hf"), None)
     for row in rows:
         row["speedup_vs_hf"] = base_s / row["seconds"] if base_s else None
@@ -137,6 +144,11 @@ def main() -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
     pq.write_table(pa.Table.from_pylist(rows), out)
+
+
+def _margin(lps: list[float]) -> float:
+    top = sorted(lps, reverse=True)
+    return top[0] - top[1]
 
 
 def _reset(dev):
