@@ -95,9 +95,9 @@ def main() -> None:
             rows[-1]["kv_cache_tokens"] = None
             continue
         schedule = {"dfs": "dfs", "dfs-small": "dfs", "fcfs": "fcfs", "random": "random", "nocache": "dfs",
-                    "dfs-torch": "dfs"}[name]
-        backend = "torch" if name == "dfs-torch" else args.backend
-        pool = kv_tokens if name in ("dfs", "dfs-torch") else max(args.ablation_kv_tokens,
+                    "dfs-torch": "dfs", "dfs-triton": "dfs"}[name]
+        backend = {"dfs-torch": "torch", "dfs-triton": "triton"}.get(name, args.backend)
+        pool = kv_tokens if name in ("dfs", "dfs-torch", "dfs-triton") else max(args.ablation_kv_tokens,
                                                                    longest + args.max_tokens_per_batch)
         def engine():
             return Engine(model, kv_cache_tokens=pool, max_tokens_per_batch=args.max_tokens_per_batch,
