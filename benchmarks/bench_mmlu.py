@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--backend", help="attention backend for the lmbatch runs (default: per device)")
     ap.add_argument("--max-tokens-per-batch", type=int, default=16384)
     ap.add_argument("--kv-cache-tokens", type=int, default=None, help="pool of the dfs and dfs-torch runs "
-                    "(default: as lmbatch run: half the free GPU memory, at most 262144 tokens)")
+                    "(default: as lmbatch run: half the free GPU memory, at most 131072 tokens)")
     ap.add_argument("--tie-margin", type=float, default=0.05,
                     help="questions whose top-2 logprobs differ by less (nats) in either run count as bf16 ties")
     ap.add_argument("--ablation-kv-tokens", type=int, default=131072,
@@ -82,7 +82,7 @@ def main() -> None:
     longest = max(len(r.prompt) for r in reqs)
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
     free = torch.cuda.mem_get_info()[0] // 2 if dev.type == "cuda" else 4 << 30
-    kv_tokens = args.kv_cache_tokens or max(longest + args.max_tokens_per_batch, min(free // per_token, 1 << 18))
+    kv_tokens = args.kv_cache_tokens or max(longest + args.max_tokens_per_batch, min(free // per_token, 1 << 17))
     for name in variants:
         if name == "hf":
             score_choices(hf, instances[:8], args.hf_batch_tokens)  # warm-up

@@ -27,7 +27,7 @@ def run(
     device: str = typer.Option("cpu", help="cpu or cuda."),
     dtype: Optional[str] = typer.Option(None, help="float32 (CPU default), bfloat16 (CUDA default) or float16."),
     max_tokens_per_batch: int = typer.Option(4096, help="Token budget of one forward batch."),
-    kv_cache_tokens: Optional[int] = typer.Option(None, help="KV pool size in tokens (default: 4 GiB on CPU; on CUDA half the free memory, at most 262144 tokens)."),
+    kv_cache_tokens: Optional[int] = typer.Option(None, help="KV pool size in tokens (default: 4 GiB on CPU; on CUDA half the free memory, at most 131072 tokens)."),
     schedule: str = typer.Option("dfs", help="dfs (radix-tree order), fcfs or random: the last two for ablations."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Disable prefix caching (ablation)."),
     seed: int = typer.Option(0, help="Seed for --schedule random and sampling."),

@@ -72,7 +72,7 @@ def _check(o: RunOptions) -> tuple[torch.dtype, str]:
 
 
 def _kv_tokens(o: RunOptions, cfg, dtype: torch.dtype, longest: int) -> int:
-    """Default pool: 4 GiB of KV on CPU; on CUDA half the free memory, at most 262144 tokens (DFS needs
+    """Default pool: 4 GiB of KV on CPU; on CUDA half the free memory, at most 131072 tokens (DFS needs
     only its working set, and a compact pool measured faster); never under one request + a batch."""
     need = longest + o.max_tokens_per_batch
     if o.kv_cache_tokens is not None:
@@ -82,7 +82,7 @@ def _kv_tokens(o: RunOptions, cfg, dtype: torch.dtype, longest: int) -> int:
         return o.kv_cache_tokens
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
     budget = 4 << 30 if o.device == "cpu" else torch.cuda.mem_get_info()[0] // 2
-    return max(need, min(budget // per_token, 1 << 20 if o.device == "cpu" else 1 << 18))
+    return max(need, min(budget // per_token, 1 << 20 if o.device == "cpu" else 1 << 17))
 
 
 def _check_lengths(instances: list[ChoiceInstance], max_len: int, truncate: bool) -> int:
