@@ -56,12 +56,6 @@ class Plan:
             node = node.parent
         return out[::-1]
 
-    def node_at(self, i: int, pos: int) -> PlanNode:
-        for node in self.path(i):
-            if node.start <= pos < node.end:
-                return node
-        raise IndexError(pos)
-
 
 def _lcp(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
