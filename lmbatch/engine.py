@@ -97,13 +97,22 @@ class _Running:
 
 class Engine:
     def __init__(self, model: Transformer, *, kv_cache_tokens: int = 32768, max_tokens_per_batch: int = 4096,
-                 attention: str | None = None, cache: bool = True, max_running: int = 256, tokenizer=None):
+                 attention: str | None = None, cache: bool = True, max_running: int = 256, tokenizer=None,
+                 cuda_graphs: bool = True):
         cfg = model.cfg
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
-        self.pool = KVPool(kv_cache_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
-        self.attn = make_backend(attention or default_backend(self.device), self.pool, cfg.num_heads, cfg.head_dim)
+        use_graphs = cuda_graphs and self.device.type == "cuda"
+        # with CUDA graphs the pool's last slot is scratch for padded decode rows, never handed out
+        self.pool = KVPool(kv_cache_tokens + use_graphs, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype,
+                           self.device)
+        self.graphs = None
+        if use_graphs:
+            from lmbatch.kernels.decode_graphs import DecodeGraphs
+            scratch = self.pool.alloc(self.pool.num_free)[-1:]
+            self.pool.free(torch.arange(kv_cache_tokens))
+            self.graphs = DecodeGraphs(model, self.pool, int(scratch), max_running)
         self.tree = RadixTree(self.pool.free) if cache else None
         self.max_tokens_per_batch = max_tokens_per_batch
         self.max_running = max_running
@@ -394,11 +403,15 @@ class Engine:
             self._append(r, sample(cap.row.to(self.device)[None], [r.params], [r.generator])[0])
         live = [r for r in self._running if not r.finish]
         while live:
-            b = _Batch()
-            for r in live:
-                pos = r.prompt_len + len(r.out) - 1
-                b.add([r.out[-1]], pos, r.slots[pos:pos + 1], r.slots[:pos + 1], [(pos, None)])
-            logits = self.model(b.build().to(self.device), self.attn)
+            positions = [r.prompt_len + len(r.out) - 1 for r in live]
+            if self.graphs is not None:
+                logits = self.graphs.run([r.out[-1] for r in live], positions,
+                                         [r.slots[:p + 1] for r, p in zip(live, positions)])
+            else:
+                b = _Batch()
+                for r, pos in zip(live, positions):
+                    b.add([r.out[-1]], pos, r.slots[pos:pos + 1], r.slots[:pos + 1], [(pos, None)])
+                logits = self.model(b.build().to(self.device), self.attn)
             self.stats.forward_batches += 1
             tokens = sample(logits, [r.params for r in live], [r.generator for r in live])
             for r, t in zip(live, tokens):

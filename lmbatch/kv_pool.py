@@ -29,6 +29,11 @@ class KVPool:
         out, self._free = self._free[:n], self._free[n:]
         return out
 
+    def reserve(self, n: int) -> torch.Tensor:
+        """Take n slots out of circulation for good (e.g. a scratch slot for padded rows)."""
+        out, self._free = self._free[-n:], self._free[:-n]
+        return out
+
     def free(self, slots: torch.Tensor) -> None:
         if len(slots):
             self._free = torch.cat([self._free, slots.to(torch.int64)])
