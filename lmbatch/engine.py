@@ -103,16 +103,17 @@ class Engine:
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
-        use_graphs = cuda_graphs and self.device.type == "cuda"
-        # with CUDA graphs the pool's last slot is scratch for padded decode rows, never handed out
+        attention = attention or default_backend(self.device)
+        # decode steps replay CUDA graphs (not for the torch reference backend, which stays eager);
+        # one extra slot is their scratch for padded rows
+        use_graphs = cuda_graphs and self.device.type == "cuda" and attention != "torch"
         self.pool = KVPool(kv_cache_tokens + use_graphs, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype,
                            self.device)
+        self.attn = make_backend(attention, self.pool, cfg.num_heads, cfg.head_dim)
         self.graphs = None
         if use_graphs:
             from lmbatch.kernels.decode_graphs import DecodeGraphs
-            scratch = self.pool.alloc(self.pool.num_free)[-1:]
-            self.pool.free(torch.arange(kv_cache_tokens))
-            self.graphs = DecodeGraphs(model, self.pool, int(scratch), max_running)
+            self.graphs = DecodeGraphs(model, self.pool, int(self.pool.reserve(1)), max_running)
         self.tree = RadixTree(self.pool.free) if cache else None
         self.max_tokens_per_batch = max_tokens_per_batch
         self.max_running = max_running
