@@ -45,6 +45,7 @@ class DecodeGraphs:
         self.kv_indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.kv_indices = torch.full((pool.num_slots,), scratch_slot, dtype=torch.int32, device=dev)
         self.qo_indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.rows = torch.arange(n, dtype=torch.int64, device=dev)  # every graph input must outlive capture
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool_handle = None
 
@@ -52,8 +53,7 @@ class DecodeGraphs:
         cfg = self.model.cfg
         attn = _GraphAttention(self.pool, cfg.num_heads, cfg.head_dim, self.qo_indptr[:b + 1],
                                self.kv_indptr[:b + 1], self.kv_indices)
-        batch = ForwardBatch(self.ids[:b], self.pos[:b], self.out_slots[:b], [], [], self.kv_indices,
-                             torch.arange(b, device=self.ids.device))
+        batch = ForwardBatch(self.ids[:b], self.pos[:b], self.out_slots[:b], [], [], self.kv_indices, self.rows[:b])
         self.kv_indptr[:b + 1] = torch.arange(b + 1, dtype=torch.int32, device=self.ids.device)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
