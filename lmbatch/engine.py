@@ -148,7 +148,7 @@ class Engine:
             if not p:
                 raise ValueError(f"request {i} has an empty prompt")
         plan = make_plan(prompts, schedule, seed, mergeable=[isinstance(r, ScoreRequest) for r in requests])
-        self._plan, self._requests, self._progress = plan, requests, progress
+        self._requests, self._progress = requests, progress
         self._captured: dict[Key, Captured] = {}
         self._pending: set[Key] = set()
         self._inflight: list[_InFlight] = []
@@ -399,7 +399,6 @@ class Engine:
         self._flush()
         self._drain()
         for r in self._running:
-            req = self._requests[r.index]
             cap = self._captured[(self._node_at(r.index, r.prompt_len - 1), r.prompt_len - 1)]
             self._append(r, sample(cap.row.to(self.device)[None], [r.params], [r.generator])[0])
         live = [r for r in self._running if not r.finish]

@@ -12,7 +12,7 @@ from conftest import make_tiny_hf  # noqa: E402
 from lmbatch.attention import ForwardBatch, make_backend  # noqa: E402
 from lmbatch.engine import Engine  # noqa: E402
 from lmbatch.kv_pool import KVPool  # noqa: E402
-from lmbatch.requests import GenerateRequest, SamplingParams, ScoreRequest  # noqa: E402
+from lmbatch.requests import GenerateRequest, SamplingParams  # noqa: E402
 from test_engine import random_requests  # noqa: E402
 
 BACKENDS = ["triton", "flashinfer"]
