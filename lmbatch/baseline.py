@@ -8,7 +8,27 @@ from dataclasses import dataclass
 
 import torch
 
-from lmbatch.tasks import ChoiceInstance
+
+
+@dataclass
+class ChoiceInstance:
+    """One select's token ids: a context and its choices' continuations."""
+    context: list[int]
+    continuations: list[list[int]]
+
+
+def first_selects(program, instances, tokenizer, max_len: int = 1 << 30) -> list[ChoiceInstance]:
+    """The token ids of each instance's first select, exactly as lmbatch runs it (its first pass)."""
+    from lmbatch.frontend import Select
+    from lmbatch.interpreter import Interpreter
+
+    interp = Interpreter(tokenizer, max_len=max_len)
+    interp.start(program, instances)
+    first = {}
+    for p in interp.ready:
+        if isinstance(p.op, Select):
+            first.setdefault(p.owner.index, ChoiceInstance(*p.meta["_ids"]))
+    return [first[k] for k in range(len(instances))]
 
 
 @dataclass
@@ -24,6 +44,40 @@ def load_hf(path, device="cpu", dtype=torch.float32):
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
     return model.to(device).eval()
+
+
+@torch.inference_mode()
+def score_pairs(model, instances: list[ChoiceInstance], batch_tokens: int = 8192) -> BaselineRun:
+    """lm-eval's loglikelihood for continuations of any length: each (context + continuation)[:-1]
+    runs padded on the right; the continuation's tokens are scored at their positions."""
+    device = next(model.parameters()).device
+    pairs = [(k, c) for k, inst in enumerate(instances) for c in range(len(inst.continuations))]
+    seqs = [(instances[k].context + instances[k].continuations[c])[:-1] for k, c in pairs]
+    order = sorted(range(len(pairs)), key=lambda i: -len(seqs[i]))
+    out: list[list[float]] = [[0.0] * len(inst.continuations) for inst in instances]
+    start = time.perf_counter()
+    i = 0
+    while i < len(order):
+        width = len(seqs[order[i]])
+        idx = order[i:i + max(1, batch_tokens // width)]
+        i += len(idx)
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        mask = torch.zeros(len(idx), width, dtype=torch.long)
+        for row, j in enumerate(idx):
+            ids[row, :len(seqs[j])] = torch.tensor(seqs[j])
+            mask[row, :len(seqs[j])] = 1
+        lp = torch.log_softmax(model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float(), -1)
+        for row, j in enumerate(idx):
+            k, c = pairs[j]
+            cont = instances[k].continuations[c]
+            first = len(instances[k].context) - 1
+            pos = torch.arange(first, first + len(cont), device=device)
+            out[k][c] = float(lp[row, pos, torch.tensor(cont, device=device)].sum())
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    preds = [max(range(len(lps)), key=lps.__getitem__) for lps in out]
+    return BaselineRun(out, preds, seconds, sum(len(s) for s in seqs))
 
 
 @torch.inference_mode()

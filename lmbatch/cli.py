@@ -19,18 +19,18 @@ def _fail(e: UserError) -> None:
 
 @app.command()
 def run(
-    task: str = typer.Argument(..., help="Task name (see `lmbatch tasks`)."),
+    task: str = typer.Argument(..., help="Task name (see `lmbatch tasks`) or a program file path/to/file.py."),
     shots: int = typer.Option(0, help="Few-shot examples per prompt."),
     model: Optional[str] = typer.Option(None, help="Local HF folder or hub id; default: the embedded SmolLM2-135M-Instruct."),
-    limit: Optional[int] = typer.Option(None, help="First N instances per subject (as lm-eval's --limit)."),
-    subjects: Optional[List[str]] = typer.Option(None, "--subjects", help="Only these subjects (repeatable)."),
+    limit: Optional[int] = typer.Option(None, help="First N instances (per subject for mmlu, as lm-eval's --limit)."),
+    subjects: Optional[List[str]] = typer.Option(None, "--subjects", help="Only these MMLU subjects (repeatable)."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     dtype: Optional[str] = typer.Option(None, help="float32 (CPU default), bfloat16 (CUDA default) or float16."),
     max_tokens_per_batch: int = typer.Option(4096, help="Token budget of one forward batch."),
     kv_cache_tokens: Optional[int] = typer.Option(None, help="KV pool size in tokens (default: 4 GiB on CPU; on CUDA half the free memory, at most 131072 tokens)."),
     schedule: str = typer.Option("dfs", help="dfs (radix-tree order), fcfs or random: the last two for ablations."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Disable prefix caching (ablation)."),
-    seed: int = typer.Option(0, help="Seed for --schedule random and sampling."),
+    seed: int = typer.Option(0, help="Seed for shots drawing, sampling and --schedule random."),
     out: Path = typer.Option(Path("results"), help="Parent directory of run directories."),
     run_id: Optional[str] = typer.Option(None, help="Run directory name (default: task-shots-model-time)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing run directory."),
@@ -56,10 +56,10 @@ def run(
 @app.command()
 def tasks() -> None:
     """List the built-in tasks."""
-    from lmbatch.tasks import TASKS
+    from lmbatch.tasks import get_workload, workload_names
 
-    for t in TASKS.values():
-        typer.echo(f"{t.name:10s} {t.description}")
+    for name in workload_names():
+        typer.echo(f"{name:10s} {get_workload(name).description}")
 
 
 @app.command()

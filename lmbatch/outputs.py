@@ -42,15 +42,19 @@ def write_json(path: Path, data: dict) -> None:
 
 INSTANCE_SCHEMA = pa.schema([
     ("task", pa.string()), ("subject", pa.string()), ("id", pa.string()),
-    ("prediction", pa.int32()), ("gold", pa.int32()), ("correct", pa.bool_()),
+    ("prediction", pa.int32()), ("gold", pa.string()), ("correct", pa.bool_()),
     ("logprobs", pa.list_(pa.float64())), ("is_greedy", pa.list_(pa.bool_())),
+    ("metrics", pa.map_(pa.string(), pa.float64())), ("outputs", pa.string()), ("error", pa.string()),
     ("prompt_tokens", pa.int64()), ("cached_tokens", pa.int64()), ("computed_tokens", pa.int64()),
+    ("decode_tokens", pa.int64()),
 ])
 
 
 def request_schema(with_tokens: bool) -> pa.Schema:
-    fields = [("order", pa.int64()), ("instance_id", pa.string()), ("choices", pa.list_(pa.int32())),
-              ("prompt_tokens", pa.int64()), ("cached_tokens", pa.int64()), ("computed_tokens", pa.int64())]
+    fields = [("order", pa.int64()), ("wave", pa.int32()), ("instance_id", pa.string()), ("stage", pa.int32()),
+              ("call", pa.string()), ("kind", pa.string()), ("choices", pa.list_(pa.int32())),
+              ("prompt_tokens", pa.int64()), ("cached_tokens", pa.int64()), ("computed_tokens", pa.int64()),
+              ("decode_tokens", pa.int64())]
     if with_tokens:
         fields.append(("token_ids", pa.list_(pa.int32())))
     return pa.schema(fields)

@@ -1,60 +1,28 @@
-"""Task registry: a task turns its data into program instances whose requests the engine runs."""
+"""Workload registry: the built-in programs by name, or a user's program file."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import importlib
+from pathlib import Path
 
 from lmbatch.errors import UserError
-from lmbatch.requests import ScoreRequest, ScoreResult
+from lmbatch.program import Workload, load_file
 
-
-@dataclass
-class ChoiceInstance:
-    """A multiple-choice question scored by loglikelihood of each continuation (lm-eval semantics)."""
-    task: str
-    subject: str
-    id: str
-    gold: int
-    context: list[int]
-    continuations: list[list[int]]
-
-    def requests(self) -> list[ScoreRequest]:
-        return [ScoreRequest(self.context, c) for c in self.continuations]
-
-    def truncate_left(self, max_len: int) -> bool:
-        """Drop the context's oldest tokens so every request fits max_len. True if it changed."""
-        over = len(self.context) + max(len(c) for c in self.continuations) - max_len
-        if over <= 0:
-            return False
-        self.context = self.context[over:]
-        return True
-
-    @staticmethod
-    def prediction(results: list[ScoreResult]) -> int:
-        logprobs = [r.logprob for r in results]
-        return max(range(len(logprobs)), key=logprobs.__getitem__)
-
-
-@dataclass(frozen=True)
-class Task:
-    name: str
-    description: str
-    build: Callable  # (tokenizer, shots, limit, subjects) -> list[ChoiceInstance]
-    max_shots: int
-
-
-def _mmlu_build(*args):
-    from lmbatch.programs import mmlu
-    return mmlu.build_instances(*args)
-
-
-TASKS = {
-    "mmlu": Task("mmlu", "MMLU, 57 subjects, 14,042 test questions; shots from each subject's dev split "
-                 "(lm-evaluation-harness prompt)", _mmlu_build, max_shots=5),
+BUILTIN = {  # name -> module in programs/ that defines WORKLOAD
+    "mmlu": "mmlu",
+    "hellaswag": "hellaswag",
+    "tot-gsm8k": "tot_gsm8k",
 }
 
 
-def get_task(name: str) -> Task:
-    if name not in TASKS:
-        raise UserError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
-    return TASKS[name]
+def workload_names() -> list[str]:
+    return sorted(BUILTIN)
+
+
+def get_workload(name: str) -> Workload:
+    """A built-in workload by name, or a program file (a path ending in .py)."""
+    if name.endswith(".py"):
+        return load_file(Path(name))
+    if name not in BUILTIN:
+        raise UserError(f"unknown task {name!r}; known tasks: {', '.join(workload_names())}, or a program file "
+                        "path/to/file.py")
+    return importlib.import_module(f"lmbatch.programs.{BUILTIN[name]}").WORKLOAD

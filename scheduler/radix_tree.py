@@ -77,6 +77,20 @@ class RadixTree:
         slots = torch.cat(pieces) if pieces else self.root.value
         return slots, node
 
+    def match_len(self, tokens: list[int]) -> int:
+        """Length of the longest cached prefix of tokens, without touching the tree (no split, no LRU)."""
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            n = _common_len(child.key, tokens, pos)
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return pos
+
     def _split(self, child: Node, n: int) -> Node:
         """Split child's edge after n tokens; returns the new upper node."""
         upper = Node(key=child.key[:n], value=child.value[:n], parent=child.parent,

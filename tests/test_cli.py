@@ -46,7 +46,8 @@ def test_run_writes_complete_outputs(tiny, tmp_path):
     d = tmp_path / "a"
     assert sorted(p.name for p in d.iterdir()) == ["instances.parquet", "requests.parquet", "summary.json"]
     s = json.loads((d / "summary.json").read_text())
-    assert s["counts"] == {"instances": 2, "requests": 8, "executed_requests": 2, "truncated_instances": 0}
+    assert s["counts"] == {"instances": 2, "failed_instances": 0, "calls": 2, "requests": 8, "executed_requests": 2,
+                           "waves": 1, "truncated_calls": 0}
     assert s["hit_rate"] == pytest.approx(s["optimal_hit_rate"], abs=1e-12)
     assert s["tokens"]["computed"] == s["tokens"]["unique"]
     assert set(s["accuracy_by_subject"]) == {"anatomy", "virology"}
@@ -95,7 +96,7 @@ def test_prompt_longer_than_context_names_the_instance(tmp_path):
     assert not (tmp_path / "x").exists()
     r = lmbatch(*run_args(short, tmp_path, "x", "--truncate-left"))
     assert r.exit_code == 0, r.output
-    assert json.loads((tmp_path / "x" / "summary.json").read_text())["counts"]["truncated_instances"] == 2
+    assert json.loads((tmp_path / "x" / "summary.json").read_text())["counts"]["truncated_calls"] == 2
 
 
 def test_existing_output_dir_needs_overwrite(tiny, tmp_path):
@@ -129,6 +130,7 @@ def test_report_and_compare_exit_codes(tiny, tmp_path):
     _error(lmbatch("report", tmp_path / "missing"), "not an lmbatch run directory")
 
 
-def test_tasks_lists_mmlu():
+def test_tasks_lists_the_builtin_workloads():
     r = lmbatch("tasks")
-    assert r.exit_code == 0 and r.output.startswith("mmlu")
+    assert r.exit_code == 0
+    assert [line.split()[0] for line in r.output.splitlines()] == ["hellaswag", "mmlu", "tot-gsm8k"]

@@ -1,0 +1,196 @@
+"""LM program frontend: a program is a Python function over a prompt state `s`.
+
+    from lmbatch.frontend import gen, select
+
+    def program(s, question):
+        s += "Q: " + question + "\\nA:"
+        s += gen("answer", max_tokens=32, stop="\\n")
+        forks = s.fork(2)
+        for f in forks:
+            f += " Is that right?" + select("ok", [" yes", " no"])
+        forks.join()              # s["ok"] == [first fork's choice, second fork's choice]
+
+`gen` and `select` do not wait: each is queued with the state's text as its prompt and a
+placeholder stands for its result in the state. A program waits only where it needs a value
+(`s[name]`, `s.text`, or a call whose prompt still holds a pending result). The interpreter
+(`lmbatch.interpreter`) runs the queued calls of all waiting programs together, then resumes them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class _Plus:
+    """`"text" + gen(...) + "more"` builds a sequence of items to append to a state."""
+
+    def __add__(self, other) -> "Seq":
+        return Seq(_items(self) + _items(other))
+
+    def __radd__(self, other) -> "Seq":
+        return Seq(_items(other) + _items(self))
+
+
+@dataclass(frozen=True)
+class Gen(_Plus):
+    name: str
+    max_tokens: int = 32
+    stop: tuple[str, ...] = ()
+    temperature: float = 0.0
+    top_p: float = 1.0
+    regex: str | None = None
+    json_schema: str | None = None
+
+
+@dataclass(frozen=True)
+class Select(_Plus):
+    name: str
+    choices: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Seq(_Plus):
+    items: list
+
+
+def _items(x) -> list:
+    if isinstance(x, Seq):
+        return list(x.items)
+    if isinstance(x, (str, Gen, Select)):
+        return [x]
+    raise TypeError(f"cannot add {type(x).__name__} to an LM program state (str, gen(...) or select(...))")
+
+
+def gen(name: str, max_tokens: int = 32, stop: str | list[str] | tuple[str, ...] = (), temperature: float = 0.0,
+        top_p: float = 1.0, regex: str | None = None, json_schema: str | dict | None = None) -> Gen:
+    """Generate text into `s[name]`; stops at EOS, at a stop string (cut from the text) or after max_tokens."""
+    if max_tokens < 1:
+        raise ValueError(f"gen({name!r}): max_tokens must be at least 1")
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    if isinstance(json_schema, dict):
+        import json
+        json_schema = json.dumps(json_schema, sort_keys=True)
+    return Gen(name, max_tokens, stop, temperature, top_p, regex, json_schema)
+
+
+def select(name: str, choices: list[str] | tuple[str, ...]) -> Select:
+    """Pick the choice of highest loglikelihood after the state's text (lm-eval semantics: the
+    text's trailing whitespace moves onto the choices); `s[name]` is the chosen string."""
+    if not choices:
+        raise ValueError(f"select({name!r}): no choices")
+    return Select(name, tuple(choices))
+
+
+@dataclass(eq=False)
+class Pending:
+    """A queued call and, once run, its result."""
+    op: Gen | Select
+    prompt: str
+    owner: Any                      # the interpreter's record of the program that issued it
+    stage: int                      # how many times the program had waited when it issued this call
+    seq: int                        # the call's number within its program
+    done: bool = False
+    value: str = ""                 # the text the result adds to the state
+    meta: dict = field(default_factory=dict)
+
+
+class Runner(Protocol):
+    def submit(self, op: Gen | Select, prompt: str) -> Pending: ...
+
+    def wait(self, pending: list[Pending]) -> None: ...
+
+
+class State:
+    """The prompt state of one program (or of one fork of it)."""
+
+    def __init__(self, runner: Runner, parts: list | None = None, variables: dict | None = None):
+        self._runner = runner
+        self._parts: list[str | Pending] = parts or []
+        self._vars: dict[str, Any] = variables or {}
+
+    def __iadd__(self, other) -> "State":
+        for item in _items(other):
+            if isinstance(item, str):
+                self._parts.append(item)
+            else:
+                p = self._runner.submit(item, self.text)
+                self._parts.append(p)
+                self._vars[item.name] = p
+        return self
+
+    @property
+    def text(self) -> str:
+        """The state's whole text (waits for pending results in it)."""
+        self._runner.wait([p for p in self._parts if isinstance(p, Pending) and not p.done])
+        text = "".join(p if isinstance(p, str) else p.value for p in self._parts)
+        self._parts = [text]
+        return text
+
+    def __getitem__(self, name: str):
+        value = self._vars[name]
+        self._runner.wait([p for p in _pendings(value) if not p.done])
+        return _resolve(value, lambda p: p.value)
+
+    def __setitem__(self, name: str, value) -> None:
+        self._vars[name] = value
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._vars
+
+    def meta(self, name: str):
+        """Details of a call's result: for select, logprobs/is_greedy/num_tokens per choice and the
+        chosen index; for gen, finish_reason and token counts."""
+        value = self._vars[name]
+        self._runner.wait([p for p in _pendings(value) if not p.done])
+        return _resolve(value, lambda p: p.meta)
+
+    def variables(self) -> dict[str, Any]:
+        """Every named value, results resolved (waits for them)."""
+        return {name: self[name] for name in self._vars}
+
+    def fork(self, n: int) -> "Forks":
+        """n copies of this state that continue independently; they share the text so far, so its
+        KV is computed once."""
+        if n < 1:
+            raise ValueError("fork(n) needs n >= 1")
+        return Forks(self, [State(self._runner, list(self._parts), dict(self._vars)) for _ in range(n)])
+
+
+class Forks(list):
+    """The states of one fork. `forks += x` appends x to each; `join()` gathers into the parent
+    every variable the forks set or changed, as a list with one value per fork."""
+
+    def __init__(self, parent: State, states: list[State]):
+        super().__init__(states)
+        self.parent = parent
+
+    def __iadd__(self, other) -> "Forks":
+        for s in self:
+            s += other
+        return self
+
+    def join(self) -> State:
+        before = self.parent._vars
+        names = dict.fromkeys(n for s in self for n, v in s._vars.items() if before.get(n, _MISSING) is not v)
+        for name in names:
+            self.parent._vars[name] = [s._vars.get(name) for s in self]
+        return self.parent
+
+
+_MISSING = object()
+
+
+def _pendings(value) -> list[Pending]:
+    if isinstance(value, Pending):
+        return [value]
+    if isinstance(value, list):
+        return [p for v in value for p in _pendings(v)]
+    return []
+
+
+def _resolve(value, get):
+    if isinstance(value, Pending):
+        return get(value)
+    if isinstance(value, list):
+        return [_resolve(v, get) for v in value]
+    return value

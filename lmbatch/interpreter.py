@@ -1,0 +1,270 @@
+"""Runs a whole batch of LM programs on the engine, in waves.
+
+Every program runs in its own greenlet until it waits for a model result. The calls queued by all
+waiting programs form a wave, executed as one engine batch (planned as a radix tree, in DFS order).
+The first wave holds the first-stage calls of every instance, so the offline tree covers them all.
+Later calls depend on generated text; they join the next wave once their program has them, picked
+by longest cached prefix in the live tree (SGLang's online approximation of DFS), with the new
+tokens of a wave's generation calls capped so that what they leave in the cache is still there when
+their programs' next calls arrive. Score calls (select) always join: they leave nothing behind.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import greenlet
+
+from lmbatch.engine import Engine
+from lmbatch.errors import UserError
+from lmbatch.frontend import Gen, Pending, Select, State
+from lmbatch.program import Instance
+from lmbatch.programs.mmlu import encode_choices
+from lmbatch.requests import GenerateRequest, RunStats, SamplingParams, ScoreRequest
+from lmbatch.scheduler.planner import posthoc_unique
+
+
+@dataclass
+class StageCounts:
+    calls: int = 0
+    requests: int = 0               # engine requests (a select has one per choice)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    decode_tokens: int = 0
+
+
+@dataclass(eq=False)
+class ProgramRun:
+    """One instance's program while it runs."""
+    index: int
+    instance: Instance
+    interp: "Interpreter"
+    state: State | None = None
+    glet: greenlet.greenlet | None = None
+    stage: int = 0
+    calls: list[Pending] = field(default_factory=list)
+    error: str | None = None
+    user_error: UserError | None = None
+    tokens: StageCounts = field(default_factory=lambda: StageCounts())
+
+    def submit(self, op: Gen | Select, prompt: str) -> Pending:
+        p = Pending(op, prompt, self, self.stage, len(self.calls))
+        self.interp.tokenize(p)
+        self.calls.append(p)
+        self.interp.ready.append(p)
+        return p
+
+    def wait(self, pending: list[Pending]) -> None:
+        if not pending:
+            return
+        if greenlet.getcurrent() is not self.glet:
+            raise RuntimeError("a program's results were read before they were computed")
+        while not all(p.done for p in pending):
+            self.interp.hub.switch()
+        self.stage += 1
+
+    @property
+    def finished(self) -> bool:
+        return self.glet is None or self.glet.dead
+
+
+class Interpreter:
+    def __init__(self, tokenizer, *, max_len: int, schedule: str = "dfs", seed: int = 0, truncate_left: bool = False,
+                 progress: Callable[[int, RunStats], None] | None = None):
+        self.tokenizer, self.max_len = tokenizer, max_len
+        self.schedule, self.seed, self.truncate_left, self.progress = schedule, seed, truncate_left, progress
+        self.engine: Engine | None = None
+        self.runs: list[ProgramRun] = []
+        self.ready: list[Pending] = []
+        self.hub = greenlet.getcurrent()
+        self.stats = RunStats()
+        self.stages: dict[int, StageCounts] = {}
+        self.request_rows: list[dict] = []
+        self.truncated = 0
+        self.waves = 0
+        self._prompts: list[list[int]] = []            # executed prompts, for the post-hoc optimum
+        self._generated: list[tuple[list[int], int]] = []  # (prompt + fed output, prompt length)
+
+    # ---- calls ----------------------------------------------------------------------------
+    def tokenize(self, p: Pending) -> None:
+        """Token ids of a call, checked against the model's context, at the moment it is queued."""
+        inst = p.owner.instance.id
+        if isinstance(p.op, Select):
+            ctx, conts = encode_choices(self.tokenizer, p.prompt, p.op.choices)
+            over = len(ctx) + max(len(c) for c in conts) - self.max_len
+            if over > 0:
+                if not self.truncate_left:
+                    raise UserError(f"instance {inst}: select {p.op.name!r} needs {over + self.max_len} tokens, more "
+                                    f"than the model's {self.max_len}-token context; pass --truncate-left to drop "
+                                    "its oldest tokens (as lm-eval does)")
+                ctx = ctx[over:]
+                self.truncated += 1
+            p.meta["_ids"] = (ctx, conts)
+        else:
+            ids = self.tokenizer.encode(p.prompt, add_special_tokens=False)
+            if not ids:
+                raise UserError(f"instance {inst}: gen {p.op.name!r} has an empty prompt")
+            if len(ids) + p.op.max_tokens > self.max_len:
+                raise UserError(f"instance {inst}: gen {p.op.name!r} needs {len(ids)} prompt + {p.op.max_tokens} "
+                                f"new tokens, more than the model's {self.max_len}-token context")
+            p.meta["_ids"] = ids
+
+    # ---- the run --------------------------------------------------------------------------
+    def start(self, program: Callable, instances: list[Instance]) -> list[ProgramRun]:
+        """Run every program up to its first wait (no model work): the first-stage calls are queued."""
+        self.runs = [ProgramRun(k, inst, self) for k, inst in enumerate(instances)]
+        for run in self.runs:
+            self._start(run, program)
+            if run.user_error is not None:
+                raise run.user_error
+            if run.error is not None:
+                raise UserError(f"program failed on instance {run.instance.id}: {run.error}")
+        return self.runs
+
+    def execute(self, engine: Engine, wave_tokens: int | None = None) -> list[ProgramRun]:
+        """Run waves until every program has finished."""
+        t0 = time.perf_counter()
+        self.engine = engine
+        self.wave_tokens = wave_tokens or engine.pool.num_slots // 2
+        while self.ready:
+            wave = self._pick_wave()
+            self._execute(wave)
+            for run in {p.owner.index: p.owner for p in wave}.values():
+                self._resume(run)
+        self.stats.execute_s = time.perf_counter() - t0 - self.stats.plan_s
+        self._finish_stats()
+        return self.runs
+
+    def longest_ready(self) -> int:
+        """Tokens the longest queued call needs (prompt + new tokens, or context + longest choice)."""
+        def need(p: Pending) -> int:
+            ids = p.meta["_ids"]
+            if isinstance(p.op, Select):
+                return len(ids[0]) + max(len(c) for c in ids[1])
+            return len(ids) + p.op.max_tokens
+        return max((need(p) for p in self.ready), default=1)
+
+    def _start(self, run: ProgramRun, program: Callable) -> None:
+        run.state = State(run)
+
+        def body():
+            try:
+                program(run.state, **run.instance.inputs)
+            except UserError as e:  # a call that cannot run (e.g. too long): named with its instance
+                run.error, run.user_error = str(e), e
+            except Exception as e:  # a program's own bug: kept with its instance
+                run.error = f"{type(e).__name__}: {e}"
+            self._done(run)
+        run.glet = greenlet.greenlet(body, parent=self.hub)
+        run.glet.switch()
+
+    def _resume(self, run: ProgramRun) -> None:
+        if not run.finished and all(p.done for p in run.calls):
+            run.glet.switch()
+
+    def _done(self, run: ProgramRun) -> None:
+        if self.progress:
+            self.progress(run.index, self.stats)
+
+    def _pick_wave(self) -> list[Pending]:
+        ready, self.ready = self.ready, []
+        wave = [p for p in ready if isinstance(p.op, Select)]
+        gens = [p for p in ready if isinstance(p.op, Gen)]
+        tree = self.engine.tree
+        matched = {id(p): tree.match_len(p.meta["_ids"]) if tree else 0 for p in gens}
+        if self.schedule == "dfs":
+            gens.sort(key=lambda p: (-matched[id(p)], p.meta["_ids"]))
+        elif self.schedule == "random":
+            random.Random(self.seed + self.waves).shuffle(gens)
+        used = 0
+        for k, p in enumerate(gens):
+            cost = len(p.meta["_ids"]) - matched[id(p)] + p.op.max_tokens
+            if used and used + cost > self.wave_tokens:
+                self.ready = gens[k:]
+                break
+            wave.append(p)
+            used += cost
+        return wave
+
+    def _execute(self, wave: list[Pending]) -> None:
+        requests, owner = [], []
+        for p in wave:
+            if isinstance(p.op, Select):
+                ctx, conts = p.meta["_ids"]
+                for c in conts:
+                    requests.append(ScoreRequest(ctx, c))
+                    owner.append(p)
+            else:
+                op = p.op
+                seed = hash((self.seed, p.owner.index, p.seq)) & 0x7FFFFFFF
+                params = SamplingParams(op.max_tokens, op.temperature, op.top_p, seed, op.stop)
+                requests.append(GenerateRequest(p.meta["_ids"], params))
+                owner.append(p)
+        results, st = self.engine.run(requests, schedule=self.schedule, seed=self.seed + self.waves)
+        self._account(requests, owner, results, st)
+        k = 0
+        for p in wave:
+            n = len(p.op.choices) if isinstance(p.op, Select) else 1
+            self._resolve(p, results[k:k + n])
+            k += n
+        self.waves += 1
+
+    def _resolve(self, p: Pending, results) -> None:
+        ids = p.meta.pop("_ids")
+        if isinstance(p.op, Select):
+            logprobs = [r.logprob for r in results]
+            best = max(range(len(logprobs)), key=logprobs.__getitem__)
+            p.value = p.op.choices[best]
+            p.meta.update(index=best, logprobs=logprobs, is_greedy=[r.is_greedy for r in results],
+                          num_tokens=[r.num_tokens for r in results])
+        else:
+            r = results[0]
+            p.value = r.text
+            p.meta.update(finish_reason=r.finish_reason, prompt_tokens=len(ids), output_tokens=len(r.token_ids))
+        p.done = True
+
+    # ---- counts ---------------------------------------------------------------------------
+    def _account(self, requests, owner, results, st: RunStats) -> None:
+        total = self.stats
+        for name in ("requests", "executed", "prompt_tokens", "cached_tokens", "computed_tokens", "decode_tokens",
+                     "forward_batches", "evicted_tokens"):
+            setattr(total, name, getattr(total, name) + getattr(st, name))
+        total.plan_s += st.plan_s
+        for p in dict.fromkeys(owner):
+            c = self.stages.setdefault(p.stage, StageCounts())
+            c.calls += 1
+        first: dict[int, int] = {}
+        for k, p in enumerate(owner):
+            first.setdefault(id(p), k)
+        for j in st.order:
+            p, r = owner[j], results[j]
+            decode = getattr(r, "decode_tokens", 0)
+            for c in (self.stages[p.stage], p.owner.tokens):
+                c.requests += len(st.members[j])
+                c.prompt_tokens += r.prompt_tokens
+                c.cached_tokens += r.cached_tokens
+                c.computed_tokens += r.computed_tokens
+                c.decode_tokens += decode
+            self._prompts.append(requests[j].prompt)
+            if isinstance(p.op, Gen):
+                self._generated.append((requests[j].prompt + r.token_ids[:-1], len(requests[j].prompt)))
+            choices = [m - first[id(p)] for m in st.members[j]]
+            self.request_rows.append(dict(
+                order=len(self.request_rows), wave=self.waves, instance_id=p.owner.instance.id, stage=p.stage,
+                call=p.op.name, kind="select" if isinstance(p.op, Select) else "gen",
+                choices=choices if isinstance(p.op, Select) else [], prompt_tokens=r.prompt_tokens,
+                cached_tokens=r.cached_tokens, computed_tokens=r.computed_tokens, decode_tokens=decode,
+                token_ids=requests[j].prompt))
+
+    def _finish_stats(self) -> None:
+        """The post-hoc optimum: from the tree of every prompt actually executed, where tokens that
+        generation already put in the cache count as free (their KV exists without any prefill)."""
+        s = self.stats
+        s.unique_tokens = posthoc_unique(self._prompts, self._generated)
+        s.optimal_hit_rate = 1 - s.unique_tokens / s.prompt_tokens if s.prompt_tokens else 0.0
+        s.engine_optimal_hit_rate = s.optimal_hit_rate
+        plain = posthoc_unique(self._prompts, [])
+        self.prompt_tree_optimal_hit_rate = 1 - plain / s.prompt_tokens if s.prompt_tokens else 0.0

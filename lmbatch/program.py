@@ -1,0 +1,83 @@
+"""What a workload is: a program, its instances and how an instance's result is scored.
+
+Built-in workloads live in `programs/`; `load_file` turns a user's Python file into one.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from lmbatch.errors import UserError
+
+
+@dataclass
+class Instance:
+    id: str
+    inputs: dict[str, Any]          # keyword arguments of the program
+    subject: str = ""               # group for per-subject metrics
+    gold: Any = None
+
+
+@dataclass(frozen=True)
+class LoadArgs:
+    tokenizer: Any
+    shots: int = 0
+    limit: int | None = None
+    subjects: list[str] | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    description: str
+    program: Callable                                   # program(s, **instance.inputs)
+    instances: Callable[[LoadArgs], list[Instance]]
+    score: Callable[[Instance, Any], dict[str, float]] | None = None   # (instance, final state) -> metrics
+    max_shots: int | None = 0                           # None: any number
+    answer: str | None = None       # a select whose choice and logprobs go into the instance rows
+    subjects: bool = False          # takes --subjects
+
+
+RESERVED = ("id", "gold", "subject")
+
+
+def load_file(path: Path) -> Workload:
+    """A user program file defines `program(s, **inputs)` and `instances()` (a list of dicts of
+    inputs; the keys id, gold and subject are kept out of the inputs), and optionally
+    `score(instance, s) -> dict[str, float]`, where instance is the dict."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"program file {path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"lmbatch_user_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # the user's code: report it in one line
+        raise UserError(f"{path}: {type(e).__name__}: {e}") from e
+    for name in ("program", "instances"):
+        if not callable(getattr(module, name, None)):
+            raise UserError(f"{path} must define a function `{name}` (see the README's program file example)")
+    user_score = getattr(module, "score", None)
+
+    def instances(args: LoadArgs) -> list[Instance]:
+        fn = module.instances
+        rows = fn(args) if inspect.signature(fn).parameters else fn()
+        out = []
+        for k, row in enumerate(rows[:args.limit] if args.limit else rows):
+            if not isinstance(row, dict):
+                raise UserError(f"{path}: instances() must return dicts of program inputs; item {k} is a "
+                                f"{type(row).__name__}")
+            out.append(Instance(str(row.get("id", k)), {n: v for n, v in row.items() if n not in RESERVED},
+                                str(row.get("subject", "")), row.get("gold")))
+        return out
+
+    def score(inst: Instance, state) -> dict[str, float]:
+        row = dict(inst.inputs, id=inst.id, gold=inst.gold, subject=inst.subject)
+        return {k: float(v) for k, v in user_score(row, state).items()}
+
+    return Workload(path.stem, (module.__doc__ or "").strip().split("\n")[0], module.program, instances,
+                    score if callable(user_score) else None, max_shots=None)
