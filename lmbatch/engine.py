@@ -90,7 +90,6 @@ class _Running:
     slots: torch.Tensor             # prompt slots, then the reserved decode slots
     prompt_len: int
     params: SamplingParams
-    generator: torch.Generator | None
     out: list[int] = field(default_factory=list)
     finish: str = ""
 
@@ -389,8 +388,7 @@ class Engine:
             slots = self._own_slots.pop(i)
         assert len(slots) >= n, "prompt KV must be in the pool"
         p = req.params
-        gen = torch.Generator().manual_seed(p.seed) if p.temperature > 0 else None
-        self._running.append(_Running(i, node, torch.cat([slots[:n], extra]), n, p, gen))
+        self._running.append(_Running(i, node, torch.cat([slots[:n], extra]), n, p))
 
     def _decode_all(self) -> None:
         """Sample each running request's first token, then decode them together to the end."""
@@ -398,9 +396,11 @@ class Engine:
             return
         self._flush()
         self._drain()
-        for r in self._running:
-            cap = self._captured[(self._node_at(r.index, r.prompt_len - 1), r.prompt_len - 1)]
-            self._append(r, sample(cap.row.to(self.device)[None], [r.params], [r.generator])[0])
+        rows = [self._captured[(self._node_at(r.index, r.prompt_len - 1), r.prompt_len - 1)].row
+                for r in self._running]
+        first = sample(torch.stack(rows).to(self.device), [r.params for r in self._running], [0] * len(rows))
+        for r, t in zip(self._running, first):
+            self._append(r, t)
         live = [r for r in self._running if not r.finish]
         while live:
             positions = [r.prompt_len + len(r.out) - 1 for r in live]
@@ -413,7 +413,7 @@ class Engine:
                     b.add([r.out[-1]], pos, r.slots[pos:pos + 1], r.slots[:pos + 1], [(pos, None)])
                 logits = self.model(b.build().to(self.device), self.attn)
             self.stats.forward_batches += 1
-            tokens = sample(logits, [r.params for r in live], [r.generator for r in live])
+            tokens = sample(logits, [r.params for r in live], [len(r.out) for r in live])
             for r, t in zip(live, tokens):
                 self._append(r, t)
             live = [r for r in live if not r.finish]

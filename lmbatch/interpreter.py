@@ -21,7 +21,7 @@ from lmbatch.engine import Engine
 from lmbatch.errors import UserError
 from lmbatch.frontend import Gen, Pending, Select, State
 from lmbatch.program import Instance
-from lmbatch.programs.mmlu import encode_choices
+from lmbatch.programs.mmlu import choice_texts, split_choices
 from lmbatch.requests import GenerateRequest, RunStats, SamplingParams, ScoreRequest
 from lmbatch.scheduler.planner import posthoc_unique
 
@@ -52,7 +52,6 @@ class ProgramRun:
 
     def submit(self, op: Gen | Select, prompt: str) -> Pending:
         p = Pending(op, prompt, self, self.stage, len(self.calls))
-        self.interp.tokenize(p)
         self.calls.append(p)
         self.interp.ready.append(p)
         return p
@@ -89,11 +88,29 @@ class Interpreter:
         self._generated: list[tuple[list[int], int]] = []  # (prompt + fed output, prompt length)
 
     # ---- calls ----------------------------------------------------------------------------
-    def tokenize(self, p: Pending) -> None:
-        """Token ids of a call, checked against the model's context, at the moment it is queued."""
+    def _tokenize(self, pending: list[Pending]) -> None:
+        """Token ids of queued calls, in one batched (multi-threaded) tokenizer call, checked
+        against the model's context. A call that cannot run fails its program."""
+        texts, spans = [], []
+        for p in pending:
+            k = len(texts)
+            if isinstance(p.op, Select):
+                ctx, wholes = choice_texts(p.prompt, p.op.choices)
+                texts += [ctx, *wholes]
+            else:
+                texts.append(p.prompt)
+            spans.append((k, len(texts)))
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        for p, (a, b) in zip(pending, spans):
+            try:
+                p.meta["_ids"] = self._check(p, ids[a:b])
+            except (UserError, ValueError) as e:
+                self._fail(p, str(e))
+
+    def _check(self, p: Pending, ids: list[list[int]]):
         inst = p.owner.instance.id
         if isinstance(p.op, Select):
-            ctx, conts = encode_choices(self.tokenizer, p.prompt, p.op.choices)
+            ctx, conts = split_choices(ids[0], ids[1:])
             over = len(ctx) + max(len(c) for c in conts) - self.max_len
             if over > 0:
                 if not self.truncate_left:
@@ -102,15 +119,25 @@ class Interpreter:
                                     "its oldest tokens (as lm-eval does)")
                 ctx = ctx[over:]
                 self.truncated += 1
-            p.meta["_ids"] = (ctx, conts)
-        else:
-            ids = self.tokenizer.encode(p.prompt, add_special_tokens=False)
-            if not ids:
-                raise UserError(f"instance {inst}: gen {p.op.name!r} has an empty prompt")
-            if len(ids) + p.op.max_tokens > self.max_len:
-                raise UserError(f"instance {inst}: gen {p.op.name!r} needs {len(ids)} prompt + {p.op.max_tokens} "
-                                f"new tokens, more than the model's {self.max_len}-token context")
-            p.meta["_ids"] = ids
+            return ctx, conts
+        if not ids[0]:
+            raise UserError(f"instance {inst}: gen {p.op.name!r} has an empty prompt")
+        if len(ids[0]) + p.op.max_tokens > self.max_len:
+            raise UserError(f"instance {inst}: gen {p.op.name!r} needs {len(ids[0])} prompt + {p.op.max_tokens} "
+                            f"new tokens, more than the model's {self.max_len}-token context")
+        return ids[0]
+
+    def _fail(self, p: Pending, message: str) -> None:
+        """Before any model work a failing call stops the run; later it ends its own program."""
+        run = p.owner
+        if self.engine is None:
+            raise UserError(message if message.startswith("instance ") else
+                            f"instance {run.instance.id}: {message}")
+        run.calls.remove(p)
+        p.done, p.meta["error"] = True, message       # an empty result: nothing waits on it forever
+        run.error = run.error or message
+        if not run.finished:
+            run.glet.throw(UserError(message))
 
     # ---- the run --------------------------------------------------------------------------
     def start(self, program: Callable, instances: list[Instance]) -> list[ProgramRun]:
@@ -122,6 +149,7 @@ class Interpreter:
                 raise run.user_error
             if run.error is not None:
                 raise UserError(f"program failed on instance {run.instance.id}: {run.error}")
+        self._tokenize(self.ready)
         return self.runs
 
     def execute(self, engine: Engine, wave_tokens: int | None = None) -> list[ProgramRun]:
@@ -170,7 +198,8 @@ class Interpreter:
             self.progress(run.index, self.stats)
 
     def _pick_wave(self) -> list[Pending]:
-        ready, self.ready = self.ready, []
+        self._tokenize([p for p in self.ready if "_ids" not in p.meta])
+        ready, self.ready = [p for p in self.ready if "_ids" in p.meta], []
         wave = [p for p in ready if isinstance(p.op, Select)]
         gens = [p for p in ready if isinstance(p.op, Gen)]
         tree = self.engine.tree

@@ -1,24 +1,46 @@
-"""Next-token choice from a logits row: greedy, or temperature + top-p with a per-request generator."""
+"""Next-token choice for a batch of rows: greedy, or temperature + top-p sampling.
+
+Sampling is the Gumbel-max trick with noise from a counter-based hash of (request seed, step,
+token id): a request's draws depend on nothing else in its batch, and the whole batch samples on
+its device in a few vectorized ops (no per-row host round trip).
+"""
 from __future__ import annotations
 
 import torch
 
 from lmbatch.requests import SamplingParams
 
+_M1, _M2 = -49064778989728563, -4265267296055464877   # 0xff51afd7ed558ccd, 0xc4ceb9fe1a85ec53 as int64
+_K_SEED, _K_STEP, _K_TOKEN = 0x9E3779B97F4A7C15 - (1 << 64), 0x632BE59BD9B4E019, 0x2545F4914F6CDD1D
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
-    """One token per row. Each request samples with its own generator, so results do not depend on
-    which other requests share its batch."""
-    out = []
-    greedy = logits.argmax(dim=-1).tolist()
-    for row, p, g, best in zip(logits, params, generators, greedy):
-        if p.temperature <= 0:
-            out.append(best)
-            continue
-        probs = torch.softmax(row.float().cpu() / p.temperature, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, idx = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < p.top_p   # the smallest set reaching top_p
-            probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
-        out.append(int(torch.multinomial(probs, 1, generator=g)))
-    return out
+
+def _uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] uniforms in (0, 1), a pure function of (seed, step, token id) (splitmix-style)."""
+    tok = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = seeds[:, None] * _K_SEED + steps[:, None] * _K_STEP + tok[None] * _K_TOKEN
+    for m in (_M1, _M2):
+        x = (x ^ ((x >> 33) & ((1 << 31) - 1))) * m
+    x = x ^ ((x >> 33) & ((1 << 31) - 1))
+    return (((x >> 8) & ((1 << 24) - 1)).float() + 0.5) / (1 << 24)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
+    """One token per row; `steps[i]` is how many tokens row i's request has sampled before."""
+    out = logits.argmax(dim=-1)
+    hot = [i for i, p in enumerate(params) if p.temperature > 0]
+    if hot:
+        dev = logits.device
+        idx = torch.tensor(hot, device=dev)
+        temp = torch.tensor([params[i].temperature for i in hot], device=dev)[:, None]
+        top_p = torch.tensor([params[i].top_p for i in hot], device=dev)[:, None]
+        z = logits[idx].float() / temp
+        if any(params[i].top_p < 1.0 for i in hot):   # keep the smallest set of tokens reaching top_p
+            probs = torch.softmax(z, dim=-1)
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            drop_sorted = sorted_p.cumsum(-1) - sorted_p >= top_p
+            z = z.masked_fill(torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted), float("-inf"))
+        seeds = torch.tensor([params[i].seed for i in hot], device=dev, dtype=torch.int64)
+        st = torch.tensor([steps[i] for i in hot], device=dev, dtype=torch.int64)
+        gumbel = -torch.log(-torch.log(_uniform(seeds, st, z.shape[-1])))
+        out[idx] = (z + gumbel).argmax(dim=-1)
+    return out.tolist()

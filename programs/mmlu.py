@@ -112,17 +112,27 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[
     return ctx, cont
 
 
-def encode_choices(tokenizer: Tokenizer, context: str, continuations) -> tuple[list[int], list[list[int]]]:
-    """``encode_pair`` for several continuations of one context, encoding the context once."""
+def choice_texts(context: str, continuations) -> tuple[str, list[str]]:
+    """The texts lm-eval encodes for a context and its continuations: the context without its
+    trailing whitespace, and each whole (context + continuation)."""
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces > 0:
         continuations = [context[-n_spaces:] + c for c in continuations]
         context = context[:-n_spaces]
-    ctx = tokenizer.encode(context, add_special_tokens=False)
+    return context, [context + c for c in continuations]
+
+
+def split_choices(ctx: list[int], wholes: list[list[int]]) -> tuple[list[int], list[list[int]]]:
     if not ctx:
         raise ValueError("empty context: lm-eval would use a prefix token here, lmbatch does not")
-    wholes = [tokenizer.encode(context + c, add_special_tokens=False) for c in continuations]
     return list(ctx), [list(w[len(ctx):]) for w in wholes]
+
+
+def encode_choices(tokenizer: Tokenizer, context: str, continuations) -> tuple[list[int], list[list[int]]]:
+    """``encode_pair`` for several continuations of one context, encoding the context once."""
+    context, wholes = choice_texts(context, continuations)
+    return split_choices(tokenizer.encode(context, add_special_tokens=False),
+                         [tokenizer.encode(w, add_special_tokens=False) for w in wholes])
 
 
 def program(s, context: str) -> None:

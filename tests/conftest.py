@@ -46,3 +46,25 @@ def make_tiny_hf(kind: str, path, seed: int = 0, **overrides):
 def tiny_model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     return request.param, path, make_tiny_hf(request.param, path)
+
+
+def make_tiny_with_tokenizer(path, max_positions: int = 2048, seed: int = 0):
+    """A tiny random Llama over the embedded model's tokenizer (vocab 49152), saved to `path`."""
+    import shutil
+
+    from lmbatch.models import embedded_model_dir
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                      tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    for f in embedded_model_dir().iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            shutil.copy(f, path / f.name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tok(tmp_path_factory):
+    return make_tiny_with_tokenizer(tmp_path_factory.mktemp("tiny_tok"))

@@ -180,3 +180,19 @@ def test_finished_generations_are_cached_for_later_calls(llama):
     # everything but the last generated token (never run) and the new prompt token was cached
     assert stats.cached_tokens == len(prompt) + 6 - 1
     assert stats.computed_tokens == 2
+
+
+def test_sampling_follows_the_distribution_and_top_p():
+    from lmbatch.sampling import sample
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]])
+    probs = torch.softmax(logits[0] / 0.7, -1)
+    n = 20000
+    draws = [sample(logits, [SamplingParams(temperature=0.7, seed=s)], [0])[0] for s in range(n // 2)]
+    draws += [sample(logits, [SamplingParams(temperature=0.7, seed=7)], [k])[0] for k in range(n // 2)]
+    freq = torch.bincount(torch.tensor(draws), minlength=5).float() / n
+    assert torch.allclose(freq, probs, atol=0.015), (freq, probs)      # seeds and steps both give fresh draws
+    # p = 0.64, 0.24, 0.09, ...: top_p 0.8 keeps the first two tokens, top_p 0.6 the first alone
+    top = [sample(logits, [SamplingParams(temperature=1.0, top_p=0.8, seed=s)], [0])[0] for s in range(2000)]
+    assert set(top) == {0, 1} and abs(top.count(1) / 2000 - 0.237 / 0.881) < 0.04
+    assert {sample(logits, [SamplingParams(temperature=1.0, top_p=0.6, seed=s)], [0])[0] for s in range(300)} == {0}

@@ -1,0 +1,134 @@
+"""LM-program benchmark (HellaSwag, tree of thought on GSM8K), every variant in one process on the
+same programs and the same weights (`seconds`: model work, every wave of the programs; `start_s`:
+the programs' first pass, which tokenizes their first-stage calls, as the baseline's tokenization): lmbatch (DFS waves), the paper's ablations (fcfs, random, no
+cache) and, for HellaSwag, plain transformers (lm-eval's loglikelihood with padded batches).
+
+    # GPU, SmolLM2-135M shape with dummy weights:
+    python benchmarks/bench_programs.py --workload hellaswag --shots 10 --preset smollm2-135m \
+        --tokenizer .gpu/tok --variants dfs,fcfs,random,nocache,hf
+    python benchmarks/bench_programs.py --workload tot-gsm8k --preset smollm2-135m --tokenizer .gpu/tok
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from bench_mmlu import _reset
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", default="hellaswag", choices=["hellaswag", "tot-gsm8k"])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--preset", help="presets/<name>/config.json with dummy weights (default: the embedded model)")
+    ap.add_argument("--tokenizer", help="tokenizer folder (default: the embedded model's)")
+    ap.add_argument("--shots", type=int, default=0)
+    ap.add_argument("--limit", type=int)
+    ap.add_argument("--variants", default="dfs,fcfs,random,nocache")
+    ap.add_argument("--max-tokens-per-batch", type=int, default=16384)
+    ap.add_argument("--kv-cache-tokens", type=int, default=131072)
+    ap.add_argument("--hf-batch-tokens", type=int, default=32768)
+    ap.add_argument("--out", default="results/bench_programs.parquet")
+    args = ap.parse_args()
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from lmbatch.baseline import first_selects, score_pairs
+    from lmbatch.config import ModelConfig
+    from lmbatch.engine import Engine
+    from lmbatch.interpreter import Interpreter
+    from lmbatch.model import Transformer
+    from lmbatch.models import embedded_model_dir
+    from lmbatch.program import LoadArgs
+    from lmbatch.tasks import get_workload
+    from lmbatch.weights import load_weights
+
+    dev = torch.device(args.device)
+    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    tok = AutoTokenizer.from_pretrained(args.tokenizer or str(embedded_model_dir()))
+    model_dir = ROOT / "presets" / args.preset if args.preset else embedded_model_dir()
+    w = get_workload(args.workload)
+    instances = w.instances(LoadArgs(tok, args.shots, args.limit))
+    if args.preset:
+        with torch.device(dev):
+            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype,
+                                                  attn_implementation="sdpa").eval()
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
+    cfg = ModelConfig.from_dir(model_dir)
+    with torch.device(dev):
+        model = Transformer(cfg).to(dtype)
+    load_weights(model, hf.state_dict())
+    model.eval()
+
+    def lmbatch(name: str, insts):
+        interp = Interpreter(tok, max_len=cfg.max_position_embeddings,
+                             schedule={"fcfs": "fcfs", "random": "random"}.get(name, "dfs"))
+        t = time.perf_counter()
+        interp.start(w.program, insts)              # first pass of every program: tokenizes stage 0
+        t_start = time.perf_counter() - t
+        eng = Engine(model, kv_cache_tokens=args.kv_cache_tokens, max_tokens_per_batch=args.max_tokens_per_batch,
+                     cache=name != "nocache", tokenizer=tok)
+        t = time.perf_counter()
+        interp.execute(eng)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return interp, t_start, time.perf_counter() - t
+
+    rows, preds = [], {}
+    for name in args.variants.split(","):
+        if name == "hf":
+            t = time.perf_counter()
+            choices = first_selects(w.program, instances, tok)
+            t_start = time.perf_counter() - t
+            score_pairs(hf, choices[:16], args.hf_batch_tokens)      # warm-up
+            _reset(dev)
+            base = score_pairs(hf, choices, args.hf_batch_tokens)
+            preds[name] = base.predictions
+            rows.append(dict(variant=name, seconds=base.seconds, start_s=t_start,
+                             programs_per_s=len(instances) / base.seconds,
+                             prompt_tokens=base.prompt_tokens, computed_tokens=base.prompt_tokens))
+            continue
+        lmbatch(name, instances[:32])                                    # warm-up: kernels, graphs
+        _reset(dev)
+        interp, t_start, seconds = lmbatch(name, instances)
+        s = interp.stats
+        if w.answer:
+            preds[name] = [r.state.meta(w.answer)["index"] for r in interp.runs]
+        metrics = [w.score(i, r.state) for i, r in zip(instances, interp.runs)]
+        rows.append(dict(variant=name, seconds=seconds, start_s=t_start, programs_per_s=len(instances) / seconds,
+                         prompt_tokens=s.prompt_tokens, computed_tokens=s.computed_tokens, decode_tokens=s.decode_tokens,
+                         hit_rate=s.hit_rate, optimal_hit_rate=s.optimal_hit_rate,
+                         hit_ratio=s.hit_rate / s.optimal_hit_rate if s.optimal_hit_rate else None,
+                         prompt_tree_optimal=interp.prompt_tree_optimal_hit_rate, waves=interp.waves,
+                         forward_batches=s.forward_batches, evicted_tokens=s.evicted_tokens,
+                         acc=sum(m.get("acc", 0) for m in metrics) / len(metrics),
+                         peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None))
+    base_s = next((r["seconds"] for r in rows if r["variant"] == "hf"), None)
+    for row in rows:
+        row["speedup_vs_hf"] = base_s / row["seconds"] if base_s else None
+        if "dfs" in preds and row["variant"] in preds:
+            p = preds[row["variant"]]
+            row["agree_dfs"] = sum(a == b for a, b in zip(p, preds["dfs"])) / len(p)
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    print(f"\n{name}, {args.workload}, {len(instances)} programs, {args.preset or 'embedded SmolLM2-135M'}")
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join(f"{r.get(k):.4g}" if isinstance(r.get(k), float) else str(r.get(k)) for k in keys))
+    print(json.dumps(rows))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist(rows), out)
+
+
+if __name__ == "__main__":
+    main()

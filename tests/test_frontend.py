@@ -1,0 +1,187 @@
+"""The LM program frontend and its interpreter on a tiny random model with the embedded tokenizer:
+results equal the engine's, forks compute their shared prefix once, waves change no result, the
+post-hoc optimum is exact, and user program files run from the CLI."""
+import json
+
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+from typer.testing import CliRunner
+
+from lmbatch.cli import app
+from lmbatch.engine import Engine
+from lmbatch.frontend import gen, select
+from lmbatch.interpreter import Interpreter
+from lmbatch.program import Instance
+from lmbatch.programs.mmlu import encode_choices
+from lmbatch.requests import GenerateRequest, SamplingParams
+from lmbatch.scheduler.planner import posthoc_unique
+
+PREFIX = "You are a careful assistant. Answer every question briefly and precisely. " * 3
+
+
+def run_programs(path, program, inputs, wave_tokens=None, kv=16384, **kw):
+    tok = AutoTokenizer.from_pretrained(str(path))
+    interp = Interpreter(tok, max_len=2048, **kw)
+    interp.start(program, [Instance(str(k), x) for k, x in enumerate(inputs)])
+    interp.execute(Engine.from_pretrained(path, tokenizer=tok, kv_cache_tokens=kv), wave_tokens)
+    return interp, tok
+
+
+def test_gen_equals_the_engines_greedy_generation(tiny_tok):
+    def program(s, q):
+        s += PREFIX + q
+        s += gen("a", max_tokens=6)
+
+    qs = ["What is two plus two?", "Name a color."]
+    interp, tok = run_programs(tiny_tok, program, [{"q": q} for q in qs])
+    eng = Engine.from_pretrained(tiny_tok, tokenizer=tok)
+    want, _ = eng.generate([GenerateRequest(tok.encode(PREFIX + q, add_special_tokens=False), SamplingParams(6))
+                            for q in qs])
+    assert [r.state["a"] for r in interp.runs] == [w.text for w in want]
+    assert [r.state.text for r in interp.runs] == [PREFIX + q + w.text for q, w in zip(qs, want)]
+
+
+def test_fork_computes_the_shared_prefix_once_and_join_gathers(tiny_tok):
+    def program(s, q):
+        s += PREFIX + q
+        forks = s.fork(3)
+        for k, f in enumerate(forks):
+            f += f" Option {k}:" + gen("x", max_tokens=4)
+        forks.join()
+        s["n"] = len(s["x"])
+
+    interp, _ = run_programs(tiny_tok, program, [{"q": "Why?"}, {"q": "How?"}])
+    st_ = interp.stats
+    assert st_.computed_tokens == st_.unique_tokens          # every distinct prefix computed once
+    assert st_.hit_rate == pytest.approx(st_.optimal_hit_rate, abs=1e-12) and st_.hit_rate > 0.6
+    assert all(len(r.state["x"]) == 3 and r.state["n"] == 3 for r in interp.runs)
+    assert interp.waves == 1 and interp.stages[0].calls == 6
+
+
+def test_control_flow_stages_and_select_tokenization(tiny_tok):
+    def program(s, q):
+        s += q + " Answer:"
+        s += gen("a", max_tokens=3)
+        if len(s["a"]) >= 0:                                # a result read: the program waits here
+            s += "\nSure? "
+            s += select("ok", ["yes", "no"])
+        s["ok_index"] = s.meta("ok")["index"]
+
+    interp, tok = run_programs(tiny_tok, program, [{"q": "One"}, {"q": "Two"}, {"q": "Three"}])
+    assert interp.waves == 2
+    assert {k: (c.calls, c.requests) for k, c in interp.stages.items()} == {0: (3, 3), 1: (3, 6)}
+    for run in interp.runs:
+        sel = run.calls[1]
+        assert sel.op.name == "ok" and sel.prompt.endswith("\nSure? ")
+        meta = run.state.meta("ok")
+        assert run.state["ok"] == ["yes", "no"][meta["index"]] == ["yes", "no"][run.state["ok_index"]]
+        ctx, conts = encode_choices(tok, sel.prompt, ["yes", "no"])   # lm-eval's encode_pair
+        assert meta["num_tokens"] == [len(c) for c in conts] and ctx[-1] != tok.encode(" ")[0]
+
+
+def test_waves_and_schedules_change_no_result(tiny_tok):
+    def program(s, q):
+        s += PREFIX + q
+        forks = s.fork(2)
+        forks += " Step:" + gen("step", max_tokens=5, temperature=0.9)
+        for f in forks:
+            f += " Good?" + select("ok", [" yes", " no"])
+        best = max(forks, key=lambda f: f.meta("ok")["logprobs"][0])
+        best += " So:" + gen("final", max_tokens=4)
+        s["final"] = best["final"]
+
+    inputs = [{"q": f"Question {k}?"} for k in range(6)]
+    one, _ = run_programs(tiny_tok, program, inputs)
+    many, _ = run_programs(tiny_tok, program, inputs, wave_tokens=1, kv=2048)
+    fcfs, _ = run_programs(tiny_tok, program, inputs, schedule="fcfs", wave_tokens=40)
+    results = [[r.state["final"] for r in i.runs] for i in (one, many, fcfs)]
+    assert results[0] == results[1] == results[2]
+    assert many.waves > one.waves
+    for i in (one, many):
+        assert i.stats.hit_rate >= 0.95 * i.stats.optimal_hit_rate
+
+
+def brute_optimum(prompts, generated):
+    need = {tuple(p[:k]) for p in prompts for k in range(1, len(p) + 1)}
+    decoded = {tuple(s[:k]) for s, g in generated for k in range(g + 1, len(s) + 1)}
+    return len(need - decoded)
+
+
+seqs = st.lists(st.integers(0, 3), min_size=1, max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(seqs, min_size=1, max_size=8), st.lists(st.tuples(seqs, seqs), max_size=4))
+def test_posthoc_optimum_is_exact(prompts, gens):
+    generated = [(p + o, len(p)) for p, o in gens]
+    prompts = prompts + [p for p, _ in gens]
+    assert posthoc_unique(prompts, generated) == brute_optimum(prompts, generated)
+
+
+USER_FILE = '''"""Capitals: a user program."""
+from lmbatch.frontend import gen, select
+
+def instances():
+    return [{"id": f"c{k}", "country": c, "gold": g} for k, (c, g) in enumerate(
+        [("France", "Paris"), ("Japan", "Tokyo"), ("Peru", "Lima")])]
+
+def program(s, country):
+    s += f"The capital of {country} is"
+    s += select("city", [" Paris", " Tokyo", " Lima"])
+    s += ". Its population is" + gen("pop", max_tokens=4, stop=".")
+
+def score(instance, s):
+    return {"acc": s["city"].strip() == instance["gold"]}
+'''
+
+
+def test_user_program_file_runs_from_the_cli(tiny_tok, tmp_path):
+    f = tmp_path / "capitals.py"
+    f.write_text(USER_FILE)
+    r = CliRunner().invoke(app, ["run", str(f), "--model", str(tiny_tok), "--out", str(tmp_path), "--run-id", "u",
+                                 "--quiet"])
+    assert r.exit_code == 0, r.output
+    s = json.loads((tmp_path / "u" / "summary.json").read_text())
+    assert s["task"] == "capitals" and s["counts"]["instances"] == 3 and s["counts"]["calls"] == 6
+    assert set(s["stages"]) == {"0", "1"} and s["accuracy"] == s["metrics"]["acc"]
+    rows = pq.read_table(tmp_path / "u" / "instances.parquet").to_pylist()
+    assert [row["id"] for row in rows] == ["c0", "c1", "c2"] and [row["gold"] for row in rows] == ["Paris", "Tokyo", "Lima"]
+    outs = [json.loads(row["outputs"]) for row in rows]
+    assert all(set(o) == {"city", "pop"} and "." not in o["pop"] for o in outs)
+    reqs = pq.read_table(tmp_path / "u" / "requests.parquet").to_pylist()
+    assert {(row["kind"], row["stage"]) for row in reqs} == {("select", 0), ("gen", 1)}
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("x = 1\n", "must define a function `program`"),
+    ("def instances():\n    return [{'a': 1}]\ndef program(s, a):\n    raise KeyError('boom')\n",
+     "program failed on instance 0: KeyError"),
+    ("def instances():\n    return [1]\ndef program(s):\n    pass\n", "must return dicts"),
+    ("import nosuchmodule\n", "ModuleNotFoundError"),
+])
+def test_bad_program_files_fail_in_one_line(tiny_tok, tmp_path, body, needle):
+    f = tmp_path / "bad.py"
+    f.write_text(body)
+    r = CliRunner().invoke(app, ["run", str(f), "--model", str(tiny_tok), "--out", str(tmp_path), "--quiet"])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert not list(tmp_path.glob("bad*"))[1:]
+
+
+def test_a_later_call_that_cannot_run_fails_only_its_instance(tiny_tok):
+    def program(s, n):
+        s += "Count:"
+        s += gen("a", max_tokens=2)
+        s += " one" * n                                   # n = 3000: longer than the 2048-token context
+        s += gen("b", max_tokens=2)
+
+    interp, _ = run_programs(tiny_tok, program, [{"n": 3}, {"n": 3000}, {"n": 4}])
+    errors = [r.error for r in interp.runs]
+    assert errors[0] is None and errors[2] is None
+    assert errors[1].startswith("instance 1: gen 'b' needs") and "2048-token context" in errors[1]
+    assert interp.runs[0].state["b"] is not None and len(interp.runs[1].calls) == 1
+    assert interp.runs[1].state["b"] == "" and interp.runs[1].state.meta("b")["error"] == errors[1]
