@@ -49,6 +49,12 @@ class ProgramRun:
     error: str | None = None
     user_error: UserError | None = None
     tokens: StageCounts = field(default_factory=lambda: StageCounts())
+    started: bool = False           # some call of it has been in a wave
+
+    @property
+    def footprint(self) -> int:
+        """Tokens this program has put into the cache (prefill and decode)."""
+        return self.tokens.computed_tokens + self.tokens.decode_tokens
 
     def submit(self, op: Gen | Select, prompt: str) -> Pending:
         p = Pending(op, prompt, self, self.stage, len(self.calls))
@@ -83,6 +89,7 @@ class Interpreter:
         self.stages: dict[int, StageCounts] = {}
         self.request_rows: list[dict] = []
         self.truncated = 0
+        self.max_final_footprint = 0   # largest cache footprint of a finished program
         self.waves = 0
         self._prompts: list[list[int]] = []            # executed prompts, for the post-hoc optimum
         self._generated: list[tuple[list[int], int]] = []  # (prompt + fed output, prompt length)
@@ -156,7 +163,7 @@ class Interpreter:
         """Run waves until every program has finished."""
         t0 = time.perf_counter()
         self.engine = engine
-        self.wave_tokens = wave_tokens or engine.pool.num_slots // 2
+        self.wave_tokens = wave_tokens or engine.pool.num_slots * 3 // 4
         while self.ready:
             wave = self._pick_wave()
             self._execute(wave)
@@ -194,28 +201,43 @@ class Interpreter:
             run.glet.switch()
 
     def _done(self, run: ProgramRun) -> None:
+        self.max_final_footprint = max(self.max_final_footprint, run.footprint)
         if self.progress:
             self.progress(run.index, self.stats)
 
     def _pick_wave(self) -> list[Pending]:
+        """Every queued select; the generation calls of programs already under way; and calls of
+        programs not yet started while the estimated cache footprint of all started, unfinished
+        programs stays within `wave_tokens` (half the pool), so a program's KV is still cached
+        when its next stage comes."""
         self._tokenize([p for p in self.ready if "_ids" not in p.meta])
         ready, self.ready = [p for p in self.ready if "_ids" in p.meta], []
         wave = [p for p in ready if isinstance(p.op, Select)]
         gens = [p for p in ready if isinstance(p.op, Gen)]
         tree = self.engine.tree
         matched = {id(p): tree.match_len(p.meta["_ids"]) if tree else 0 for p in gens}
-        if self.schedule == "dfs":
+        if self.schedule == "dfs":      # longest cached prefix first, then radix-tree (sorted) order
             gens.sort(key=lambda p: (-matched[id(p)], p.meta["_ids"]))
         elif self.schedule == "random":
             random.Random(self.seed + self.waves).shuffle(gens)
-        used = 0
-        for k, p in enumerate(gens):
-            cost = len(p.meta["_ids"]) - matched[id(p)] + p.op.max_tokens
-            if used and used + cost > self.wave_tokens:
-                self.ready = gens[k:]
-                break
+        wave += [p for p in gens if p.owner.started]
+        active = [r for r in self.runs if r.started and not r.finished]
+        live = sum(r.footprint for r in active)
+        grown = self.max_final_footprint or 4 * max((r.footprint for r in active), default=0)
+        admitted: set[int] = set()
+        for p in gens:
+            if p.owner.started:
+                continue
+            if p.owner.index not in admitted:
+                cost = max(grown, len(p.meta["_ids"]) - matched[id(p)] + p.op.max_tokens)
+                if (wave or admitted) and live + cost > self.wave_tokens:
+                    self.ready.append(p)
+                    continue
+                admitted.add(p.owner.index)
+                live += cost
             wave.append(p)
-            used += cost
+        for p in wave:
+            p.owner.started = True
         return wave
 
     def _execute(self, wave: list[Pending]) -> None:

@@ -36,9 +36,9 @@ def test_hellaswag_matches_transformers_on_200_questions():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv, wave_tokens", [(65536, None), (4096, 1024)])
+@pytest.mark.parametrize("kv, wave_tokens", [(65536, None), (3072, 1536)])
 def test_tree_of_thought_reaches_95_percent_of_the_posthoc_optimum(kv, wave_tokens):
-    interp, insts, _ = run(tot_gsm8k.WORKLOAD, dict(limit=3), kv=kv, wave_tokens=wave_tokens)
+    interp, insts, _ = run(tot_gsm8k.WORKLOAD, dict(limit=2), kv=kv, wave_tokens=wave_tokens)
     s = interp.stats
     assert s.hit_rate >= 0.95 * s.optimal_hit_rate, (s.hit_rate, s.optimal_hit_rate)
     assert s.optimal_hit_rate > interp.prompt_tree_optimal_hit_rate   # decoded tokens count as cached
