@@ -7,6 +7,8 @@ cache) and, for HellaSwag, plain transformers (lm-eval's loglikelihood with padd
     python benchmarks/bench_programs.py --workload hellaswag --shots 10 --preset smollm2-135m \
         --tokenizer .gpu/tok --variants dfs,fcfs,random,nocache,hf
     python benchmarks/bench_programs.py --workload tot-gsm8k --preset smollm2-135m --tokenizer .gpu/tok
+    python benchmarks/bench_programs.py --workload json --preset smollm2-135m --tokenizer .gpu/tok \
+        --variants dfs,nojump,percall         # jump-forward off; grammar compiled per request
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workload", default="hellaswag", choices=["hellaswag", "tot-gsm8k"])
+    ap.add_argument("--workload", default="hellaswag", choices=["hellaswag", "tot-gsm8k", "json"])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--preset", help="presets/<name>/config.json with dummy weights (default: the embedded model)")
     ap.add_argument("--tokenizer", help="tokenizer folder (default: the embedded model's)")
@@ -68,13 +70,15 @@ def main() -> None:
     model.eval()
 
     def lmbatch(name: str, insts):
-        interp = Interpreter(tok, max_len=cfg.max_position_embeddings,
-                             schedule={"fcfs": "fcfs", "random": "random"}.get(name, "dfs"))
+        jump = name != "nojump"
+        interp = Interpreter(tok, max_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
+                             schedule={"fcfs": "fcfs", "random": "random"}.get(name, "dfs"), jump_forward=jump,
+                             grammar_cache=name != "percall")
         t = time.perf_counter()
         interp.start(w.program, insts)              # first pass of every program: tokenizes stage 0
         t_start = time.perf_counter() - t
         eng = Engine(model, kv_cache_tokens=args.kv_cache_tokens, max_tokens_per_batch=args.max_tokens_per_batch,
-                     cache=name != "nocache", tokenizer=tok)
+                     cache=name != "nocache", tokenizer=tok, jump_forward=jump)
         t = time.perf_counter()
         interp.execute(eng)
         if dev.type == "cuda":
@@ -102,6 +106,7 @@ def main() -> None:
         if w.answer:
             preds[name] = [r.state.meta(w.answer)["index"] for r in interp.runs]
         metrics = [w.score(i, r.state) for i, r in zip(instances, interp.runs)]
+        gens = [p.meta for r in interp.runs for p in r.calls if "steps" in p.meta]
         rows.append(dict(variant=name, seconds=seconds, start_s=t_start, programs_per_s=len(instances) / seconds,
                          prompt_tokens=s.prompt_tokens, computed_tokens=s.computed_tokens, decode_tokens=s.decode_tokens,
                          hit_rate=s.hit_rate, optimal_hit_rate=s.optimal_hit_rate,
@@ -109,6 +114,11 @@ def main() -> None:
                          prompt_tree_optimal=interp.prompt_tree_optimal_hit_rate, waves=interp.waves,
                          forward_batches=s.forward_batches, evicted_tokens=s.evicted_tokens,
                          acc=sum(m.get("acc", 0) for m in metrics) / len(metrics),
+                         total_s=t_start + seconds, programs_per_s_total=len(instances) / (t_start + seconds),
+                         steps_per_output=sum(g["steps"] for g in gens) / max(len(gens), 1),
+                         tokens_per_output=sum(g["output_tokens"] for g in gens) / max(len(gens), 1),
+                         valid=sum(m.get("valid", 0) for m in metrics) / len(metrics),
+                         compilations=interp.grammars.compiled_count if interp.grammars else 0,
                          peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None))
     base_s = next((r["seconds"] for r in rows if r["variant"] == "hf"), None)
     for row in rows:

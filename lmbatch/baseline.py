@@ -66,13 +66,21 @@ def score_pairs(model, instances: list[ChoiceInstance], batch_tokens: int = 8192
         for row, j in enumerate(idx):
             ids[row, :len(seqs[j])] = torch.tensor(seqs[j])
             mask[row, :len(seqs[j])] = 1
-        lp = torch.log_softmax(model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float(), -1)
+        # the LM head only at scored positions (as lmbatch does; the full logits would dominate)
+        hidden = model.model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+        rows, cols, targets, owner = [], [], [], []
         for row, j in enumerate(idx):
             k, c = pairs[j]
             cont = instances[k].continuations[c]
             first = len(instances[k].context) - 1
-            pos = torch.arange(first, first + len(cont), device=device)
-            out[k][c] = float(lp[row, pos, torch.tensor(cont, device=device)].sum())
+            rows += [row] * len(cont)
+            cols += range(first, first + len(cont))
+            targets += cont
+            owner += [(k, c)] * len(cont)
+        lp = torch.log_softmax(model.lm_head(hidden[rows, cols]).float(), -1)
+        picked = lp[torch.arange(len(targets), device=device), torch.tensor(targets, device=device)].tolist()
+        for (k, c), v in zip(owner, picked):
+            out[k][c] += v
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

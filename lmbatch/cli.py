@@ -37,6 +37,8 @@ def run(
     truncate_left: bool = typer.Option(False, "--truncate-left", help="Drop the oldest tokens of prompts longer than the model's context."),
     save_token_ids: bool = typer.Option(False, "--save-token-ids", help="Store each request's token ids in requests.parquet."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar or closing line."),
+    no_jump_forward: bool = typer.Option(False, "--no-jump-forward",
+                                         help="Decode grammar-forced text token by token (ablation)."),
 ) -> None:
     """Run a task's every instance through the engine; write results/<run_id>/."""
     from lmbatch.runner import RunOptions
@@ -45,7 +47,8 @@ def run(
     opts = RunOptions(task=task, shots=shots, model=model, limit=limit, subjects=subjects or None, device=device,
                       dtype=dtype, max_tokens_per_batch=max_tokens_per_batch, kv_cache_tokens=kv_cache_tokens,
                       schedule=schedule, no_cache=no_cache, seed=seed, out=out, run_id=run_id, overwrite=overwrite,
-                      truncate_left=truncate_left, save_token_ids=save_token_ids, quiet=quiet)
+                      truncate_left=truncate_left, save_token_ids=save_token_ids, quiet=quiet,
+                      jump_forward=not no_jump_forward)
     try:
         path = do_run(opts)
     except UserError as e:

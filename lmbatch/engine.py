@@ -90,14 +90,18 @@ class _Running:
     slots: torch.Tensor             # prompt slots, then the reserved decode slots
     prompt_len: int
     params: SamplingParams
+    constraint: object = None       # lmbatch.grammar.Constraint
     out: list[int] = field(default_factory=list)
+    fed: int = 0                    # tokens of `out` whose KV is in the pool
+    steps: int = 0                  # forward passes that sampled a token for it
+    jumped: int = 0                 # tokens appended by jump-forward
     finish: str = ""
 
 
 class Engine:
     def __init__(self, model: Transformer, *, kv_cache_tokens: int = 32768, max_tokens_per_batch: int = 4096,
                  attention: str | None = None, cache: bool = True, max_running: int = 256, tokenizer=None,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, jump_forward: bool = True):
         cfg = model.cfg
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
         self.device = next(model.parameters()).device
@@ -116,6 +120,7 @@ class Engine:
         self.tree = RadixTree(self.pool.free) if cache else None
         self.max_tokens_per_batch = max_tokens_per_batch
         self.max_running = max_running
+        self.jump_forward = jump_forward
 
     @classmethod
     def from_pretrained(cls, path, *, device="cpu", dtype=torch.float32, load_format="auto", **kw) -> "Engine":
@@ -388,7 +393,7 @@ class Engine:
             slots = self._own_slots.pop(i)
         assert len(slots) >= n, "prompt KV must be in the pool"
         p = req.params
-        self._running.append(_Running(i, node, torch.cat([slots[:n], extra]), n, p))
+        self._running.append(_Running(i, node, torch.cat([slots[:n], extra]), n, p, req.constraint))
 
     def _decode_all(self) -> None:
         """Sample each running request's first token, then decode them together to the end."""
@@ -398,44 +403,83 @@ class Engine:
         self._drain()
         rows = [self._captured[(self._node_at(r.index, r.prompt_len - 1), r.prompt_len - 1)].row
                 for r in self._running]
-        first = sample(torch.stack(rows).to(self.device), [r.params for r in self._running], [0] * len(rows))
-        for r, t in zip(self._running, first):
-            self._append(r, t)
+        self._sample(self._running, torch.stack(rows).to(self.device))
         live = [r for r in self._running if not r.finish]
         while live:
-            positions = [r.prompt_len + len(r.out) - 1 for r in live]
-            if self.graphs is not None:
-                logits = self.graphs.run([r.out[-1] for r in live], positions,
-                                         [r.slots[:p + 1] for r, p in zip(live, positions)])
-            else:
+            # a row feeds the tokens it has not run yet: one after a sampled token, several after a
+            # jump-forward; one-token rows replay the decode graphs, the others run one ragged batch
+            one = [r for r in live if len(r.out) - r.fed == 1]
+            more = [r for r in live if len(r.out) - r.fed > 1]
+            parts = []
+            if one:
+                positions = [r.prompt_len + r.fed for r in one]
+                if self.graphs is not None:
+                    parts.append(self.graphs.run([r.out[-1] for r in one], positions,
+                                                 [r.slots[:p + 1] for r, p in zip(one, positions)]))
+                else:
+                    more = one + more
+            if more:
                 b = _Batch()
-                for r, pos in zip(live, positions):
-                    b.add([r.out[-1]], pos, r.slots[pos:pos + 1], r.slots[:pos + 1], [(pos, None)])
-                logits = self.model(b.build().to(self.device), self.attn)
-            self.stats.forward_batches += 1
-            tokens = sample(logits, [r.params for r in live], [len(r.out) for r in live])
-            for r, t in zip(live, tokens):
-                self._append(r, t)
+                for r in more:
+                    start, end = r.prompt_len + r.fed, r.prompt_len + len(r.out)
+                    b.add(r.out[r.fed:], start, r.slots[start:end], r.slots[:end], [(end - 1, None)])
+                parts.append(self.model(b.build().to(self.device), self.attn))
+            rows = (one if self.graphs is not None else []) + more
+            self.stats.forward_batches += len(parts)
+            for r in rows:
+                r.fed = len(r.out)
+            self._sample(rows, torch.cat(parts) if len(parts) > 1 else parts[0])
             live = [r for r in live if not r.finish]
         for r in self._running:
             self._release(r)
         self._running = []
 
+    def _sample(self, rows: list[_Running], logits: torch.Tensor) -> None:
+        """Pick each row's next token (within its grammar, if it has one) and append it."""
+        constrained = [k for k, r in enumerate(rows) if r.constraint is not None]
+        if constrained:
+            from lmbatch.grammar import allocate_bitmask, apply_mask
+            bitmask = allocate_bitmask(len(rows), self.cfg.vocab_size)
+            for k in constrained:
+                rows[k].constraint.fill_mask(bitmask, k)
+            apply_mask(logits, bitmask, constrained)
+        tokens = sample(logits, [r.params for r in rows], [r.steps for r in rows])
+        for r, t in zip(rows, tokens):
+            r.steps += 1
+            self._append(r, t)
+
     def _append(self, r: _Running, token: int) -> None:
         r.out.append(token)
         p = r.params
+        if r.constraint is not None:
+            r.constraint.accept(token)
         if not p.ignore_eos and token in self.cfg.eos_token_ids:
             r.finish = "eos"
         elif p.stop and self.tokenizer is not None and any(s in self.tokenizer.decode(r.out) for s in p.stop):
             r.finish = "stop"
         elif len(r.out) >= p.max_new_tokens:
             r.finish = "length"
+        elif r.constraint is not None and self.jump_forward:
+            self._jump(r)
+
+    def _jump(self, r: _Running) -> None:
+        """Append the text the grammar forces, retokenized at the boundary, without decoding it."""
+        from lmbatch.grammar import retokenize_jump
+
+        new, n = retokenize_jump(self.tokenizer, r.constraint, r.out, r.constraint.jump_forward())
+        if not new and not n:
+            return
+        r.fed = min(r.fed, len(r.out) - n)
+        r.out = r.out[:len(r.out) - n] + new
+        r.jumped += len(new)
+        if len(r.out) >= r.params.max_new_tokens:
+            r.out, r.finish = r.out[:r.params.max_new_tokens], "length"
 
     def _release(self, r: _Running) -> None:
         """Insert prompt + output into the tree (so later calls extending it hit), free the rest."""
-        fed = r.prompt_len + len(r.out) - 1       # the last sampled token was never run
+        fed = r.prompt_len + min(r.fed, len(r.out) - 1)    # the last token was never run
         if self.tree is not None:
-            toks = list(self._requests[r.index].prompt) + r.out[:-1]
+            toks = list(self._requests[r.index].prompt) + r.out[:fed - r.prompt_len]
             present, _ = self.tree.insert(toks, r.slots[:fed])
             self.pool.free(r.slots[r.prompt_len:present])
             self.pool.free(r.slots[fed:])
@@ -444,8 +488,11 @@ class Engine:
             self.pool.free(r.slots)
         res = self._results[r.index]
         res.token_ids, res.finish_reason, res.decode_tokens = r.out, r.finish, len(r.out)
+        res.steps, res.jumped_tokens = r.steps, r.jumped
+        if r.constraint is not None:
+            res.grammar_complete = r.constraint.is_terminated() or r.constraint.is_completed()
         if self.tokenizer is not None:
-            res.text = self.tokenizer.decode(r.out)
+            res.text = self.tokenizer.decode(r.out[:-1] if r.finish == "eos" else r.out)
             if r.finish == "stop":
                 cut = min(res.text.find(s) for s in r.params.stop if s in res.text)
                 res.text = res.text[:cut]

@@ -69,7 +69,7 @@ def gen(name: str, max_tokens: int = 32, stop: str | list[str] | tuple[str, ...]
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if isinstance(json_schema, dict):
         import json
-        json_schema = json.dumps(json_schema, sort_keys=True)
+        json_schema = json.dumps(json_schema)   # key order kept: it is the order of the output
     return Gen(name, max_tokens, stop, temperature, top_p, regex, json_schema)
 
 

@@ -78,8 +78,11 @@ class ProgramRun:
 
 class Interpreter:
     def __init__(self, tokenizer, *, max_len: int, schedule: str = "dfs", seed: int = 0, truncate_left: bool = False,
-                 progress: Callable[[int, RunStats], None] | None = None):
+                 progress: Callable[[int, RunStats], None] | None = None, vocab_size: int | None = None,
+                 jump_forward: bool = True, grammar_cache: bool = True):
         self.tokenizer, self.max_len = tokenizer, max_len
+        self.vocab_size, self.jump_forward, self.grammar_cache = vocab_size, jump_forward, grammar_cache
+        self.grammars = None            # lmbatch.grammar.GrammarCompiler, made on the first constraint
         self.schedule, self.seed, self.truncate_left, self.progress = schedule, seed, truncate_left, progress
         self.engine: Engine | None = None
         self.runs: list[ProgramRun] = []
@@ -104,15 +107,38 @@ class Interpreter:
             if isinstance(p.op, Select):
                 ctx, wholes = choice_texts(p.prompt, p.op.choices)
                 texts += [ctx, *wholes]
+            elif p.op.regex is not None or p.op.json_schema is not None:
+                try:
+                    self._constrain(p)
+                except ValueError as e:
+                    p.meta["_bad"] = str(e)
+                texts.append(p.prompt + p.meta.get("forced", ""))
             else:
                 texts.append(p.prompt)
             spans.append((k, len(texts)))
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         for p, (a, b) in zip(pending, spans):
             try:
+                if "_bad" in p.meta:
+                    raise UserError(f"instance {p.owner.instance.id}: gen {p.op.name!r}: {p.meta.pop('_bad')}")
                 p.meta["_ids"] = self._check(p, ids[a:b])
             except (UserError, ValueError) as e:
                 self._fail(p, str(e))
+
+    def _constrain(self, p: Pending) -> None:
+        """Compile the call's grammar (once per run, unless grammar_cache is off) and give it its own
+        matcher; with jump-forward, the text the grammar forces at the start joins the prompt."""
+        try:
+            from lmbatch.grammar import Constraint, GrammarCompiler
+        except ImportError as e:
+            raise ValueError(f"constrained gen needs xgrammar ({e}): pip install --no-deps xgrammar==0.2.8") from None
+        if self.grammars is None:
+            self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, cache=self.grammar_cache)
+        c = Constraint(self.grammars.compile(p.op.regex, p.op.json_schema))
+        forced = c.jump_forward() if self.jump_forward else ""
+        if forced:
+            c.accept_string(forced)
+        p.meta["_constraint"], p.meta["forced"] = c, forced
 
     def _check(self, p: Pending, ids: list[list[int]]):
         inst = p.owner.instance.id
@@ -252,7 +278,7 @@ class Interpreter:
                 op = p.op
                 seed = hash((self.seed, p.owner.index, p.seq)) & 0x7FFFFFFF
                 params = SamplingParams(op.max_tokens, op.temperature, op.top_p, seed, op.stop)
-                requests.append(GenerateRequest(p.meta["_ids"], params))
+                requests.append(GenerateRequest(p.meta["_ids"], params, p.meta.pop("_constraint", None)))
                 owner.append(p)
         results, st = self.engine.run(requests, schedule=self.schedule, seed=self.seed + self.waves)
         self._account(requests, owner, results, st)
@@ -273,8 +299,11 @@ class Interpreter:
                           num_tokens=[r.num_tokens for r in results])
         else:
             r = results[0]
-            p.value = r.text
-            p.meta.update(finish_reason=r.finish_reason, prompt_tokens=len(ids), output_tokens=len(r.token_ids))
+            p.value = p.meta.get("forced", "") + r.text
+            p.meta.update(finish_reason=r.finish_reason, prompt_tokens=len(ids), output_tokens=len(r.token_ids),
+                          steps=r.steps, jumped_tokens=r.jumped_tokens)
+            if r.grammar_complete is not None:     # a constrained gen cut short is marked, never accepted
+                p.meta["incomplete"] = not r.grammar_complete
         p.done = True
 
     # ---- counts ---------------------------------------------------------------------------

@@ -35,6 +35,7 @@ class ScoreRequest:
 class GenerateRequest:
     prompt: list[int]
     params: SamplingParams = SamplingParams()
+    constraint: object = None       # a lmbatch.grammar.Constraint (its own matcher state)
 
 
 @dataclass
@@ -58,6 +59,9 @@ class GenerateResult(Counters):
     text: str | None = None
     finish_reason: str = ""         # "length", "eos" or "stop"
     decode_tokens: int = 0
+    steps: int = 0                  # forward passes that sampled its tokens (fewer with jump-forward)
+    jumped_tokens: int = 0          # tokens appended by jump-forward, not decoded
+    grammar_complete: bool | None = None   # constrained: the grammar matched to its end
 
 
 @dataclass

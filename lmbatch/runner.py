@@ -41,6 +41,7 @@ class RunOptions:
     truncate_left: bool = False
     save_token_ids: bool = False
     quiet: bool = False
+    jump_forward: bool = True
 
 
 def _git_commit() -> str | None:
@@ -113,11 +114,13 @@ def run(o: RunOptions) -> Path:
     if not instances:
         raise UserError(f"{w.name} has no instances to run")
     interp = Interpreter(tokenizer, max_len=cfg.max_position_embeddings, schedule=o.schedule, seed=o.seed,
-                         truncate_left=o.truncate_left, progress=_progress_bar(len(instances), o.quiet))
+                         truncate_left=o.truncate_left, progress=_progress_bar(len(instances), o.quiet),
+                         vocab_size=cfg.vocab_size, jump_forward=o.jump_forward)
     interp.start(w.program, instances)       # every first-stage call, before any model work
     engine = Engine.from_pretrained(model_dir, device=o.device, dtype=dtype, tokenizer=tokenizer,
                                     kv_cache_tokens=_kv_tokens(o, cfg, dtype, interp.longest_ready()),
-                                    max_tokens_per_batch=o.max_tokens_per_batch, cache=not o.no_cache)
+                                    max_tokens_per_batch=o.max_tokens_per_batch, cache=not o.no_cache,
+                                    jump_forward=o.jump_forward)
     t_load = time.perf_counter() - t0
     runs = interp.execute(engine)
     t_total = time.perf_counter() - t0

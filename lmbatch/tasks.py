@@ -11,6 +11,7 @@ BUILTIN = {  # name -> module in programs/ that defines WORKLOAD
     "mmlu": "mmlu",
     "hellaswag": "hellaswag",
     "tot-gsm8k": "tot_gsm8k",
+    "json": "json_cities",
 }
 
 

@@ -1,0 +1,189 @@
+"""Constrained decoding over xgrammar: regex / JSON-schema grammars, one matcher per request.
+
+A `GrammarCompiler` is built once per run and compiles each distinct constraint once; each generation
+request gets its own `Constraint`. Per decode step: `fill_mask` the request's row of a CPU bitmask,
+`apply_mask` it to the logits (on their device), sample, `accept` the token. Where the grammar forces
+the next characters, `jump_forward` returns them and `retokenize_jump` appends them without decoding.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+# Compact JSON: no free whitespace, no spaces after separators ('{"name":"Paris","population":null}').
+JSON_SEPARATORS = (",", ":")
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (?:Check failed: \(.*?\) is false: )?")
+
+
+def _one_line(err: Exception) -> str:
+    """xgrammar's error text without its log prefix, on one line."""
+    return " ".join(_LOG_PREFIX.sub("", str(err).strip()).split())
+
+
+def _schema_text(schema: str | dict[str, Any]) -> str:
+    """The schema as compact JSON (the cache key). Keys keep their order: it is the order of the
+    generated properties. A string that is not JSON is kept as it is, for xgrammar to reject."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            return schema
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+class GrammarCompiler:
+    """Compiles regexes and JSON schemas against one tokenizer, caching by constraint.
+
+    `vocab_size` is the model's (its embedding rows, possibly padded past the tokenizer's length):
+    ids the tokenizer lacks are never allowed. With `cache=False` every call compiles again (to
+    measure per-request compilation); xgrammar's own cache is off either way, so `compiled_count`
+    counts real compilations.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int | None = None, *, cache: bool = True,
+                 max_threads: int = 8, separators: tuple[str, str] = JSON_SEPARATORS):
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.vocab_size: int = self.info.vocab_size
+        self.cache = cache
+        self.separators = separators
+        self.compiled_count = 0
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=False)
+        self._compiled: dict[tuple[str, str], xgr.CompiledGrammar] = {}
+
+    def compile(self, regex: str | None = None,
+                json_schema: str | dict[str, Any] | None = None) -> xgr.CompiledGrammar:
+        """The compiled grammar of exactly one of `regex`, `json_schema`; ValueError if invalid."""
+        if (regex is None) == (json_schema is None):
+            raise ValueError("give exactly one of regex, json_schema")
+        key = ("regex", regex) if regex is not None else ("json_schema", _schema_text(json_schema))
+        if self.cache and key in self._compiled:
+            return self._compiled[key]
+        try:
+            if regex is not None:
+                compiled = self._compiler.compile_regex(regex)
+            else:
+                compiled = self._compiler.compile_json_schema(key[1], any_whitespace=False,
+                                                              separators=self.separators)
+        except RuntimeError as e:
+            what = f"regex {regex!r}" if regex is not None else "JSON schema"
+            raise ValueError(f"invalid {what}: {_one_line(e)}") from None
+        self.compiled_count += 1
+        if self.cache:
+            self._compiled[key] = compiled
+        return compiled
+
+    def constraint(self, regex: str | None = None,
+                   json_schema: str | dict[str, Any] | None = None) -> Constraint:
+        return Constraint(self.compile(regex, json_schema))
+
+
+class Constraint:
+    """One request's grammar state. The matcher counts one rollback step per accepted token (and per
+    `accept_string` call), so keep accepting token ids, one by one, if you will roll back."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar):
+        self.matcher = xgr.GrammarMatcher(compiled)
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write the allowed next tokens into `bitmask[row]` (a CPU tensor); False if all are allowed."""
+        return self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one token; False (state unchanged) if the grammar does not allow it."""
+        return self.matcher.accept_token(token_id)
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and the stop token (the tokenizer's EOS) was accepted."""
+        return self.matcher.is_terminated()
+
+    def is_completed(self) -> bool:
+        """The text so far is a complete match (the stop token may still follow)."""
+        return self.matcher.is_completed()
+
+    def jump_forward(self) -> str:
+        """The longest continuation the grammar forces from here ('' if none); state unchanged."""
+        return self.matcher.find_jump_forward_string()
+
+    def accept_string(self, s: str) -> bool:
+        """Advance by the characters `s`, as ONE rollback step whatever its token count."""
+        return self.matcher.accept_string(s)
+
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` steps (tokens)."""
+        if n:
+            self.matcher.rollback(n)
+
+
+def allocate_bitmask(n: int, vocab_size: int) -> torch.Tensor:
+    """A CPU int32 bitmask of `n` rows, all tokens allowed (one bit per token id)."""
+    return xgr.allocate_token_bitmask(n, vocab_size)
+
+
+def _cuda_backend() -> str:
+    try:
+        import triton  # noqa: F401  (xgrammar's CUDA kernel is a Triton one)
+        return "triton"
+    except ImportError:
+        return "torch_native"
+
+
+def apply_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
+    """Set disallowed logits to -inf, in place: row i of `logits` by row i of `bitmask` (or only the
+    rows listed in `rows`). Columns past the bitmask's width (a padded embedding) are disallowed."""
+    width = min(logits.shape[-1], bitmask.shape[-1] * 32)
+    if bitmask.device != logits.device:
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    backend = _cuda_backend() if logits.device.type == "cuda" else "auto"
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=rows, backend=backend)
+    if logits.shape[-1] > width:
+        if rows is None:
+            logits[..., width:] = float("-inf")
+        else:
+            logits[torch.as_tensor(rows, device=logits.device), width:] = float("-inf")
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def retokenize_jump(tokenizer, constraint: Constraint, out_ids: list[int], forced: str,
+                    k: int = 2) -> tuple[list[int], int]:
+    """Append the forced string to a request's generated tokens, retokenizing their last `k` tokens
+    with it so the boundary merges as the tokenizer would ('"' then ',"' becomes '","').
+
+    Returns (new, n): the request's tokens become out_ids[:len(out_ids) - n] + new (the engine frees
+    the n dropped tokens' KV and prefills `new`). The matcher is rolled back n tokens and has accepted
+    `new`, one step per token, so it stays in step with the token list. Fewer old tokens are redone
+    where the text does not round-trip (a tail starting inside a UTF-8 character, a tokenizer that
+    prefixes a space to a fragment); (`[]`, 0) means: no jump, decode as usual.
+    """
+    if not forced:
+        return [], 0
+    for j in range(min(k, len(out_ids)), -1, -1):
+        tail = out_ids[len(out_ids) - j:] if j else []
+        text = _decode(tokenizer, tail)
+        if "\ufffd" in text:
+            continue
+        new = tokenizer.encode(text + forced, add_special_tokens=False)
+        if _decode(tokenizer, new) != text + forced:
+            continue
+        same = 0
+        while same < min(j, len(new)) and tail[same] == new[same]:
+            same += 1
+        n, new = j - same, new[same:]
+        constraint.rollback(n)
+        accepted = 0
+        for t in new:
+            if not constraint.accept(t):
+                break
+            accepted += 1
+        if accepted == len(new):
+            return new, n
+        constraint.rollback(accepted)  # cannot happen for a byte-exact retokenization; undo anyway
+        for t in tail[same:]:
+            constraint.accept(t)
+    return [], 0

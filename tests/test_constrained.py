@@ -1,0 +1,95 @@
+"""Constrained generation (regex / JSON schema via xgrammar) through the frontend: outputs match
+their constraint, grammars compile once per run, jump-forward saves forward passes, cut-short
+outputs are marked incomplete, invalid constraints fail before model work."""
+import re
+
+import pytest
+from transformers import AutoTokenizer
+from typer.testing import CliRunner
+
+from lmbatch.cli import app
+from lmbatch.config import ModelConfig
+from lmbatch.engine import Engine
+from lmbatch.frontend import gen
+from lmbatch.interpreter import Interpreter
+from lmbatch.models import embedded_model_dir
+from lmbatch.program import Instance, LoadArgs
+from lmbatch.programs import json_cities
+
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-[0-2]\d"
+
+
+def run_programs(path, program, inputs, jump=True, grammar_cache=True):
+    tok = AutoTokenizer.from_pretrained(str(path))
+    cfg = ModelConfig.from_dir(path)
+    interp = Interpreter(tok, max_len=2048, vocab_size=cfg.vocab_size, jump_forward=jump, grammar_cache=grammar_cache)
+    interp.start(program, [Instance(str(k), x) for k, x in enumerate(inputs)])
+    interp.execute(Engine.from_pretrained(path, tokenizer=tok, jump_forward=jump))
+    return interp
+
+
+def regex_program(s, who):
+    s += f"{who}'s phone number is "
+    s += gen("phone", max_tokens=24, regex=PHONE, temperature=0.8)
+    s += " and birthday "
+    s += gen("date", max_tokens=16, regex=DATE)
+    s += ". Motto: "
+    s += gen("short", max_tokens=2, regex=r"[a-z]{20}")       # cannot finish in 2 tokens
+
+
+@pytest.mark.parametrize("jump", [True, False])
+@pytest.mark.parametrize("cache", [True, False])
+def test_regex_outputs_match_and_grammars_compile_once_per_run(tiny_tok, jump, cache):
+    inputs = [{"who": n} for n in ("Ann", "Bob", "Cy", "Dee", "Eve")]
+    interp = run_programs(tiny_tok, regex_program, inputs, jump=jump, grammar_cache=cache)
+    for run in interp.runs:
+        s = run.state
+        assert run.error is None
+        assert re.fullmatch(PHONE, s["phone"]) and re.fullmatch(DATE, s["date"])
+        assert not s.meta("phone")["incomplete"] and not s.meta("date")["incomplete"]
+        assert s.meta("short")["incomplete"] and s.meta("short")["finish_reason"] == "length"
+    assert interp.grammars.compiled_count == (3 if cache else 15)
+    phone = [r.state.meta("phone") for r in interp.runs]
+    if jump:   # "(" is forced at the start, ") " and "-" in the middle: never decoded
+        assert all(m["jumped_tokens"] > 0 and m["steps"] < m["output_tokens"] for m in phone)
+        assert all(r.state["phone"].startswith("(") for r in interp.runs)
+    else:
+        assert all(m["jumped_tokens"] == 0 and m["steps"] == m["output_tokens"] for m in phone)
+
+
+def test_json_workload_outputs_validate_and_jump_forward_saves_steps():
+    path = embedded_model_dir()
+    tok = AutoTokenizer.from_pretrained(str(path))
+    insts = json_cities.instances(LoadArgs(tok, limit=4))
+    steps = {}
+    for jump in (True, False):
+        interp = run_programs(path, json_cities.program, [i.inputs for i in insts], jump=jump)
+        scores = [json_cities.score(i, r.state) for i, r in zip(insts, interp.runs)]
+        done = [sc for sc in scores if sc["complete"]]
+        assert len(done) >= 3 and all(sc["valid"] for sc in done), scores
+        steps[jump] = sum(r.state.meta("json")["steps"] for r in interp.runs)
+    assert steps[True] < 0.7 * steps[False], steps
+
+
+def test_validator_rejects_what_the_schema_forbids():
+    ok = '{"name":"Oslo","country":"Norway","population":709037,"founded":"1040","landmarks":["Opera"]}'
+    assert json_cities.valid(ok)
+    for bad in ['{"name":"Oslo"}', ok.replace("709037", "-1"), ok.replace('"1040"', "1040"),
+                ok.replace('["Opera"]', '["a","b","c","d"]'), ok[:-1], ok.replace('"Oslo"', '""')]:
+        assert not json_cities.valid(bad), bad
+
+
+@pytest.mark.parametrize("constraint, needle", [
+    ("regex='[a-'", "invalid regex"),
+    ("json_schema={'type': 'object', 'properties': {'a': {'type': 'nosuchtype'}}}", "invalid JSON schema"),
+])
+def test_invalid_constraints_fail_before_model_work(tiny_tok, tmp_path, constraint, needle):
+    f = tmp_path / "bad.py"
+    f.write_text("from lmbatch.frontend import gen\n"
+                 "def instances():\n    return [{'id': 'first'}, {'id': 'second'}]\n"
+                 f"def program(s):\n    s += 'x'\n    s += gen('g', {constraint})\n")
+    r = CliRunner().invoke(app, ["run", str(f), "--model", str(tiny_tok), "--out", str(tmp_path), "--quiet"])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "instance first: gen 'g'" in lines[0] and needle in lines[0], r.stderr

@@ -1,0 +1,212 @@
+"""Constrained decoding over xgrammar (lmbatch.grammar), on the embedded model's tokenizer."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("xgrammar")
+from transformers import AutoTokenizer  # noqa: E402
+
+from lmbatch.grammar import (GrammarCompiler, allocate_bitmask, apply_mask,  # noqa: E402
+                             retokenize_jump)
+from lmbatch.models import embedded_model_dir  # noqa: E402
+
+PAD = 64  # simulate an embedding padded past the vocabulary
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "population": {"type": ["integer", "null"], "minimum": 0, "maximum": 10**7},
+        "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
+    },
+    "required": ["name", "population", "landmarks"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(embedded_model_dir())
+
+
+@pytest.fixture(scope="module")
+def gc(tok):
+    return GrammarCompiler(tok, vocab_size=len(tok))
+
+
+def _ids(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _state(gc, c) -> tuple[str, torch.Tensor, bool]:
+    mask = allocate_bitmask(1, gc.vocab_size)
+    c.fill_mask(mask, 0)
+    return c.jump_forward(), mask, c.is_completed()
+
+
+def _fresh(gc, ids: list[int], **constraint):
+    """A new constraint fed `ids` token by token: the reference state for those tokens."""
+    c = gc.constraint(**constraint)
+    assert all(c.accept(t) for t in ids)
+    return c
+
+
+def _greedy(tok, gc, constraint: dict, seed: int, jump: bool, max_steps: int = 400) -> list[int]:
+    """Greedy decoding of random logits under the constraint (padded logits rows); with `jump`,
+    forced text is appended by retokenize_jump instead of being decoded."""
+    c = gc.constraint(**constraint)
+    g = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    mask = allocate_bitmask(1, gc.vocab_size)
+    for _ in range(max_steps):
+        if c.is_terminated():
+            return out
+        if jump:
+            new, n = retokenize_jump(tok, c, out, c.jump_forward())
+            out = out[:len(out) - n] + new
+            assert _state(gc, c)[0] == ""  # nothing forced is left
+        logits = torch.randn(1, gc.vocab_size + PAD, generator=g)
+        c.fill_mask(mask, 0)
+        apply_mask(logits, mask)
+        assert torch.isinf(logits[0, gc.vocab_size:]).all()
+        t = int(logits.argmax())
+        assert c.accept(t)
+        out.append(t)
+    raise AssertionError("did not terminate")
+
+
+def test_compile_is_cached_per_constraint(tok, gc) -> None:
+    before = gc.compiled_count
+    a = gc.compile(regex=r"[0-9]{3}-[a-z]{2}")
+    assert gc.compile(regex=r"[0-9]{3}-[a-z]{2}") is a
+    s = gc.compile(json_schema=SCHEMA)
+    assert gc.compile(json_schema=json.dumps(SCHEMA, indent=2)) is s  # same schema as text
+    assert gc.compiled_count == before + 2
+
+    nocache = GrammarCompiler(tok, vocab_size=len(tok), cache=False)
+    for _ in range(3):
+        nocache.compile(regex=r"[0-9]{3}-[a-z]{2}")
+    assert nocache.compiled_count == 3
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(regex="[a-"), r"^invalid regex '\[a-': Regex parsing error at position 4: Unclosed '\['$"),
+    (dict(regex="a{3,2}"), r"^invalid regex 'a\{3,2\}': .*Lower bound is larger than upper bound"),
+    (dict(json_schema={"type": "strin"}), r'^invalid JSON schema: Unsupported type "strin"$'),
+    (dict(json_schema="{not json"), r"^invalid JSON schema: Failed to parse JSON"),
+    (dict(), r"^give exactly one of regex, json_schema$"),
+    (dict(regex="a", json_schema={"type": "string"}), r"^give exactly one of"),
+])
+def test_invalid_constraint_is_one_line_value_error(gc, kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message) as e:
+        gc.compile(**kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_apply_mask_cpu_rows_and_dtypes(gc) -> None:
+    c = gc.constraint(regex=r"[0-9]")
+    mask = allocate_bitmask(3, gc.vocab_size)
+    c.fill_mask(mask, 1)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.zeros(3, gc.vocab_size + PAD, dtype=dtype)
+        apply_mask(logits, mask, rows=[1])
+        assert not torch.isinf(logits[0]).any() and not torch.isinf(logits[2]).any()  # unconstrained rows
+        assert (~torch.isinf(logits[1])).sum() == 10  # the ten digit tokens, no padding column
+
+
+def test_greedy_regex(tok, gc) -> None:
+    for seed in range(3):
+        out = _greedy(tok, gc, dict(regex=r"[0-9]{3}-[a-z]{2}"), seed, jump=False)
+        assert out[-1] == tok.eos_token_id
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", tok.decode(out[:-1]))
+
+
+@pytest.mark.parametrize("jump", [False, True])
+def test_greedy_json_parses_and_fits_schema(tok, gc, jump) -> None:
+    for seed in range(2):
+        out = _greedy(tok, gc, dict(json_schema=SCHEMA), seed, jump=jump)
+        assert out[-1] == tok.eos_token_id
+        text = tok.decode(out[:-1])
+        # xgrammar's bounded strings allow raw control characters (tab...) that strict JSON forbids
+        doc = json.loads(text, strict=False)
+        assert list(doc) == ["name", "population", "landmarks"]
+        assert isinstance(doc["name"], str) and len(doc["name"]) <= 12
+        assert doc["population"] is None or (type(doc["population"]) is int and 0 <= doc["population"] <= 10**7)
+        assert len(doc["landmarks"]) <= 2 and all(isinstance(x, str) and len(x) <= 8 for x in doc["landmarks"])
+        assert text.startswith('{"name":"')
+        assert " " not in re.sub(r'"[^"]*"', '""', text)  # compact: no whitespace outside strings
+
+
+def test_jump_forward_at_start_is_compact_prefix(gc) -> None:
+    c = gc.constraint(json_schema=SCHEMA)
+    assert c.jump_forward() == '{"name":"'
+    assert c.jump_forward() == '{"name":"'  # does not change the state
+    assert gc.constraint(regex=r"abc[0-9]+").jump_forward() == "abc"
+    assert gc.constraint(regex=r"[0-9]+").jump_forward() == ""
+
+
+def test_accept_string_is_one_rollback_step(gc) -> None:
+    c = gc.constraint(json_schema=SCHEMA)
+    assert c.accept_string('{"name":"') and c.jump_forward() == ""
+    c.rollback(1)
+    assert c.jump_forward() == '{"name":"'
+
+
+def test_retokenize_jump_merges_boundary_and_keeps_matcher_in_step(tok, gc) -> None:
+    schema = dict(json_schema=SCHEMA)
+    c = gc.constraint(**schema)
+    out, n = retokenize_jump(tok, c, [], c.jump_forward())
+    assert n == 0 and out == _ids(tok, '{"name":"')
+    for t in _ids(tok, 'Paris"'):
+        assert c.accept(t)
+        out.append(t)
+    forced = c.jump_forward()
+    assert forced == ',"population":'
+    new, n = retokenize_jump(tok, c, out, forced, k=2)
+    # '"' and ',"' merge into one token '","': the old '"' is replaced
+    assert n == 1 and tok.decode(new[0]) == '","'
+    out = out[:len(out) - n] + new
+    assert tok.decode(out) == '{"name":"Paris","population":'
+    assert out == _ids(tok, '{"name":"Paris","population":')  # what the tokenizer makes of the text
+    jf, mask, done = _state(gc, c)
+    jf0, mask0, done0 = _state(gc, _fresh(gc, out, **schema))
+    assert (jf, done) == (jf0, done0) and torch.equal(mask, mask0)
+    # and the matcher can still roll back token by token: undo the jump exactly
+    c.rollback(len(new))
+    for t in _ids(tok, '"'):
+        assert c.accept(t)
+    assert c.jump_forward() == forced
+
+
+def test_retokenize_jump_never_splits_a_character(tok, gc) -> None:
+    regex = dict(regex=r"Ōsaka-[0-9]")
+    out = _ids(tok, "Ō")  # two byte-level tokens, neither a character by itself
+    assert len(out) == 2 and "\ufffd" in tok.decode(out[1:])
+    for k in (1, 2):  # k=1 would start inside "Ō": the tail is not redone; k=2 redoes "Ō" as it was
+        c = _fresh(gc, out, **regex)
+        assert c.jump_forward() == "saka-"
+        new, n = retokenize_jump(tok, c, out, "saka-", k=k)
+        assert n == 0
+        ids = out[:len(out) - n] + new
+        assert tok.decode(ids) == "Ōsaka-"
+        assert torch.equal(_state(gc, c)[1], _state(gc, _fresh(gc, ids, **regex))[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_apply_mask_cuda_matches_cpu(gc) -> None:
+    c = gc.constraint(json_schema=SCHEMA)
+    mask = allocate_bitmask(4, gc.vocab_size)
+    c.fill_mask(mask, 0)
+    c.fill_mask(mask, 2)
+    for dtype in (torch.float32, torch.bfloat16):
+        cpu = torch.randn(4, gc.vocab_size + PAD).to(dtype)
+        cuda = cpu.cuda()
+        apply_mask(cpu, mask, rows=[0, 2])
+        apply_mask(cuda, mask, rows=[0, 2])  # the CPU bitmask is moved to the logits' device
+        assert torch.equal(cuda.cpu(), cpu)
+        assert torch.isinf(cpu[0]).sum() > 0 and not torch.isinf(cpu[1]).any()
