@@ -14,5 +14,9 @@ def program(s, country):
     if "Paris" in s["city"]:                # plain Python control flow on results
         s += " Bonjour!" + gen("greeting", max_tokens=4, temperature=0.7)
 
+    s += " Postcode:" + gen("code", max_tokens=12, regex=r"[0-9]{5}")      # constrained: regex
+    s += " Facts:" + gen("facts", max_tokens=64, json_schema={            # or a JSON schema
+        "type": "object", "properties": {"river": {"type": "string"}}, "required": ["river"]})
+
 def score(instance, s):                     # optional: metrics per instance, averaged in summary.json
     return {"acc": s["city"].strip() == instance["gold"]}

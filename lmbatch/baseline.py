@@ -47,9 +47,12 @@ def load_hf(path, device="cpu", dtype=torch.float32):
 
 
 @torch.inference_mode()
-def score_pairs(model, instances: list[ChoiceInstance], batch_tokens: int = 8192) -> BaselineRun:
+def score_pairs(model, instances: list[ChoiceInstance], batch_tokens: int = 8192,
+                full_logits: bool = True) -> BaselineRun:
     """lm-eval's loglikelihood for continuations of any length: each (context + continuation)[:-1]
-    runs padded on the right; the continuation's tokens are scored at their positions."""
+    runs padded on the right; the continuation's tokens are scored at their positions. With
+    full_logits (what lm-eval's HF backend does, and the benchmarks' baseline) the LM head runs at
+    every position; without, only at scored ones (same values, faster: the CPU parity test)."""
     device = next(model.parameters()).device
     pairs = [(k, c) for k, inst in enumerate(instances) for c in range(len(inst.continuations))]
     seqs = [(instances[k].context + instances[k].continuations[c])[:-1] for k, c in pairs]
@@ -66,8 +69,10 @@ def score_pairs(model, instances: list[ChoiceInstance], batch_tokens: int = 8192
         for row, j in enumerate(idx):
             ids[row, :len(seqs[j])] = torch.tensor(seqs[j])
             mask[row, :len(seqs[j])] = 1
-        # the LM head only at scored positions (as lmbatch does; the full logits would dominate)
-        hidden = model.model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+        if full_logits:
+            hidden = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+        else:
+            hidden = model.model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
         rows, cols, targets, owner = [], [], [], []
         for row, j in enumerate(idx):
             k, c = pairs[j]
@@ -77,7 +82,8 @@ def score_pairs(model, instances: list[ChoiceInstance], batch_tokens: int = 8192
             cols += range(first, first + len(cont))
             targets += cont
             owner += [(k, c)] * len(cont)
-        lp = torch.log_softmax(model.lm_head(hidden[rows, cols]).float(), -1)
+        picked_rows = hidden[rows, cols]
+        lp = torch.log_softmax((picked_rows if full_logits else model.lm_head(picked_rows)).float(), -1)
         picked = lp[torch.arange(len(targets), device=device), torch.tensor(targets, device=device)].tolist()
         for (k, c), v in zip(owner, picked):
             out[k][c] += v

@@ -185,3 +185,18 @@ def test_a_later_call_that_cannot_run_fails_only_its_instance(tiny_tok):
     assert errors[1].startswith("instance 1: gen 'b' needs") and "2048-token context" in errors[1]
     assert interp.runs[0].state["b"] is not None and len(interp.runs[1].calls) == 1
     assert interp.runs[1].state["b"] == "" and interp.runs[1].state.meta("b")["error"] == errors[1]
+
+
+def test_the_readme_example_program_runs(tiny_tok, tmp_path):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    example = (root / "examples" / "capitals.py").read_text()
+    assert example in (root / "README.md").read_text()          # the README shows exactly this file
+    r = CliRunner().invoke(app, ["run", str(root / "examples" / "capitals.py"), "--model", str(tiny_tok),
+                                 "--out", str(tmp_path), "--run-id", "ex", "--quiet"])
+    assert r.exit_code == 0, r.output
+    rows = pq.read_table(tmp_path / "ex" / "instances.parquet").to_pylist()
+    assert len(rows) == 2 and all(row["error"] is None for row in rows)
+    outs = [json.loads(row["outputs"]) for row in rows]
+    assert all(len(o["population"]) == 2 and len(o["code"]) == 5 for o in outs), outs
