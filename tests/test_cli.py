@@ -133,4 +133,4 @@ def test_report_and_compare_exit_codes(tiny, tmp_path):
 def test_tasks_lists_the_builtin_workloads():
     r = lmbatch("tasks")
     assert r.exit_code == 0
-    assert [line.split()[0] for line in r.output.splitlines()] == ["hellaswag", "mmlu", "tot-gsm8k"]
+    assert [line.split()[0] for line in r.output.splitlines()] == ["hellaswag", "json", "mmlu", "tot-gsm8k"]
