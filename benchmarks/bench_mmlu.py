@@ -42,15 +42,14 @@ def main() -> None:
     ap.add_argument("--torch-profile", action="store_true", help="device time by kernel, on the first 4000 requests")
     args = ap.parse_args()
 
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from lmbatch.baseline import score_choices
-    from lmbatch.config import ModelConfig
+    from lmbatch.baseline import first_selects, score_choices
     from lmbatch.engine import Engine
-    from lmbatch.model import Transformer
     from lmbatch.models import embedded_model_dir
+    from lmbatch.program import LoadArgs
     from lmbatch.programs import mmlu
-    from lmbatch.weights import load_weights
+    from lmbatch.requests import ScoreRequest
 
     dev = torch.device(args.device)
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
@@ -59,22 +58,12 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(tok_dir)
     subjects = mmlu.SUBJECTS[: args.subjects] if args.subjects else None
     t0 = time.perf_counter()
-    instances = mmlu.build_instances(tok, args.shots, args.limit, subjects)
-    reqs = [r for inst in instances for r in inst.requests()]
+    # the token ids exactly as `lmbatch run mmlu` makes them: the program's first pass
+    instances = first_selects(mmlu.program, mmlu.instances(LoadArgs(tok, args.shots, args.limit, subjects)), tok)
+    reqs = [ScoreRequest(inst.context, c) for inst in instances for c in inst.continuations]
     print(f"{len(instances)} questions tokenized in {time.perf_counter() - t0:.1f}s", flush=True)
 
-    # one set of weights for everyone: transformers' model, copied into ours
-    if args.preset:
-        with torch.device(dev):
-            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype,
-                                                  attn_implementation="sdpa").eval()
-    else:
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
-    cfg = ModelConfig.from_dir(model_dir)
-    with torch.device(dev):
-        model = Transformer(cfg).to(dtype)
-    load_weights(model, hf.state_dict())
-    model.eval()
+    hf, model, cfg = shared_models(model_dir, bool(args.preset), dev, dtype)
     peak = _peak_flops(dev, dtype)
 
     rows, preds, logprobs = [], {}, {}
@@ -118,7 +107,7 @@ def main() -> None:
             pstats.Stats(prof).sort_stats("tottime").print_stats(22)
         else:
             results, stats = eng.score(reqs, schedule=schedule)
-        preds[name] = [inst.prediction(results[4 * k:4 * k + 4]) for k, inst in enumerate(instances)]
+        preds[name] = [max(range(4), key=lambda c: results[4 * k + c].logprob) for k in range(len(instances))]
         logprobs[name] = [[r.logprob for r in results[4 * k:4 * k + 4]] for k in range(len(instances))]
         pairs = [(results[j].prompt_tokens, results[j].cached_tokens) for j in stats.order]
         rows.append(_row(name, stats.execute_s, len(instances), stats.prompt_tokens, stats.computed_tokens,
@@ -144,6 +133,28 @@ def main() -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
     pq.write_table(pa.Table.from_pylist(rows), out)
+
+
+def shared_models(model_dir, dummy: bool, dev, dtype):
+    """One set of weights for every variant: transformers' model (random weights of the preset's
+    shape when `dummy`), copied into ours. Returns (hf model, our model, our config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lmbatch.config import ModelConfig
+    from lmbatch.model import Transformer
+    from lmbatch.weights import load_weights
+
+    if dummy:
+        with torch.device(dev):
+            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype,
+                                                  attn_implementation="sdpa").eval()
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
+    cfg = ModelConfig.from_dir(model_dir)
+    with torch.device(dev):
+        model = Transformer(cfg).to(dtype)
+    load_weights(model, hf.state_dict())
+    return hf, model.eval(), cfg
 
 
 def _margin(lps: list[float]) -> float:

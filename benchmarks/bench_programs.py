@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench_mmlu import _reset
+from bench_mmlu import _reset, shared_models
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,17 +39,14 @@ def main() -> None:
     ap.add_argument("--out", default="results/bench_programs.parquet")
     args = ap.parse_args()
 
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from lmbatch.baseline import first_selects, score_pairs
-    from lmbatch.config import ModelConfig
     from lmbatch.engine import Engine
     from lmbatch.interpreter import Interpreter
-    from lmbatch.model import Transformer
     from lmbatch.models import embedded_model_dir
     from lmbatch.program import LoadArgs
     from lmbatch.tasks import get_workload
-    from lmbatch.weights import load_weights
 
     dev = torch.device(args.device)
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
@@ -57,17 +54,7 @@ def main() -> None:
     model_dir = ROOT / "presets" / args.preset if args.preset else embedded_model_dir()
     w = get_workload(args.workload)
     instances = w.instances(LoadArgs(tok, args.shots, args.limit))
-    if args.preset:
-        with torch.device(dev):
-            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype,
-                                                  attn_implementation="sdpa").eval()
-    else:
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
-    cfg = ModelConfig.from_dir(model_dir)
-    with torch.device(dev):
-        model = Transformer(cfg).to(dtype)
-    load_weights(model, hf.state_dict())
-    model.eval()
+    hf, model, cfg = shared_models(model_dir, bool(args.preset), dev, dtype)
 
     def lmbatch(name: str, insts):
         jump = name != "nojump"

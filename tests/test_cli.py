@@ -1,34 +1,19 @@
 """The CLI end to end on a tiny random model with the embedded tokenizer: outputs, user errors, report."""
 import json
-import shutil
 
 import pyarrow.parquet as pq
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from conftest import make_tiny_with_tokenizer
 from typer.testing import CliRunner
 
 from lmbatch.cli import app
-from lmbatch.models import embedded_model_dir
 
 runner = CliRunner()
 
 
-def make_model(path, max_positions: int):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-                      tie_word_embeddings=True)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    for f in embedded_model_dir().iterdir():
-        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
-            shutil.copy(f, path / f.name)
-    return path
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("tiny"), 2048)
+    return make_tiny_with_tokenizer(tmp_path_factory.mktemp("tiny"), 2048)
 
 
 def lmbatch(*args):
@@ -91,7 +76,7 @@ def test_model_that_is_not_a_causal_lm(tmp_path):
 
 
 def test_prompt_longer_than_context_names_the_instance(tmp_path):
-    short = make_model(tmp_path / "short", 64)
+    short = make_tiny_with_tokenizer(tmp_path / "short", 64)
     _error(lmbatch(*run_args(short, tmp_path, "x")), "instance anatomy/0", "--truncate-left")
     assert not (tmp_path / "x").exists()
     r = lmbatch(*run_args(short, tmp_path, "x", "--truncate-left"))
