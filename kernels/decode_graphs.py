@@ -8,11 +8,12 @@ write one scratch KV slot that the pool never hands out.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from lmbatch.attention import AttentionBackend, ForwardBatch
+from lmbatch.attention import AttentionBackend, ForwardBatch, to_device
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512)
 
 
 class _GraphAttention(AttentionBackend):
@@ -43,11 +44,19 @@ class DecodeGraphs:
         self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
         self.out_slots = torch.full((n,), scratch_slot, dtype=torch.int64, device=dev)
         self.kv_indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.kv_indices = torch.full((pool.num_slots,), scratch_slot, dtype=torch.int32, device=dev)
+        # at least a slot per row of the largest bucket: a capture's rows read one index each
+        self.kv_indices = torch.full((max(pool.num_slots, n),), scratch_slot, dtype=torch.int32, device=dev)
         self.qo_indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.rows = torch.arange(n, dtype=torch.int64, device=dev)  # every graph input must outlive capture
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool_handle = None
+
+    def capture_all(self) -> None:
+        """Capture every bucket now, largest first (the others reuse its memory), so that no run
+        pays for a capture."""
+        for b in reversed(self.buckets):
+            if b not in self.graphs:
+                self._capture(b)
 
     def _capture(self, b: int):
         cfg = self.model.cfg
@@ -67,28 +76,49 @@ class DecodeGraphs:
         self.pool_handle = graph.pool()
         self.graphs[b] = (graph, logits)
 
-    def run(self, tokens: list[int], positions: list[int], seqs: list[torch.Tensor]) -> torch.Tensor:
-        """One decode step: token t of sequence i sits at positions[i]; seqs[i] are its KV slots up to
-        and including that position. Returns float32 logits [len(tokens), vocab]."""
+    def run(self, tokens: list[int], positions: list[int], seqs: list, rows: list[int] | None = None) -> torch.Tensor:
+        """One decode step: token t of row i sits at positions[i]; seqs[i] (1-D int arrays) are its KV
+        slots up to and including that position. Rows may be consecutive tokens of one sequence (each
+        stores its KV before any attends). Returns float32 logits [len(rows), vocab] of the rows asked
+        for (default: all), a copy. Past the largest bucket, rows run in order in several replays."""
+        rows = list(range(len(tokens))) if rows is None else rows
+        cap = self.buckets[-1]
+        parts = []
+        for lo in range(0, len(tokens), cap):
+            hi = lo + cap
+            logits = self._replay(tokens[lo:hi], positions[lo:hi], seqs[lo:hi])
+            mine = [r - lo for r in rows if lo <= r < hi]
+            if mine:
+                parts.append(logits[to_device(torch.tensor(mine), logits.device)])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _replay(self, tokens: list[int], positions: list[int], seqs: list) -> torch.Tensor:
         n = len(tokens)
         b = next(x for x in self.buckets if x >= n)
         if b not in self.graphs:
             self._capture(b)
         pad = b - n
-        dev = self.ids.device
-        lens = [len(s) for s in seqs] + [1] * pad
-        indptr = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        flat = torch.cat(list(seqs) + [torch.full((pad,), self.scratch, dtype=torch.int64)]).to(torch.int32)
-        host = torch.cat([torch.tensor(tokens + [0] * pad), torch.tensor(positions + [0] * pad),
-                          torch.cat([torch.stack([s[-1] for s in seqs]), torch.full((pad,), self.scratch)])])
-        host = host.pin_memory().to(dev, non_blocking=True)
-        self.ids[:b], self.pos[:b], self.out_slots[:b] = host[:b], host[b:2 * b], host[2 * b:]
-        self.kv_indptr[:b + 1] = indptr.pin_memory().to(dev, non_blocking=True)
-        if len(flat) > len(self.kv_indices):  # shared prefixes counted per sequence: grow, recapture
-            self.kv_indices = torch.full((2 * len(flat),), self.scratch, dtype=torch.int32, device=dev)
+        # host: one int64 array [ids | positions | out slots | kv_indptr | kv_indices], one copy
+        lens = np.fromiter(map(len, seqs), dtype=np.int64, count=n)
+        total = int(lens.sum()) + pad
+        if total > len(self.kv_indices):  # shared prefixes counted per sequence: grow, recapture
+            self.kv_indices = torch.full((2 * total,), self.scratch, dtype=torch.int32, device=self.ids.device)
             self.graphs.clear()
-            return self.run(tokens, positions, seqs)
-        self.kv_indices[:len(flat)] = flat.pin_memory().to(dev, non_blocking=True)
+            self.capture_all()
+            return self._replay(tokens, positions, seqs)
+        host = np.empty(3 * b + b + 1 + total, dtype=np.int64)
+        ids, pos, out, indptr, flat = np.split(host, np.cumsum([b, b, b, b + 1]))
+        ids[:n], ids[n:] = tokens, 0
+        pos[:n], pos[n:] = positions, 0
+        indptr[0] = 0
+        np.cumsum(np.concatenate([lens, np.ones(pad, dtype=np.int64)]), out=indptr[1:])
+        flat[:total - pad] = np.concatenate(seqs) if n else []
+        flat[total - pad:] = self.scratch
+        out[:] = flat[indptr[1:] - 1]
+        dev = to_device(torch.from_numpy(host), self.ids.device)
+        self.ids[:b], self.pos[:b], self.out_slots[:b] = dev[:b], dev[b:2 * b], dev[2 * b:3 * b]
+        self.kv_indptr[:b + 1] = dev[3 * b:4 * b + 1]
+        self.kv_indices[:total] = dev[4 * b + 1:]
         graph, logits = self.graphs[b]
         graph.replay()
         return logits[:n]

@@ -5,6 +5,10 @@ tokens. A request's prompt is inserted into the tree as soon as its slots are al
 request of the same batch already matches it and reads KV that the same forward pass writes: siblings
 batched together compute their shared prefix once. Logits are computed only at positions some
 request scores or samples from, and are captured whichever request happens to compute the position.
+
+Generation is continuous batching: an admitted request reserves its decode slots and joins the decode
+steps of those already running; once running requests fill `max_running` rows (or the pool), the
+next admission waits for an eighth of them to finish.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from lmbatch.scheduler.planner import Plan, PlanNode, make_plan
 from lmbatch.scheduler.radix_tree import Node, RadixTree
 
 FULL_ROW = -1  # demand marker: keep the whole logits row (to sample from it)
+REFILL_DIVISOR = 8  # a full decode batch admits new requests once 1/8 of its requests have finished
 Key = tuple[PlanNode, int]
 
 
@@ -101,7 +106,7 @@ class _Running:
 class Engine:
     def __init__(self, model: Transformer, *, kv_cache_tokens: int = 32768, max_tokens_per_batch: int = 4096,
                  attention: str | None = None, cache: bool = True, max_running: int = 256, tokenizer=None,
-                 cuda_graphs: bool = True, jump_forward: bool = True):
+                 cuda_graphs: bool = True, jump_forward: bool = True, lazy_masks: bool = True):
         cfg = model.cfg
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
         self.device = next(model.parameters()).device
@@ -116,11 +121,14 @@ class Engine:
         self.graphs = None
         if use_graphs:
             from lmbatch.kernels.decode_graphs import DecodeGraphs
-            self.graphs = DecodeGraphs(model, self.pool, int(self.pool.reserve(1)), max_running)
+            # a row per token: a step's rows after jump-forwards may outnumber its requests
+            self.graphs = DecodeGraphs(model, self.pool, int(self.pool.reserve(1)), 2 * max_running)
+            self.graphs.capture_all()
         self.tree = RadixTree(self.pool.free) if cache else None
         self.max_tokens_per_batch = max_tokens_per_batch
         self.max_running = max_running
         self.jump_forward = jump_forward
+        self.lazy_masks = lazy_masks
 
     @classmethod
     def from_pretrained(cls, path, *, device="cpu", dtype=torch.float32, load_format="auto", **kw) -> "Engine":
@@ -263,10 +271,13 @@ class Engine:
             if node is not None:
                 self.tree.unlock(node)
             if new is None:
-                if self._batch.num_tokens == 0:
+                if self._batch.num_tokens:
+                    self._flush()
+                elif self._running:  # generations hold the pool: let some finish
+                    self._make_room()
+                else:
                     raise RuntimeError(f"KV pool of {self.pool.num_slots} tokens cannot hold request {i} "
                                        f"({n} tokens); raise kv_cache_tokens")
-                self._flush()
                 continue
             full = torch.cat([slots[:m], new])
             self._issue(i, toks, m, m + chunk, full)
@@ -372,7 +383,8 @@ class Engine:
 
     # ---- generation ------------------------------------------------------------------------
     def _admit(self, i: int, req: GenerateRequest) -> None:
-        """Hold the prompt's KV and reserve slots for the decode steps; decode when full."""
+        """Hold the prompt's KV and reserve slots for the decode steps. Without room, decode the
+        running requests until some finish (continuous batching: new requests join their steps)."""
         n = len(req.prompt)
         reserve = max(req.params.max_new_tokens - 1, 0)
         while True:
@@ -384,76 +396,109 @@ class Engine:
                 break
             if node is not None:
                 self.tree.unlock(node)
-            if not self._running and self._batch.num_tokens == 0:
+            if self._running:
+                self._make_room()
+            elif self._batch.num_tokens:
+                self._flush()
+            else:
                 raise RuntimeError(f"KV pool of {self.pool.num_slots} tokens cannot hold request {i} "
                                    f"({n} prompt + {reserve} new tokens); raise kv_cache_tokens")
-            self._flush()
-            self._decode_all()
         if self.tree is None:
             slots = self._own_slots.pop(i)
         assert len(slots) >= n, "prompt KV must be in the pool"
-        p = req.params
-        self._running.append(_Running(i, node, torch.cat([slots[:n], extra]), n, p, req.constraint))
+        self._running.append(_Running(i, node, torch.cat([slots[:n], extra]), n, req.params, req.constraint))
+
+    def _make_room(self) -> None:
+        """Decode until a share of the running requests has finished: refilling after every single
+        finish would add a prefill forward to nearly every step."""
+        want = max(1, len(self._running) // REFILL_DIVISOR)
+        done = 0
+        while self._running and done < want:
+            done += self._step()
 
     def _decode_all(self) -> None:
-        """Sample each running request's first token, then decode them together to the end."""
-        if not self._running:
-            return
-        self._flush()
-        self._drain()
-        rows = [self._captured[(self._node_at(r.index, r.prompt_len - 1), r.prompt_len - 1)].row
-                for r in self._running]
-        self._sample(self._running, torch.stack(rows).to(self.device))
+        while self._running:
+            self._step()
+
+    def _step(self) -> int:
+        """One decode step of every running request (first the first token of those just admitted,
+        from their prompt's logits); returns how many requests finished."""
+        fresh = [r for r in self._running if not r.out]
+        if fresh:
+            self._flush()
+            self._drain()
+            rows = [self._captured[(self._node_at(r.index, r.prompt_len - 1), r.prompt_len - 1)].row for r in fresh]
+            self._sample(fresh, torch.stack(rows).to(self.device))
         live = [r for r in self._running if not r.finish]
-        while live:
-            # a row feeds the tokens it has not run yet: one after a sampled token, several after a
-            # jump-forward; one-token rows replay the decode graphs, the others run one ragged batch
-            one = [r for r in live if len(r.out) - r.fed == 1]
-            more = [r for r in live if len(r.out) - r.fed > 1]
-            parts = []
-            if one:
-                positions = [r.prompt_len + r.fed for r in one]
-                if self.graphs is not None:
-                    parts.append(self.graphs.run([r.out[-1] for r in one], positions,
-                                                 [r.slots[:p + 1] for r, p in zip(one, positions)]))
-                else:
-                    more = one + more
-            if more:
-                b = _Batch()
-                for r in more:
-                    start, end = r.prompt_len + r.fed, r.prompt_len + len(r.out)
-                    b.add(r.out[r.fed:], start, r.slots[start:end], r.slots[:end], [(end - 1, None)])
-                parts.append(self.model(b.build().to(self.device), self.attn))
-            rows = (one if self.graphs is not None else []) + more
-            self.stats.forward_batches += len(parts)
+        if live:
+            self._sample(live, self._forward(live))
+        done = [r for r in self._running if r.finish]
+        if done:
+            for r in done:
+                self._release(r)
+            self._running = [r for r in self._running if not r.finish]
+        return len(done)
+
+    def _forward(self, rows: list[_Running]) -> torch.Tensor:
+        """Run each row's tokens that are not in the KV pool yet (one after a sampled token, several
+        after a jump-forward); logits at each row's last token. On CUDA every token is one row of
+        the decode graphs: a row's tokens sit at consecutive positions, and every layer stores all
+        rows' KV before attending, so each token attends to those before it in the same step."""
+        self.stats.forward_batches += 1
+        if self.graphs is not None:
+            toks, positions, seqs, last = [], [], [], []
             for r in rows:
+                start = r.prompt_len + r.fed
+                slots = r.slots.numpy()
+                for j, t in enumerate(r.out[r.fed:]):
+                    toks.append(t)
+                    positions.append(start + j)
+                    seqs.append(slots[:start + j + 1])
+                last.append(len(toks) - 1)
                 r.fed = len(r.out)
-            self._sample(rows, torch.cat(parts) if len(parts) > 1 else parts[0])
-            live = [r for r in live if not r.finish]
-        for r in self._running:
-            self._release(r)
-        self._running = []
+            return self.graphs.run(toks, positions, seqs, last)
+        b = _Batch()
+        for r in rows:
+            start, end = r.prompt_len + r.fed, r.prompt_len + len(r.out)
+            b.add(r.out[r.fed:], start, r.slots[start:end], r.slots[:end], [(end - 1, None)])
+            r.fed = len(r.out)
+        return self.model(b.build().to(self.device), self.attn)
 
     def _sample(self, rows: list[_Running], logits: torch.Tensor) -> None:
-        """Pick each row's next token (within its grammar, if it has one) and append it."""
-        constrained = [k for k, r in enumerate(rows) if r.constraint is not None]
-        if constrained:
-            from lmbatch.grammar import allocate_bitmask, apply_mask
-            bitmask = allocate_bitmask(len(rows), self.cfg.vocab_size)
-            for k in constrained:
-                rows[k].constraint.fill_mask(bitmask, k)
-            apply_mask(logits, bitmask, constrained)
+        """Pick each row's next token (within its grammar, if it has one) and append it.
+
+        A grammar row first takes the token it would pick unconstrained: if its grammar accepts that
+        token, masking would have picked it too (masking only removes candidates; the sampling noise
+        is fixed per (seed, step, token)), so only the rejected rows, and rows with top-p (whose
+        nucleus depends on the mask), compute a token mask and pick again."""
+        from lmbatch.grammar import accept_tokens
         tokens = sample(logits, [r.params for r in rows], [r.steps for r in rows])
+        constrained = [k for k, r in enumerate(rows) if r.constraint is not None]
+        lazy = [k for k in constrained if self.lazy_masks and rows[k].params.top_p >= 1.0]
+        ok = accept_tokens([rows[k].constraint for k in lazy], [tokens[k] for k in lazy]) if lazy else []
+        redo = [k for k, a in zip(lazy, ok) if not a] + [k for k in constrained if k not in set(lazy)]
+        if redo:
+            from lmbatch.grammar import allocate_bitmask, apply_mask, fill_masks
+            bitmask = allocate_bitmask(len(redo), self.cfg.vocab_size)
+            fill_masks([rows[k].constraint for k in redo], bitmask, list(range(len(redo))))
+            sub = logits[to_device(torch.tensor(redo), logits.device)]
+            apply_mask(sub, bitmask)
+            picked = sample(sub, [rows[k].params for k in redo], [rows[k].steps for k in redo])
+            accept_tokens([rows[k].constraint for k in redo], picked)
+            for k, t in zip(redo, picked):
+                tokens[k] = t
+        self.stats.masked_rows += len(redo)
         for r, t in zip(rows, tokens):
             r.steps += 1
             self._append(r, t)
 
     def _append(self, r: _Running, token: int) -> None:
+        """Add a sampled token (its grammar has accepted it) and see whether the request is done."""
         r.out.append(token)
         p = r.params
-        if r.constraint is not None:
-            r.constraint.accept(token)
         if not p.ignore_eos and token in self.cfg.eos_token_ids:
+            r.finish = "eos"
+        elif r.constraint is not None and r.constraint.is_terminated():  # the grammar's own stop token
             r.finish = "eos"
         elif p.stop and self.tokenizer is not None and any(s in self.tokenizer.decode(r.out) for s in p.stop):
             r.finish = "stop"

@@ -150,3 +150,69 @@ def test_decode_with_cuda_graphs_matches_eager(tiny, n):
     assert eng.graphs is not None and eng.graphs.graphs, "no graph was captured"
     same = sum(a.token_ids == b.token_ids for a, b in zip(eager, graphed))
     assert same >= n - max(1, n // 8)  # bf16: a GEMM of another row count may flip a near-tie
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_jump_forward_rows_in_decode_graphs_match_eager(tmp_path, dtype):
+    """Jump-forward tokens run as extra rows of the decode graphs (several rows of one sequence in
+    one replay, and past the largest bucket in several replays): same JSON as eager ragged batches."""
+    import json
+
+    from conftest import make_tiny_with_tokenizer
+    from transformers import AutoTokenizer
+
+    from lmbatch.grammar import GrammarCompiler
+    from lmbatch.programs.json_cities import valid
+    from lmbatch.programs.wiki_cities import SCHEMA
+
+    path = make_tiny_with_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    gc = GrammarCompiler(tok, vocab_size=49152)
+
+    def run(**kw):
+        reqs = [GenerateRequest(tok.encode(f"City number {i} as JSON: "), SamplingParams(max_new_tokens=160),
+                                gc.constraint(json_schema=SCHEMA)) for i in range(12)]
+        eng = Engine.from_pretrained(path, device="cuda", dtype=dtype, attention="triton", tokenizer=tok,
+                                     max_running=4, **kw)
+        return eng, eng.generate(reqs)[0]
+
+    _, eager = run(cuda_graphs=False)
+    eng, graphed = run()
+    assert eng.graphs is not None and max(eng.graphs.graphs) == 8, "graphs of up to 2 x max_running rows"
+    assert all(r.grammar_complete is not None for r in graphed)
+    assert all(r.jumped_tokens > 0 for r in graphed)
+    same = sum(a.token_ids == b.token_ids for a, b in zip(eager, graphed))
+    assert same >= 12 - 2, [(a.text, b.text) for a, b in zip(eager, graphed)]  # TF32 / bf16 near-ties
+    done = [r.text for r in graphed if r.grammar_complete]
+    assert done and all(valid(t) for t in done), done
+    assert all(json.loads(t) is not None for t in done)
+
+
+@pytest.mark.parametrize("max_running", [1, 8])
+def test_decode_graph_rows_of_one_sequence_match_an_extend(tiny, max_running):
+    """Several consecutive tokens of a sequence as separate graph rows (each its own query, all
+    storing KV before any attends; past the largest bucket in several replays) give the logits of
+    one eager extend of those tokens."""
+    path, _ = tiny
+    eng = _engine(path, "triton", max_running=max_running)
+    prompt, new = [5, 9, 2, 7, 3, 8, 1, 4], [6, 2, 9, 9, 5]
+    slots = eng.pool.alloc(len(prompt) + len(new))
+    other = eng.pool.alloc(4)
+
+    def eager(ids, start, mine):
+        fb = ForwardBatch(torch.tensor(ids), torch.arange(start, start + len(ids)), mine[start:start + len(ids)],
+                          [0, len(ids)], [0, start + len(ids)], mine[:start + len(ids)], torch.arange(len(ids)))
+        return eng.model(fb.to("cuda"), eng.attn)
+
+    eager(prompt, 0, slots)
+    eager([3, 3, 3, 3], 0, other)
+    want = eager(new, len(prompt), slots).float()
+    eng.pool.k[:, slots[len(prompt):]] = 0   # the graphs must write these again
+    n = len(prompt)
+    toks = [3] + new                          # a row of another sequence first, then the five rows
+    positions = [3] + list(range(n, n + len(new)))
+    seqs = [other.numpy()] + [slots[:n + j + 1].numpy() for j in range(len(new))]
+    got = eng.graphs.run(toks, positions, seqs, rows=list(range(1, 6))).float()
+    assert len(eng.graphs.buckets) == (2 if max_running == 1 else 5)
+    assert ((got - want).norm() / want.norm()) < 2e-2
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8

@@ -210,3 +210,16 @@ def test_apply_mask_cuda_matches_cpu(gc) -> None:
         apply_mask(cuda, mask, rows=[0, 2])  # the CPU bitmask is moved to the logits' device
         assert torch.equal(cuda.cpu(), cpu)
         assert torch.isinf(cpu[0]).sum() > 0 and not torch.isinf(cpu[1]).any()
+
+
+def test_ids_no_grammar_accepts_are_rejected_quietly(tok, capfd) -> None:
+    """Padding ids past the tokenizer (a model's larger embedding) are rejected without xgrammar's
+    per-token warning: the engine offers every unconstrained pick to the grammar first."""
+    from lmbatch.grammar import accept_tokens
+
+    gc = GrammarCompiler(tok, vocab_size=len(tok) + 64)
+    c = gc.constraint(regex="[a-z]+")
+    pad = len(tok) + 5
+    assert not c.accept(pad)
+    assert accept_tokens([c, gc.constraint(regex="[a-z]+")], [pad, _ids(tok, "abc")[0]]) == [False, True]
+    assert "Warning" not in capfd.readouterr().err
