@@ -7,8 +7,9 @@ cache) and, for HellaSwag, plain transformers (lm-eval's loglikelihood with padd
     python benchmarks/bench_programs.py --workload hellaswag --shots 10 --preset smollm2-135m \
         --tokenizer .gpu/tok --variants dfs,fcfs,random,nocache,hf
     python benchmarks/bench_programs.py --workload tot-gsm8k --preset smollm2-135m --tokenizer .gpu/tok
-    python benchmarks/bench_programs.py --workload json --preset smollm2-135m --tokenizer .gpu/tok \
-        --variants dfs,nojump,percall         # jump-forward off; grammar compiled per request
+    python benchmarks/bench_programs.py --workload json --variants dfs,nojump,percall --repeat 3
+                                              # embedded model (real weights: real outputs); jump-forward
+                                              # off; grammar compiled per request
 """
 from __future__ import annotations
 
@@ -24,6 +25,60 @@ from bench_mmlu import _reset, shared_models
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _step_trace(lmbatch, name, instances) -> None:
+    """Where a run's time goes (--profile, CUDA only): seconds in the engine's main host calls, rows
+    and synchronized wall time of every decode step, the longest outputs, then the GPU kernels."""
+    from lmbatch.engine import Engine
+    steps, forward = [], Engine._forward
+
+    def traced(self, rows):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = forward(self, rows)
+        torch.cuda.synchronize()
+        steps.append((len(rows), sum(len(r.out) - r.fed for r in rows), time.perf_counter() - t))
+        return out
+    Engine._forward = traced
+    import lmbatch.engine as engine_mod
+    import lmbatch.grammar as grammar_mod
+    spent: dict[str, float] = {}
+    patched = [(grammar_mod, "fill_masks"), (grammar_mod, "accept_tokens"), (engine_mod, "sample"),
+               (Engine, "_jump"), (Engine, "_flush"), (Engine, "_release"), (Engine, "_sample")]
+    originals = [getattr(o, a) for o, a in patched]
+
+    def timed(key, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] = spent.get(key, 0.0) + time.perf_counter() - t0
+        return wrapper
+    for (o, a), fn in zip(patched, originals):
+        setattr(o, a, timed(a, fn))
+    t = time.perf_counter()
+    interp_last = [lmbatch(name, instances)[0]]
+    total = time.perf_counter() - t
+    for (o, a), fn in zip(patched, originals):
+        setattr(o, a, fn)
+    Engine._forward = forward
+    print(f"--- {name}: seconds in " + ", ".join(f"{k} {v:.3f}" for k, v in spent.items()))
+    n = len(steps)
+    fwd = sum(s[2] for s in steps)
+    small = sum(1 for s in steps if s[0] < 32)
+    if name in ("dfs", "nojump") and interp_last:
+        gens = sorted((p.meta["steps"], p.meta["output_tokens"], p.value) for r in interp_last[0].runs for p in r.calls
+                      if "steps" in p.meta)
+        print(f"--- {name}: steps per output p50 {gens[len(gens) // 2][0]} p90 {gens[len(gens) * 9 // 10][0]} "
+              f"max {gens[-1][0]}; longest: {gens[-3:]}")
+    print(f"--- {name}: {n} decode forwards, {fwd:.3f} s of {total:.3f} s in them; {small} with < 32 rows; "
+          f"rows per step: {[s[0] for s in steps]}")
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        lmbatch(name, instances)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="hellaswag", choices=["hellaswag", "tot-gsm8k", "json"])
@@ -35,8 +90,11 @@ def main() -> None:
     ap.add_argument("--variants", default="dfs,fcfs,random,nocache")
     ap.add_argument("--max-tokens-per-batch", type=int, default=16384)
     ap.add_argument("--kv-cache-tokens", type=int, default=131072)
+    ap.add_argument("--max-running", type=int, default=256, help="generations decoded together at most")
     ap.add_argument("--hf-batch-tokens", type=int, default=32768)
     ap.add_argument("--out", default="results/bench_programs.parquet")
+    ap.add_argument("--repeat", type=int, default=1, help="timed runs per variant; the median is reported")
+    ap.add_argument("--profile", action="store_true", help="print where the host time of each variant goes")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -65,7 +123,7 @@ def main() -> None:
         interp.start(w.program, insts)              # first pass of every program: tokenizes stage 0
         t_start = time.perf_counter() - t
         eng = Engine(model, kv_cache_tokens=args.kv_cache_tokens, max_tokens_per_batch=args.max_tokens_per_batch,
-                     cache=name != "nocache", tokenizer=tok, jump_forward=jump)
+                     cache=name != "nocache", tokenizer=tok, jump_forward=jump, max_running=args.max_running)
         t = time.perf_counter()
         interp.execute(eng)
         if dev.type == "cuda":
@@ -88,7 +146,18 @@ def main() -> None:
             continue
         lmbatch(name, instances[:32])                                    # warm-up: kernels, graphs
         _reset(dev)
-        interp, t_start, seconds = lmbatch(name, instances)
+        if args.profile:
+            import cProfile
+            import pstats
+            prof = cProfile.Profile()
+            interp, t_start, seconds = prof.runcall(lmbatch, name, instances)
+            print(f"--- {name}: {seconds:.3f} s under the profiler")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            _step_trace(lmbatch, name, instances)
+            interp, t_start, seconds = lmbatch(name, instances)
+        else:
+            timed = sorted((lmbatch(name, instances) for _ in range(args.repeat)), key=lambda x: x[2])
+            interp, t_start, seconds = timed[len(timed) // 2]
         s = interp.stats
         if w.answer:
             preds[name] = [r.state.meta(w.answer)["index"] for r in interp.runs]
@@ -99,10 +168,11 @@ def main() -> None:
                          hit_rate=s.hit_rate, optimal_hit_rate=s.optimal_hit_rate,
                          hit_ratio=s.hit_rate / s.optimal_hit_rate if s.optimal_hit_rate else None,
                          prompt_tree_optimal=interp.prompt_tree_optimal_hit_rate, waves=interp.waves,
-                         forward_batches=s.forward_batches, evicted_tokens=s.evicted_tokens,
+                         forward_batches=s.forward_batches, evicted_tokens=s.evicted_tokens, masked_rows=s.masked_rows,
                          acc=sum(m.get("acc", 0) for m in metrics) / len(metrics),
                          total_s=t_start + seconds, programs_per_s_total=len(instances) / (t_start + seconds),
                          steps_per_output=sum(g["steps"] for g in gens) / max(len(gens), 1),
+                         max_steps=max((g["steps"] for g in gens), default=0),
                          tokens_per_output=sum(g["output_tokens"] for g in gens) / max(len(gens), 1),
                          valid=sum(m.get("valid", 0) for m in metrics) / len(metrics),
                          compilations=interp.grammars.compiled_count if interp.grammars else 0,
