@@ -162,6 +162,9 @@ def main() -> None:
         if w.answer:
             preds[name] = [r.state.meta(w.answer)["index"] for r in interp.runs]
         metrics = [w.score(i, r.state) for i, r in zip(instances, interp.runs)]
+        bad = [r.state["json"] for m, r in zip(metrics, interp.runs) if m.get("complete") and not m.get("valid")]
+        if bad:
+            print(f"{name}: {len(bad)} complete outputs fail validation, e.g. {bad[:3]}")
         gens = [p.meta for r in interp.runs for p in r.calls if "steps" in p.meta]
         rows.append(dict(variant=name, seconds=seconds, start_s=t_start, programs_per_s=len(instances) / seconds,
                          prompt_tokens=s.prompt_tokens, computed_tokens=s.computed_tokens, decode_tokens=s.decode_tokens,

@@ -88,7 +88,7 @@ class Constraint:
     """One request's grammar state. The matcher counts one rollback step per accepted token (and per
     `accept_string` call), so keep accepting token ids, one by one, if you will roll back."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, never: frozenset[int] = frozenset()):
+    def __init__(self, compiled: xgr.CompiledGrammar, never: frozenset[int]):
         self.matcher = xgr.GrammarMatcher(compiled)
         self.never = never
 

@@ -129,12 +129,12 @@ class Interpreter:
         """Compile the call's grammar (once per run, unless grammar_cache is off) and give it its own
         matcher; with jump-forward, the text the grammar forces at the start joins the prompt."""
         try:
-            from lmbatch.grammar import Constraint, GrammarCompiler
+            from lmbatch.grammar import GrammarCompiler
         except ImportError as e:
             raise ValueError(f"constrained gen needs xgrammar ({e}): pip install --no-deps xgrammar==0.2.8") from None
         if self.grammars is None:
             self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, cache=self.grammar_cache)
-        c = Constraint(self.grammars.compile(p.op.regex, p.op.json_schema))
+        c = self.grammars.constraint(p.op.regex, p.op.json_schema)
         forced = c.jump_forward() if self.jump_forward else ""
         if forced:
             c.accept_string(forced)

@@ -223,3 +223,29 @@ def test_ids_no_grammar_accepts_are_rejected_quietly(tok, capfd) -> None:
     assert not c.accept(pad)
     assert accept_tokens([c, gc.constraint(regex="[a-z]+")], [pad, _ids(tok, "abc")[0]]) == [False, True]
     assert "Warning" not in capfd.readouterr().err
+
+
+def _byte_token(tok, b: int) -> int:
+    """The byte-level BPE token of one raw byte (GPT-2's printable stand-in for it)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    stand_in = chr(b) if b in printable else chr(256 + [x for x in range(256) if x not in printable].index(b))
+    return tok.convert_tokens_to_ids(stand_in)
+
+
+def test_city_schema_strings_reject_utf8_surrogates(tok) -> None:
+    """A negated character class in xgrammar admits a surrogate's UTF-8 form (ED A0 80), no valid
+    UTF-8: it decodes to three U+FFFD and overruns the 40-character bound. The city schema's strings
+    exclude surrogates; an ordinary 3-byte character (ED 9F BF, U+D7FF) still passes."""
+    from lmbatch.programs.wiki_cities import SCHEMA as CITY
+
+    gc = GrammarCompiler(tok, vocab_size=len(tok))
+
+    def after_open_string(*raw: int) -> list[bool]:
+        c = gc.constraint(json_schema=CITY)
+        assert all(c.accept(t) for t in _ids(tok, '{"name":"'))
+        return [c.accept(_byte_token(tok, b)) for b in raw]
+
+    assert after_open_string(0xED, 0xA0) == [True, False]
+    assert after_open_string(0xED, 0x9F, 0xBF) == [True, True, True]
+    plain = gc.constraint(regex=r'[^"\\\x00-\x1f]{1,40}')     # the old pattern: xgrammar lets it through
+    assert [plain.accept(_byte_token(tok, b)) for b in (0xED, 0xA0, 0x80)] == [True, True, True]
