@@ -57,7 +57,7 @@ def _step_trace(lmbatch, name, instances) -> None:
     for (o, a), fn in zip(patched, originals):
         setattr(o, a, timed(a, fn))
     t = time.perf_counter()
-    interp_last = [lmbatch(name, instances)[0]]
+    interp = lmbatch(name, instances)[0]
     total = time.perf_counter() - t
     for (o, a), fn in zip(patched, originals):
         setattr(o, a, fn)
@@ -66,9 +66,9 @@ def _step_trace(lmbatch, name, instances) -> None:
     n = len(steps)
     fwd = sum(s[2] for s in steps)
     small = sum(1 for s in steps if s[0] < 32)
-    if name in ("dfs", "nojump") and interp_last:
-        gens = sorted((p.meta["steps"], p.meta["output_tokens"], p.value) for r in interp_last[0].runs for p in r.calls
-                      if "steps" in p.meta)
+    gens = sorted((p.meta["steps"], p.meta["output_tokens"], p.value) for r in interp.runs for p in r.calls
+                  if "steps" in p.meta)
+    if gens:
         print(f"--- {name}: steps per output p50 {gens[len(gens) // 2][0]} p90 {gens[len(gens) * 9 // 10][0]} "
               f"max {gens[-1][0]}; longest: {gens[-3:]}")
     print(f"--- {name}: {n} decode forwards, {fwd:.3f} s of {total:.3f} s in them; {small} with < 32 rows; "

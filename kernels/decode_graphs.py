@@ -112,7 +112,7 @@ class DecodeGraphs:
         pos[:n], pos[n:] = positions, 0
         indptr[0] = 0
         np.cumsum(np.concatenate([lens, np.ones(pad, dtype=np.int64)]), out=indptr[1:])
-        flat[:total - pad] = np.concatenate(seqs) if n else []
+        flat[:total - pad] = np.concatenate(seqs)
         flat[total - pad:] = self.scratch
         out[:] = flat[indptr[1:] - 1]
         dev = to_device(torch.from_numpy(host), self.ids.device)

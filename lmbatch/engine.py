@@ -473,14 +473,17 @@ class Engine:
         nucleus depends on the mask), compute a token mask and pick again."""
         from lmbatch.grammar import accept_tokens
         tokens = sample(logits, [r.params for r in rows], [r.steps for r in rows])
-        constrained = [k for k, r in enumerate(rows) if r.constraint is not None]
-        lazy = [k for k in constrained if self.lazy_masks and rows[k].params.top_p >= 1.0]
-        ok = accept_tokens([rows[k].constraint for k in lazy], [tokens[k] for k in lazy]) if lazy else []
-        redo = [k for k, a in zip(lazy, ok) if not a] + [k for k in constrained if k not in set(lazy)]
+        lazy, redo = [], []
+        for k, r in enumerate(rows):
+            if r.constraint is not None:
+                (lazy if self.lazy_masks and r.params.top_p >= 1.0 else redo).append(k)
+        if lazy:
+            ok = accept_tokens([rows[k].constraint for k in lazy], [tokens[k] for k in lazy])
+            redo += [k for k, a in zip(lazy, ok) if not a]
         if redo:
             from lmbatch.grammar import allocate_bitmask, apply_mask, fill_masks
             bitmask = allocate_bitmask(len(redo), self.cfg.vocab_size)
-            fill_masks([rows[k].constraint for k in redo], bitmask, list(range(len(redo))))
+            fill_masks([rows[k].constraint for k in redo], bitmask)
             sub = logits[to_device(torch.tensor(redo), logits.device)]
             apply_mask(sub, bitmask)
             picked = sample(sub, [rows[k].params for k in redo], [rows[k].steps for k in redo])
