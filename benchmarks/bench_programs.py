@@ -39,6 +39,17 @@ def _step_trace(lmbatch, name, instances) -> None:
         steps.append((len(rows), sum(len(r.out) - r.fed for r in rows), time.perf_counter() - t))
         return out
     Engine._forward = traced
+    flushes, flush = [], Engine._flush
+
+    def traced_flush(self):
+        n = self._batch.num_tokens
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        flush(self)
+        torch.cuda.synchronize()
+        if n:
+            flushes.append((n, time.perf_counter() - t))
+    Engine._flush = traced_flush
     import lmbatch.engine as engine_mod
     import lmbatch.grammar as grammar_mod
     spent: dict[str, float] = {}
@@ -61,7 +72,7 @@ def _step_trace(lmbatch, name, instances) -> None:
     total = time.perf_counter() - t
     for (o, a), fn in zip(patched, originals):
         setattr(o, a, fn)
-    Engine._forward = forward
+    Engine._forward, Engine._flush = forward, flush
     print(f"--- {name}: seconds in " + ", ".join(f"{k} {v:.3f}" for k, v in spent.items()))
     n = len(steps)
     fwd = sum(s[2] for s in steps)
@@ -71,6 +82,8 @@ def _step_trace(lmbatch, name, instances) -> None:
     if gens:
         print(f"--- {name}: steps per output p50 {gens[len(gens) // 2][0]} p90 {gens[len(gens) * 9 // 10][0]} "
               f"max {gens[-1][0]}; longest: {gens[-3:]}")
+    print(f"--- {name}: {len(flushes)} prefill forwards, {sum(f[1] for f in flushes):.3f} s in them, "
+          f"{sum(f[0] for f in flushes)} tokens; sizes {[f[0] for f in flushes]}")
     print(f"--- {name}: {n} decode forwards, {fwd:.3f} s of {total:.3f} s in them; {small} with < 32 rows; "
           f"rows per step: {[s[0] for s in steps]}")
     from torch.profiler import ProfilerActivity, profile

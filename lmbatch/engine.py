@@ -6,13 +6,17 @@ request of the same batch already matches it and reads KV that the same forward 
 batched together compute their shared prefix once. Logits are computed only at positions some
 request scores or samples from, and are captured whichever request happens to compute the position.
 
-Generation is continuous batching: an admitted request reserves its decode slots and joins the decode
-steps of those already running; once running requests fill `max_running` rows (or the pool), the
-next admission waits for an eighth of them to finish.
+Generation is continuous batching. A generation request's prompt is prefilled ahead, in the same
+large batches as every other prompt, and the request waits in a queue until a decode row is free;
+admitting it costs no forward pass (its first token comes from the prompt's logits), so a row that
+finishes is refilled at the next step. Prefill runs ahead while the pool keeps room for the decode
+slots of every queued request; when it does not, running requests decode until an eighth of them
+have finished.
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -85,6 +89,16 @@ class _InFlight:
     argmax: torch.Tensor
     rows: dict[int, torch.Tensor]   # full logits rows, for sampling
     event: torch.cuda.Event | None
+
+
+@dataclass
+class _Queued:
+    """A generation request whose prompt is in the pool, waiting for a decode row."""
+    index: int
+    node: Node | None
+    slots: torch.Tensor             # prompt slots
+    reserve: int                    # decode slots it takes when admitted
+    key: Key                        # where its prompt's last logits are captured
 
 
 @dataclass
@@ -173,6 +187,8 @@ class Engine:
         t1 = time.perf_counter()
         self._results = [GenerateResult() if isinstance(r, GenerateRequest) else ScoreResult() for r in requests]
         self._running: list[_Running] = []
+        self._queue: deque[_Queued] = deque()
+        self._queued_reserve = 0                        # pool slots kept free for the queue's decode slots
         self._batch = _Batch()
         self._own_slots: dict[int, torch.Tensor] = {}   # without a cache: each request's own KV
         for i in plan.order:
@@ -271,13 +287,7 @@ class Engine:
             if node is not None:
                 self.tree.unlock(node)
             if new is None:
-                if self._batch.num_tokens:
-                    self._flush()
-                elif self._running:  # generations hold the pool: let some finish
-                    self._make_room()
-                else:
-                    raise RuntimeError(f"KV pool of {self.pool.num_slots} tokens cannot hold request {i} "
-                                       f"({n} tokens); raise kv_cache_tokens")
+                self._wait_for_room(f"request {i} ({n} tokens)")
                 continue
             full = torch.cat([slots[:m], new])
             self._issue(i, toks, m, m + chunk, full)
@@ -286,7 +296,7 @@ class Engine:
             if m + chunk == n:
                 break
         if isinstance(req, GenerateRequest):
-            self._admit(i, req)
+            self._enqueue(i, req)
         else:
             for member in self.stats.members[i]:
                 self._request_done(member)
@@ -306,12 +316,28 @@ class Engine:
         b.add(toks[start:end], start, full[start:end], full, wanted)
 
     def _alloc(self, n: int) -> torch.Tensor | None:
+        """n slots, leaving free those promised to queued requests."""
+        return self.pool.alloc(n) if self._make_free(n + self._queued_reserve) else None
+
+    def _make_free(self, n: int) -> bool:
+        """Whether n slots are free, after evicting unlocked cache if needed."""
         short = n - self.pool.num_free
         if short > 0 and self.tree is not None:
             # Evict in bulk: one scan of the tree per 1/16 of the pool, not per request. In DFS order
             # every node a later request needs is on the current (locked) path, so this loses no hit.
             self.stats.evicted_tokens += self.tree.evict(max(short, self.pool.num_slots // 16))
-        return self.pool.alloc(n)
+        return self.pool.num_free >= n
+
+    def _wait_for_room(self, what: str) -> None:
+        """Free pool space: run the pending prefill batch, admit queued requests, or decode."""
+        if self._batch.num_tokens:
+            self._flush()
+        elif self._queue and len(self._running) < self.max_running:
+            self._admit_queued()
+        elif self._running:
+            self._make_room()
+        else:
+            raise RuntimeError(f"KV pool of {self.pool.num_slots} tokens cannot hold {what}; raise kv_cache_tokens")
 
     def _flush(self) -> None:
         b = self._batch
@@ -382,31 +408,40 @@ class Engine:
         res.logprob, res.num_tokens, res.is_greedy = total, len(req.continuation), greedy
 
     # ---- generation ------------------------------------------------------------------------
-    def _admit(self, i: int, req: GenerateRequest) -> None:
-        """Hold the prompt's KV and reserve slots for the decode steps. Without room, decode the
-        running requests until some finish (continuous batching: new requests join their steps)."""
+    def _enqueue(self, i: int, req: GenerateRequest) -> None:
+        """Hold the prompt's KV, promise its decode slots, and queue it for a decode row."""
         n = len(req.prompt)
         reserve = max(req.params.max_new_tokens - 1, 0)
         while True:
-            slots, node, matched = self._match(i, req.prompt)
+            slots, node, _ = self._match(i, req.prompt)
             if node is not None:
                 self.tree.lock(node)
-            extra = self._alloc(reserve) if len(self._running) < self.max_running else None
-            if extra is not None:
+            if self._make_free(self._queued_reserve + reserve):
                 break
             if node is not None:
                 self.tree.unlock(node)
-            if self._running:
-                self._make_room()
-            elif self._batch.num_tokens:
-                self._flush()
-            else:
-                raise RuntimeError(f"KV pool of {self.pool.num_slots} tokens cannot hold request {i} "
-                                   f"({n} prompt + {reserve} new tokens); raise kv_cache_tokens")
+            self._wait_for_room(f"request {i} ({n} prompt + {reserve} new tokens)")
         if self.tree is None:
             slots = self._own_slots.pop(i)
         assert len(slots) >= n, "prompt KV must be in the pool"
-        self._running.append(_Running(i, node, torch.cat([slots[:n], extra]), n, req.params, req.constraint))
+        self._queue.append(_Queued(i, node, slots[:n], reserve, (self._node_at(i, n - 1), n - 1)))
+        self._queued_reserve += reserve
+        self._admit_queued()
+
+    def _admit_queued(self) -> None:
+        """Give free decode rows to queued requests whose prompt logits have been computed (those in
+        the pending prefill batch wait for it, rather than run it small)."""
+        while self._queue and len(self._running) < self.max_running:
+            q = self._queue[0]
+            if q.key in self._batch.logit_keys:
+                break
+            self._queue.popleft()
+            self._queued_reserve -= q.reserve
+            extra = self._alloc(q.reserve)
+            assert extra is not None, "queued requests' decode slots are kept free"
+            req = self._requests[q.index]
+            self._running.append(_Running(q.index, q.node, torch.cat([q.slots, extra]), len(q.slots), req.params,
+                                          req.constraint))
 
     def _make_room(self) -> None:
         """Decode until a share of the running requests has finished: refilling after every single
@@ -415,9 +450,11 @@ class Engine:
         done = 0
         while self._running and done < want:
             done += self._step()
+            self._admit_queued()
 
     def _decode_all(self) -> None:
-        while self._running:
+        while self._running or self._queue:
+            self._admit_queued()
             self._step()
 
     def _step(self) -> int:
@@ -425,8 +462,7 @@ class Engine:
         from their prompt's logits); returns how many requests finished."""
         fresh = [r for r in self._running if not r.out]
         if fresh:
-            self._flush()
-            self._drain()
+            self._drain()           # admitted requests' prompt logits were launched already
             rows = [self._captured[(self._node_at(r.index, r.prompt_len - 1), r.prompt_len - 1)].row for r in fresh]
             self._sample(fresh, torch.stack(rows).to(self.device))
         live = [r for r in self._running if not r.finish]

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmbatch.engine import Engine
-from lmbatch.requests import GenerateRequest, SamplingParams, ScoreRequest
+from lmbatch.requests import GenerateRequest, GenerateResult, SamplingParams, ScoreRequest
 from lmbatch.scheduler.planner import make_plan
 
 
@@ -154,9 +154,11 @@ def test_sampling_is_deterministic_and_batch_independent(llama):
 
 
 def test_finished_rows_are_refilled_while_long_generations_run(llama):
-    """Continuous batching: with 2 rows, one 40-token generation and eight 10-token ones take about
-    40 + 2 x 10 decode steps (the short ones join as rows free up), not 40 + 4 x 10 as in static
-    groups; outputs are those of an unconstrained batch."""
+    """Continuous batching with prefill ahead: with 2 rows, one 40-token generation and eight 10-token
+    ones take one prefill forward (every prompt, ahead of admission) and decode steps that keep both
+    rows busy: a row that finishes is refilled at the next step, at no forward of its own (the first
+    token of a request comes from its prompt's logits, then 9 steps each). Static groups take 40 + 3 x 10
+    steps; outputs are those of an unconstrained batch."""
     path, _ = llama
     lens = [40] + [10] * 8
     reqs = [GenerateRequest([3, 1, 4, i], SamplingParams(max_new_tokens=n, ignore_eos=True)) for i, n in enumerate(lens)]
@@ -164,8 +166,38 @@ def test_finished_rows_are_refilled_while_long_generations_run(llama):
     two, stats = engine(path, max_running=2).generate(reqs, schedule="fcfs")
     assert [r.token_ids for r in two] == [r.token_ids for r in free]
     assert [len(r.token_ids) for r in two] == lens
-    prefills = len(reqs) - 1   # one per admission after the first two: never more than one per request
-    assert stats.forward_batches <= (40 - 1) + 2 * 10 + prefills, stats.forward_batches
+    row_steps = sum(n - 1 for n in lens)
+    assert stats.forward_batches <= 1 + (row_steps + 1) // 2 + 1, stats.forward_batches
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10**6), max_running=st.integers(1, 6), batch=st.sampled_from([3, 8, 64]),
+       slack=st.integers(0, 40), cache=st.booleans())
+def test_generation_under_pool_pressure_matches_a_large_pool(llama, seed, max_running, batch, slack, cache):
+    """Prompts prefilled ahead of admission, with the pool just large enough for the longest request
+    (plus a batch and `slack`): scores and generations equal those of a pool that holds everything,
+    and every slot comes back to the pool."""
+    path, _ = llama
+    rng = random.Random(seed)
+    reqs = []
+    for r in random_requests(rng, 14):
+        if rng.random() < 0.5:
+            r = GenerateRequest(r.tokens, SamplingParams(max_new_tokens=rng.randint(1, 12), ignore_eos=True,
+                                                         temperature=rng.choice([0.0, 0.8]), seed=seed))
+        reqs.append(r)
+    need = max(len(r.prompt) + (r.params.max_new_tokens if isinstance(r, GenerateRequest) else 0) for r in reqs)
+    ref, _ = engine(path, kv_cache_tokens=4096).run(reqs)
+    eng = engine(path, kv_cache_tokens=need + batch + slack, max_tokens_per_batch=batch, max_running=max_running,
+                 cache=cache)
+    out, _ = eng.run(reqs)
+    for a, b in zip(ref, out):
+        if isinstance(a, GenerateResult):
+            assert a.token_ids == b.token_ids
+        else:
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+    if eng.tree is not None:
+        eng.tree.evict(eng.pool.num_slots)
+    assert eng.pool.num_free == eng.pool.num_slots
 
 
 class CharTokenizer:
