@@ -11,6 +11,7 @@ import json
 import re
 from typing import Any
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -35,6 +36,50 @@ def _schema_text(schema: str | dict[str, Any]) -> str:
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
+# UTF-8 (RFC 3629) as a byte automaton. xgrammar 0.2.8 admits ill-formed UTF-8 inside a character
+# class: the overlong 3- and 4-byte forms (E0 80..9F xx, F0 80..8F xx xx) and surrogates (ED A0..BF xx).
+# Each decodes to several U+FFFD, so a bounded string overruns its bound. A constraint therefore
+# also rejects, and masks out, the tokens that would make its text ill-formed.
+# States: 0 between characters; 1-3 that many continuation bytes to go; 4-7 the restricted second
+# byte after E0, ED, F0, F4; 8 ill-formed (absorbing).
+_ILL = 8
+
+
+def _utf8_bytes() -> np.ndarray:
+    t = np.full((9, 256), _ILL, dtype=np.int8)
+    t[0, :0x80] = 0
+    t[0, 0xC2:0xE0] = 1
+    t[0, 0xE0], t[0, 0xE1:0xED], t[0, 0xED], t[0, 0xEE:0xF0] = 4, 2, 5, 2
+    t[0, 0xF0], t[0, 0xF1:0xF4], t[0, 0xF4] = 6, 3, 7
+    for state, after in ((1, 0), (2, 1), (3, 2)):
+        t[state, 0x80:0xC0] = after
+    t[4, 0xA0:0xC0], t[5, 0x80:0xA0], t[6, 0x90:0xC0], t[7, 0x80:0x90] = 1, 1, 2, 2
+    return t
+
+
+class Utf8Tokens:
+    """`next[state, token]`: the UTF-8 state after a token's bytes; `allowed[state]`: a bitmask row
+    (xgrammar's layout) of the tokens that keep the text well-formed."""
+
+    def __init__(self, vocab: list[bytes], vocab_size: int):
+        step = _utf8_bytes()
+        lens = np.array([len(b) for b in vocab])
+        buf = np.zeros((len(vocab), max(lens.max(), 1)), dtype=np.uint8)
+        flat = np.frombuffer(b"".join(bytes(b) for b in vocab), dtype=np.uint8)
+        buf[np.arange(buf.shape[1]) < lens[:, None]] = flat
+        state = np.repeat(np.arange(9, dtype=np.int8)[:, None], len(vocab), axis=1)
+        for pos in range(buf.shape[1]):
+            live = pos < lens
+            state[:, live] = step[state[:, live], buf[live, pos]]
+        self.next = np.repeat(np.arange(9, dtype=np.int8)[:, None], vocab_size, axis=1)  # ids past the vocab
+        self.next[:, :len(vocab)] = state
+        words = -(-vocab_size // 32)
+        ok = np.zeros((9, words * 32), dtype=np.uint64)
+        ok[:, :vocab_size] = self.next != _ILL
+        packed = (ok.reshape(9, words, 32) << np.arange(32, dtype=np.uint64)).sum(axis=2)
+        self.allowed = torch.from_numpy(packed.astype(np.uint32).view(np.int32))
+
+
 class GrammarCompiler:
     """Compiles regexes and JSON schemas against one tokenizer, caching by constraint.
 
@@ -56,6 +101,7 @@ class GrammarCompiler:
         # ids no grammar accepts (padding rows past the tokenizer, special tokens besides the stop
         # token): rejected here, since xgrammar logs a warning for each one it is offered
         self.never = frozenset(self.info.special_token_ids) - frozenset(self.info.stop_token_ids)
+        self.utf8 = Utf8Tokens(self.info.decoded_vocab, self.vocab_size)
 
     def compile(self, regex: str | None = None,
                 json_schema: str | dict[str, Any] | None = None) -> xgr.CompiledGrammar:
@@ -81,24 +127,36 @@ class GrammarCompiler:
 
     def constraint(self, regex: str | None = None,
                    json_schema: str | dict[str, Any] | None = None) -> Constraint:
-        return Constraint(self.compile(regex, json_schema), self.never)
+        return Constraint(self.compile(regex, json_schema), self.never, self.utf8)
 
 
 class Constraint:
     """One request's grammar state. The matcher counts one rollback step per accepted token (and per
     `accept_string` call), so keep accepting token ids, one by one, if you will roll back."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, never: frozenset[int]):
+    def __init__(self, compiled: xgr.CompiledGrammar, never: frozenset[int], utf8: Utf8Tokens):
         self.matcher = xgr.GrammarMatcher(compiled)
         self.never = never
+        self.utf8 = utf8
+        self.states = [0]           # UTF-8 state after each accepted step (the matcher's rollback unit)
 
-    def fill_mask(self, bitmask: torch.Tensor, row: int) -> bool:
-        """Write the allowed next tokens into `bitmask[row]` (a CPU tensor); False if all are allowed."""
-        return self.matcher.fill_next_token_bitmask(bitmask, row)
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (a CPU tensor)."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        bitmask[row] &= self.utf8.allowed[self.states[-1]]
+
+    def well_formed(self, token_id: int) -> int:
+        """The UTF-8 state after `token_id`, or -1 if the text would be ill-formed."""
+        nxt = int(self.utf8.next[self.states[-1], token_id])
+        return -1 if token_id in self.never or nxt == _ILL else nxt
 
     def accept(self, token_id: int) -> bool:
         """Advance by one token; False (state unchanged) if the grammar does not allow it."""
-        return token_id not in self.never and self.matcher.accept_token(token_id)
+        nxt = self.well_formed(token_id)
+        if nxt < 0 or not self.matcher.accept_token(token_id):
+            return False
+        self.states.append(nxt)
+        return True
 
     def is_terminated(self) -> bool:
         """The grammar is complete and the stop token (the tokenizer's EOS) was accepted."""
@@ -114,12 +172,16 @@ class Constraint:
 
     def accept_string(self, s: str) -> bool:
         """Advance by the characters `s`, as ONE rollback step whatever its token count."""
-        return self.matcher.accept_string(s)
+        if self.states[-1] != 0 or not self.matcher.accept_string(s):
+            return False
+        self.states.append(0)
+        return True
 
     def rollback(self, n: int) -> None:
         """Undo the last `n` steps (tokens)."""
         if n:
             self.matcher.rollback(n)
+            del self.states[-n:]
 
 
 _batch_matcher: xgr.BatchGrammarMatcher | None = None
@@ -137,16 +199,21 @@ def fill_masks(constraints: list[Constraint], bitmask: torch.Tensor) -> None:
     if _batch_matcher is None:
         _batch_matcher = xgr.BatchGrammarMatcher()
     _batch_matcher.batch_fill_next_token_bitmask([c.matcher for c in constraints], bitmask)
+    states = torch.tensor([c.states[-1] for c in constraints])
+    bitmask[:len(constraints)] &= constraints[0].utf8.allowed[states]
 
 
 def accept_tokens(constraints: list[Constraint], tokens: list[int]) -> list[bool]:
     """`accept` one token per constraint, in one call."""
-    ok = [t not in c.never for c, t in zip(constraints, tokens)]
+    nxt = [c.well_formed(t) for c, t in zip(constraints, tokens)]
+    ok = [n >= 0 for n in nxt]
     sure = [k for k, o in enumerate(ok) if o]
     if sure:
         res = xgr.BatchGrammarMatcher.batch_accept_token([constraints[k].matcher for k in sure], [tokens[k] for k in sure])
         for k, r in zip(sure, res):
             ok[k] = bool(r)
+            if r:
+                constraints[k].states.append(nxt[k])
     return ok
 
 

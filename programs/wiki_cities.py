@@ -29,10 +29,9 @@ CITY_DESCRIPTION = re.compile(rf"^(?:(?!{_NOT_HEAD})\S+ ){{0,3}}{_SETTLEMENT}\b(
 # 0.2.8 a maxLength string admits raw control characters (a tab), which strict JSON parsers reject,
 # and maxLength next to a pattern is ignored. No backslash either, so no escapes. Compiling the
 # bounds costs most of the schema's compile time (0.8 s on a 2-core CPU; unbounded: 0.005 s).
-# Surrogates are excluded by name: xgrammar's negated class admits their UTF-8 form (ED A0..BF ..),
-# which is no valid UTF-8 and decodes to three replacement characters, overrunning the bound.
+# (xgrammar's negated class also admits ill-formed UTF-8; lmbatch.grammar's constraints reject it.)
 def _text(min_len: int, max_len: int) -> str:
-    return rf'^[^"\\\x00-\x1f\ud800-\udfff]{{{min_len},{max_len}}}$'
+    return rf'^[^"\\\x00-\x1f]{{{min_len},{max_len}}}$'
 
 
 SCHEMA: dict = {

@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("xgrammar")
 from transformers import AutoTokenizer  # noqa: E402
 
-from lmbatch.grammar import (GrammarCompiler, allocate_bitmask, apply_mask,  # noqa: E402
-                             retokenize_jump)
+from lmbatch.grammar import (Constraint, GrammarCompiler, accept_tokens, allocate_bitmask,  # noqa: E402
+                             apply_mask, retokenize_jump)
 from lmbatch.models import embedded_model_dir  # noqa: E402
 
 PAD = 64  # simulate an embedding padded past the vocabulary
@@ -232,20 +232,41 @@ def _byte_token(tok, b: int) -> int:
     return tok.convert_tokens_to_ids(stand_in)
 
 
-def test_city_schema_strings_reject_utf8_surrogates(tok) -> None:
-    """A negated character class in xgrammar admits a surrogate's UTF-8 form (ED A0 80), no valid
-    UTF-8: it decodes to three U+FFFD and overruns the 40-character bound. The city schema's strings
-    exclude surrogates; an ordinary 3-byte character (ED 9F BF, U+D7FF) still passes."""
+def test_constraints_keep_text_well_formed_utf8(tok) -> None:
+    """xgrammar 0.2.8's negated character class admits ill-formed UTF-8: surrogates (ED A0 80) and
+    overlong forms (E0 80 80, F0 80 80 80). Each decodes to several U+FFFD, so a 40-character string
+    overran its bound (seen in a GPU run). A constraint rejects such a byte and masks it out; well-
+    formed 3- and 4-byte characters pass, and rollback restores the state."""
     from lmbatch.programs.wiki_cities import SCHEMA as CITY
 
     gc = GrammarCompiler(tok, vocab_size=len(tok))
 
-    def after_open_string(*raw: int) -> list[bool]:
+    def fresh(kind: str) -> Constraint:
+        if kind == "regex":
+            return gc.constraint(regex=r'[^"\\\x00-\x1f]{1,40}')
         c = gc.constraint(json_schema=CITY)
         assert all(c.accept(t) for t in _ids(tok, '{"name":"'))
-        return [c.accept(_byte_token(tok, b)) for b in raw]
+        return c
 
-    assert after_open_string(0xED, 0xA0) == [True, False]
-    assert after_open_string(0xED, 0x9F, 0xBF) == [True, True, True]
-    plain = gc.constraint(regex=r'[^"\\\x00-\x1f]{1,40}')     # the old pattern: xgrammar lets it through
-    assert [plain.accept(_byte_token(tok, b)) for b in (0xED, 0xA0, 0x80)] == [True, True, True]
+    for kind in ("regex", "schema"):
+        def bytes_in(*raw: int) -> list[bool]:
+            c = fresh(kind)
+            return [c.accept(_byte_token(tok, b)) for b in raw]
+        assert bytes_in(0xED, 0xA0) == [True, False]                      # surrogate
+        assert bytes_in(0xE0, 0x80) == [True, False]                      # overlong, 3 bytes
+        assert bytes_in(0xF0, 0x8F) == [True, False]                      # overlong, 4 bytes
+        assert bytes_in(0xED, 0x9F, 0xBF) == [True, True, True]           # U+D7FF
+        assert bytes_in(0xE0, 0xA0, 0x80, 0x41) == [True] * 4             # U+0800, then 'A'
+        assert bytes_in(0xF0, 0x90, 0x80, 0x80) == [True] * 4             # U+10000
+        c = fresh(kind)
+        assert c.accept(_byte_token(tok, 0xE0))
+        assert accept_tokens([c], [_byte_token(tok, 0x85)]) == [False]    # the batch path checks too
+        mask = allocate_bitmask(1, gc.vocab_size)
+        c.fill_mask(mask, 0)
+
+        def allowed(t: int) -> bool:
+            return bool((int(mask[0, t // 32]) >> (t % 32)) & 1)
+        assert not allowed(_byte_token(tok, 0x85)) and allowed(_byte_token(tok, 0xA5))
+        assert not allowed(_ids(tok, "A")[0])                             # a character is half written
+        c.rollback(1)
+        assert c.accept(_ids(tok, "A")[0])
