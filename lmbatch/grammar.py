@@ -194,11 +194,11 @@ def fill_masks(constraints: list[Constraint], bitmask: torch.Tensor) -> None:
     global _batch_matcher
     if len(constraints) < BATCH_FILL_MIN:
         for row, c in enumerate(constraints):
-            c.fill_mask(bitmask, row)
-        return
-    if _batch_matcher is None:
-        _batch_matcher = xgr.BatchGrammarMatcher()
-    _batch_matcher.batch_fill_next_token_bitmask([c.matcher for c in constraints], bitmask)
+            c.matcher.fill_next_token_bitmask(bitmask, row)
+    else:
+        if _batch_matcher is None:
+            _batch_matcher = xgr.BatchGrammarMatcher()
+        _batch_matcher.batch_fill_next_token_bitmask([c.matcher for c in constraints], bitmask)
     states = torch.tensor([c.states[-1] for c in constraints])
     bitmask[:len(constraints)] &= constraints[0].utf8.allowed[states]
 
