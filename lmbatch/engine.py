@@ -143,6 +143,7 @@ class Engine:
         self.max_running = max_running
         self.jump_forward = jump_forward
         self.lazy_masks = lazy_masks
+        self._retok_memo: dict = {}     # retokenized jump boundaries (the tokenizer never changes)
 
     @classmethod
     def from_pretrained(cls, path, *, device="cpu", dtype=torch.float32, load_format="auto", **kw) -> "Engine":
@@ -550,7 +551,8 @@ class Engine:
         """Append the text the grammar forces, retokenized at the boundary, without decoding it."""
         from lmbatch.grammar import retokenize_jump
 
-        new, n = retokenize_jump(self.tokenizer, r.constraint, r.out, r.constraint.jump_forward())
+        new, n = retokenize_jump(self.tokenizer, r.constraint, r.out, r.constraint.jump_forward(),
+                                 memo=self._retok_memo)
         if not new and not n:
             return
         r.fed = min(r.fed, len(r.out) - n)

@@ -259,8 +259,34 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+MEMO_ENTRIES = 1 << 16
+
+
+def _retokenized(tokenizer, tail: tuple[int, ...], forced: str, memo: dict | None) -> tuple[int, list[int]] | None:
+    """How `tail` + `forced` retokenize: (how many leading tokens of `tail` stay, the tokens after
+    them), or None where the text does not round-trip. A pure function of the tokenizer, memoized in
+    `memo` (a workload's jumps repeat a few boundaries: '"' before ',"country":"', and so on)."""
+    key = (tail, forced)
+    if memo is not None and key in memo:
+        return memo[key]
+    text = _decode(tokenizer, list(tail))
+    res = None
+    if "\ufffd" not in text:
+        new = _encode(tokenizer, text + forced)
+        if _decode(tokenizer, new) == text + forced:
+            same = 0
+            while same < min(len(tail), len(new)) and tail[same] == new[same]:
+                same += 1
+            res = same, new[same:]
+    if memo is not None:
+        if len(memo) >= MEMO_ENTRIES:
+            memo.clear()
+        memo[key] = res
+    return res
+
+
 def retokenize_jump(tokenizer, constraint: Constraint, out_ids: list[int], forced: str,
-                    k: int = 2) -> tuple[list[int], int]:
+                    k: int = 2, memo: dict | None = None) -> tuple[list[int], int]:
     """Append the forced string to a request's generated tokens, retokenizing their last `k` tokens
     with it so the boundary merges as the tokenizer would ('"' then ',"' becomes '","').
 
@@ -268,22 +294,18 @@ def retokenize_jump(tokenizer, constraint: Constraint, out_ids: list[int], force
     the n dropped tokens' KV and prefills `new`). The matcher is rolled back n tokens and has accepted
     `new`, one step per token, so it stays in step with the token list. Fewer old tokens are redone
     where the text does not round-trip (a tail starting inside a UTF-8 character, a tokenizer that
-    prefixes a space to a fragment); (`[]`, 0) means: no jump, decode as usual.
+    prefixes a space to a fragment); (`[]`, 0) means: no jump, decode as usual. `memo` (a dict kept
+    per tokenizer) caches the tokenizer's part.
     """
     if not forced:
         return [], 0
     for j in range(min(k, len(out_ids)), -1, -1):
-        tail = out_ids[len(out_ids) - j:] if j else []
-        text = _decode(tokenizer, tail)
-        if "\ufffd" in text:
+        tail = tuple(out_ids[len(out_ids) - j:]) if j else ()
+        split = _retokenized(tokenizer, tail, forced, memo)
+        if split is None:
             continue
-        new = _encode(tokenizer, text + forced)
-        if _decode(tokenizer, new) != text + forced:
-            continue
-        same = 0
-        while same < min(j, len(new)) and tail[same] == new[same]:
-            same += 1
-        n, new = j - same, new[same:]
+        same, new = split
+        n = j - same
         constraint.rollback(n)
         accepted = 0
         for t in new:
@@ -291,7 +313,7 @@ def retokenize_jump(tokenizer, constraint: Constraint, out_ids: list[int], force
                 break
             accepted += 1
         if accepted == len(new):
-            return new, n
+            return list(new), n
         constraint.rollback(accepted)  # cannot happen for a byte-exact retokenization; undo anyway
         for t in tail[same:]:
             constraint.accept(t)

@@ -196,6 +196,25 @@ def test_retokenize_jump_never_splits_a_character(tok, gc) -> None:
         assert torch.equal(_state(gc, c)[1], _state(gc, _fresh(gc, ids, **regex))[1])
 
 
+def test_retokenize_jump_memo_gives_the_same_tokens_without_the_tokenizer(tok, gc) -> None:
+    """A memo of the tokenizer's part: the same (new, n) and matcher state as without it, and a memo
+    hit needs no tokenizer at all."""
+    regex = dict(regex=r'\{"a":"[a-z]{1,8}","b":"[0-9]{1,3}"\}')
+    memo: dict = {}
+    for text in ('{"a":"x"', '{"a":"abc"', '{"a":"x","b":"1"'):
+        out = _ids(tok, text)
+        plain, memoized = _fresh(gc, out, **regex), _fresh(gc, out, **regex)
+        forced = plain.jump_forward()
+        assert forced
+        want = retokenize_jump(tok, plain, out, forced)
+        assert retokenize_jump(tok, memoized, out, forced, memo=memo) == want
+        again = _fresh(gc, out, **regex)
+        assert retokenize_jump(None, again, out, forced, memo=memo) == want   # served by the memo
+        for c in (memoized, again):
+            assert torch.equal(_state(gc, c)[1], _state(gc, plain)[1])
+    assert memo
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_apply_mask_cuda_matches_cpu(gc) -> None:
