@@ -32,11 +32,12 @@ def _step_trace(lmbatch, name, instances) -> None:
     steps, forward = [], Engine._forward
 
     def traced(self, rows):
+        tokens = sum(len(r.out) - r.fed for r in rows)
         torch.cuda.synchronize()
         t = time.perf_counter()
         out = forward(self, rows)
         torch.cuda.synchronize()
-        steps.append((len(rows), sum(len(r.out) - r.fed for r in rows), time.perf_counter() - t))
+        steps.append((len(rows), tokens, time.perf_counter() - t))
         return out
     Engine._forward = traced
     flushes, flush = [], Engine._flush
@@ -86,6 +87,11 @@ def _step_trace(lmbatch, name, instances) -> None:
           f"{sum(f[0] for f in flushes)} tokens; sizes {[f[0] for f in flushes]}")
     print(f"--- {name}: {n} decode forwards, {fwd:.3f} s of {total:.3f} s in them; {small} with < 32 rows; "
           f"rows per step: {[s[0] for s in steps]}")
+    by_size: dict[int, list[float]] = {}
+    for rows_, toks, sec in steps:
+        by_size.setdefault(next(b for b in (8, 16, 32, 64, 128, 256, 384, 512, 1 << 30) if toks <= b), []).append(sec)
+    print(f"--- {name}: tokens per decode forward {sum(s[1] for s in steps) / max(n, 1):.1f}; ms per forward by "
+          "tokens: " + ", ".join(f"<={b}: {len(v)} x {1e3 * sum(v) / len(v):.2f}" for b, v in sorted(by_size.items())))
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         lmbatch(name, instances)
