@@ -28,13 +28,12 @@ from lmbatch.kv_pool import KVPool
 from lmbatch.model import Transformer
 from lmbatch.requests import (GenerateRequest, GenerateResult, RunStats, SamplingParams, ScoreRequest,
                               ScoreResult)
-from lmbatch.sampling import sample, sample_ranked
+from lmbatch.sampling import sample
 from lmbatch.scheduler.planner import Plan, PlanNode, make_plan
 from lmbatch.scheduler.radix_tree import Node, RadixTree
 
 FULL_ROW = -1  # demand marker: keep the whole logits row (to sample from it)
 REFILL_DIVISOR = 8  # a full decode batch admits new requests once 1/8 of its requests have finished
-CANDIDATES = 16     # next best tokens a grammar row tries before it computes a token mask
 Key = tuple[PlanNode, int]
 
 
@@ -118,22 +117,10 @@ class _Running:
     finish: str = ""
 
 
-def _next_allowed(constraint, ranked, rejected: int) -> int:
-    """Accept the first token of `ranked` (a row of sample_ranked's list) that the grammar allows,
-    and return it; -1 if none before the list's end or its first -1."""
-    for t in ranked.tolist():
-        if t < 0:
-            break
-        if t != rejected and constraint.accept(t):
-            return t
-    return -1
-
-
 class Engine:
     def __init__(self, model: Transformer, *, kv_cache_tokens: int = 32768, max_tokens_per_batch: int = 4096,
                  attention: str | None = None, cache: bool = True, max_running: int = 256, tokenizer=None,
-                 cuda_graphs: bool = True, jump_forward: bool = True, lazy_masks: bool = True,
-                 candidates: int = CANDIDATES):
+                 cuda_graphs: bool = True, jump_forward: bool = True, lazy_masks: bool = True):
         cfg = model.cfg
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
         self.device = next(model.parameters()).device
@@ -155,7 +142,7 @@ class Engine:
         self.max_tokens_per_batch = max_tokens_per_batch
         self.max_running = max_running
         self.jump_forward = jump_forward
-        self.lazy_masks, self.candidates = lazy_masks, candidates
+        self.lazy_masks = lazy_masks
         self._retok_memo: dict = {}     # retokenized jump boundaries (the tokenizer never changes)
 
     @classmethod
@@ -519,35 +506,24 @@ class Engine:
 
         A grammar row first takes the token it would pick unconstrained: if its grammar accepts that
         token, masking would have picked it too (masking only removes candidates; the sampling noise
-        is fixed per (seed, step, token)). A rejected row tries its next best tokens in order, and the
-        first one its grammar accepts is again the masked pick; only rows left without one, and rows
-        with top-p (whose nucleus depends on the mask), compute a token mask and pick again."""
+        is fixed per (seed, step, token)), so only the rejected rows, and rows with top-p (whose
+        nucleus depends on the mask), compute a token mask and pick again."""
         from lmbatch.grammar import accept_tokens
-        params, steps = [r.params for r in rows], [r.steps for r in rows]
+        tokens = sample(logits, [r.params for r in rows], [r.steps for r in rows])
         lazy, redo = [], []
         for k, r in enumerate(rows):
             if r.constraint is not None:
                 (lazy if self.lazy_masks and r.params.top_p >= 1.0 else redo).append(k)
-        ranked = None
-        if lazy and self.candidates > 1:
-            tokens, ranked = sample_ranked(logits, params, steps, self.candidates)
-        else:
-            tokens = sample(logits, params, steps)
         if lazy:
             ok = accept_tokens([rows[k].constraint for k in lazy], [tokens[k] for k in lazy])
-            for k in (k for k, a in zip(lazy, ok) if not a):
-                t = -1 if ranked is None else _next_allowed(rows[k].constraint, ranked[k], tokens[k])
-                if t < 0:
-                    redo.append(k)
-                else:
-                    tokens[k] = t
+            redo += [k for k, a in zip(lazy, ok) if not a]
         if redo:
             from lmbatch.grammar import allocate_bitmask, apply_mask, fill_masks
             bitmask = allocate_bitmask(len(redo), self.cfg.vocab_size)
             fill_masks([rows[k].constraint for k in redo], bitmask)
             sub = logits[to_device(torch.tensor(redo), logits.device)]
             apply_mask(sub, bitmask)
-            picked = sample(sub, [params[k] for k in redo], [steps[k] for k in redo])
+            picked = sample(sub, [rows[k].params for k in redo], [rows[k].steps for k in redo])
             accept_tokens([rows[k].constraint for k in redo], picked)
             for k, t in zip(redo, picked):
                 tokens[k] = t

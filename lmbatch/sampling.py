@@ -6,7 +6,6 @@ its device in a few vectorized ops (no per-row host round trip).
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from lmbatch.requests import SamplingParams
@@ -25,50 +24,23 @@ def _uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tens
     return (((x >> 8) & ((1 << 24) - 1)).float() + 0.5) / (1 << 24)
 
 
-def _scores(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> torch.Tensor:
-    """Per row, the values whose argmax is the pick: the logits of greedy rows; for the others, the
-    temperature-scaled logits (outside their top-p nucleus: -inf) plus Gumbel noise."""
-    hot = [i for i, p in enumerate(params) if p.temperature > 0]
-    if not hot:
-        return logits
-    dev = logits.device
-    idx = torch.tensor(hot, device=dev)
-    temp = torch.tensor([params[i].temperature for i in hot], device=dev)[:, None]
-    top_p = torch.tensor([params[i].top_p for i in hot], device=dev)[:, None]
-    z = logits[idx].float() / temp
-    if any(params[i].top_p < 1.0 for i in hot):   # keep the smallest set of tokens reaching top_p
-        probs = torch.softmax(z, dim=-1)
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop_sorted = sorted_p.cumsum(-1) - sorted_p >= top_p
-        z = z.masked_fill(torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted), float("-inf"))
-    seeds = torch.tensor([params[i].seed for i in hot], device=dev, dtype=torch.int64)
-    st = torch.tensor([steps[i] for i in hot], device=dev, dtype=torch.int64)
-    gumbel = -torch.log(-torch.log(_uniform(seeds, st, z.shape[-1])))
-    if len(hot) == len(params):
-        return z + gumbel
-    scores = logits.float().clone()
-    scores[idx] = z + gumbel
-    return scores
-
-
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
     """One token per row; `steps[i]` is how many tokens row i's request has sampled before."""
-    return _scores(logits, params, steps).argmax(dim=-1).tolist()
-
-
-def sample_ranked(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
-                  k: int) -> tuple[list[int], np.ndarray]:
-    """`sample`, and per row the `k` best tokens by the same values, best first (ties: lower id
-    first), as a [rows, k] array; -1 marks a place whose token might not be the next best (its value
-    equals the k-th: a token outside the k could tie it). So for any set of allowed tokens, the first
-    allowed token of a row's list before any -1 is the argmax over the allowed tokens, as masking
-    the others to -inf would pick it."""
-    scores = _scores(logits, params, steps)
-    vals, ids = scores.topk(min(k, scores.shape[-1]), dim=-1)
-    order = ids.argsort(dim=-1)
-    vals, ids = vals.gather(-1, order), ids.gather(-1, order)
-    order = vals.argsort(dim=-1, descending=True, stable=True)
-    vals, ids = vals.gather(-1, order), ids.gather(-1, order)
-    ids = torch.where(vals > vals[:, -1:], ids, -1)
-    both = torch.cat([scores.argmax(dim=-1, keepdim=True), ids], dim=1).cpu().numpy()
-    return both[:, 0].tolist(), both[:, 1:]
+    out = logits.argmax(dim=-1)
+    hot = [i for i, p in enumerate(params) if p.temperature > 0]
+    if hot:
+        dev = logits.device
+        idx = torch.tensor(hot, device=dev)
+        temp = torch.tensor([params[i].temperature for i in hot], device=dev)[:, None]
+        top_p = torch.tensor([params[i].top_p for i in hot], device=dev)[:, None]
+        z = logits[idx].float() / temp
+        if any(params[i].top_p < 1.0 for i in hot):   # keep the smallest set of tokens reaching top_p
+            probs = torch.softmax(z, dim=-1)
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            drop_sorted = sorted_p.cumsum(-1) - sorted_p >= top_p
+            z = z.masked_fill(torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted), float("-inf"))
+        seeds = torch.tensor([params[i].seed for i in hot], device=dev, dtype=torch.int64)
+        st = torch.tensor([steps[i] for i in hot], device=dev, dtype=torch.int64)
+        gumbel = -torch.log(-torch.log(_uniform(seeds, st, z.shape[-1])))
+        out[idx] = (z + gumbel).argmax(dim=-1)
+    return out.tolist()

@@ -243,28 +243,3 @@ def test_sampling_follows_the_distribution_and_top_p():
     top = [sample(logits, [SamplingParams(temperature=1.0, top_p=0.8, seed=s)], [0])[0] for s in range(2000)]
     assert set(top) == {0, 1} and abs(top.count(1) / 2000 - 0.237 / 0.881) < 0.04
     assert {sample(logits, [SamplingParams(temperature=1.0, top_p=0.6, seed=s)], [0])[0] for s in range(300)} == {0}
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.data())
-def test_ranked_candidates_give_the_masked_pick(data):
-    """The first allowed token of sample_ranked's list (before any -1) is what masking the others to
-    -inf and sampling would pick, ties (small integer logits) included."""
-    from lmbatch.sampling import sample, sample_ranked
-
-    rows, vocab = data.draw(st.integers(1, 4)), data.draw(st.integers(2, 12))
-    logits = torch.tensor(data.draw(st.lists(st.lists(st.integers(-3, 3), min_size=vocab, max_size=vocab),
-                                             min_size=rows, max_size=rows)), dtype=torch.float32)
-    params = [SamplingParams(temperature=data.draw(st.sampled_from([0.0, 0.7])), seed=data.draw(st.integers(0, 9)))
-              for _ in range(rows)]
-    steps = data.draw(st.lists(st.integers(0, 5), min_size=rows, max_size=rows))
-    k = data.draw(st.integers(1, vocab + 2))
-    tokens, ranked = sample_ranked(logits, params, steps, k)
-    assert tokens == sample(logits, params, steps)
-    for r in range(rows):
-        allowed = data.draw(st.sets(st.integers(0, vocab - 1), min_size=1))
-        first = next((int(t) for t in ranked[r] if t < 0 or t in allowed), -1)
-        if first >= 0:
-            masked = logits[r:r + 1].clone()
-            masked[0, [t for t in range(vocab) if t not in allowed]] = float("-inf")
-            assert first == sample(masked, [params[r]], [steps[r]])[0]
