@@ -234,8 +234,6 @@ def test_apply_mask_cuda_matches_cpu(gc) -> None:
 def test_ids_no_grammar_accepts_are_rejected_quietly(tok, capfd) -> None:
     """Padding ids past the tokenizer (a model's larger embedding) are rejected without xgrammar's
     per-token warning: the engine offers every unconstrained pick to the grammar first."""
-    from lmbatch.grammar import accept_tokens
-
     gc = GrammarCompiler(tok, vocab_size=len(tok) + 64)
     c = gc.constraint(regex="[a-z]+")
     pad = len(tok) + 5
