@@ -21,7 +21,14 @@ def _uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tens
     for m in (_M1, _M2):
         x = (x ^ ((x >> 33) & ((1 << 31) - 1))) * m
     x = x ^ ((x >> 33) & ((1 << 31) - 1))
-    return (((x >> 8) & ((1 << 24) - 1)).float() + 0.5) / (1 << 24)
+    return _unit((x >> 8) & ((1 << 24) - 1))
+
+
+def _unit(bits: torch.Tensor) -> torch.Tensor:
+    """24 random bits as a float32 in (0, 1), never 0 or 1: the top value, (2^24 - 0.5) / 2^24, rounds
+    to 1.0 in float32, whose Gumbel noise is +inf: that token would win whatever its logit, and a
+    masked one (-inf + inf = NaN, which argmax takes for the maximum) in spite of its grammar."""
+    return ((bits.float() + 0.5) / (1 << 24)).clamp_(max=1 - 2 ** -24)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:

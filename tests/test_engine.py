@@ -229,6 +229,19 @@ def test_finished_generations_are_cached_for_later_calls(llama):
     assert stats.computed_tokens == 2
 
 
+def test_sampling_noise_is_finite_at_the_ends_of_its_range():
+    """The uniform of the top 24-bit value used to round to 1.0: Gumbel noise +inf, so the token won
+    even where its grammar had masked it to -inf (NaN wins argmax). Seen at 1 in ~2^24 draws."""
+    from lmbatch.sampling import _unit
+
+    u = _unit(torch.tensor([0, 1, (1 << 24) - 2, (1 << 24) - 1]))
+    assert bool(((u > 0) & (u < 1)).all()), u
+    gumbel = -torch.log(-torch.log(u))
+    assert bool(torch.isfinite(gumbel).all()), gumbel
+    masked = torch.tensor([float("-inf"), 0.0]) + gumbel[[3, 0]]
+    assert int(masked.argmax()) == 1
+
+
 def test_sampling_follows_the_distribution_and_top_p():
     from lmbatch.sampling import sample
 
