@@ -35,6 +35,11 @@ from lmbatch.scheduler.radix_tree import Node, RadixTree
 FULL_ROW = -1  # demand marker: keep the whole logits row (to sample from it)
 REFILL_DIVISOR = 8  # a full decode batch admits new requests once 1/8 of its requests have finished
 Key = tuple[PlanNode, int]
+# When a grammar row's token mask is filled: "overlap" before sampling while the device computes the
+# logits (else only if the grammar rejects the row's unconstrained pick), "lazy" only on rejection,
+# "eager" always before sampling. The three pick the same tokens.
+MASK_MODES = ("overlap", "lazy", "eager")
+AHEAD_ROWS = 4      # masks filled between two looks at the device (one by one: a batched fill overshoots)
 
 
 @dataclass
@@ -114,13 +119,14 @@ class _Running:
     fed: int = 0                    # tokens of `out` whose KV is in the pool
     steps: int = 0                  # forward passes that sampled a token for it
     jumped: int = 0                 # tokens appended by jump-forward
+    rejected: bool = False          # its grammar rejected its last unconstrained pick
     finish: str = ""
 
 
 class Engine:
     def __init__(self, model: Transformer, *, kv_cache_tokens: int = 32768, max_tokens_per_batch: int = 4096,
                  attention: str | None = None, cache: bool = True, max_running: int = 256, tokenizer=None,
-                 cuda_graphs: bool = True, jump_forward: bool = True, lazy_masks: bool = True):
+                 cuda_graphs: bool = True, jump_forward: bool = True, masks: str = "overlap"):
         cfg = model.cfg
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
         self.device = next(model.parameters()).device
@@ -142,7 +148,10 @@ class Engine:
         self.max_tokens_per_batch = max_tokens_per_batch
         self.max_running = max_running
         self.jump_forward = jump_forward
-        self.lazy_masks = lazy_masks
+        if masks not in MASK_MODES:
+            raise ValueError(f"masks must be one of {MASK_MODES}, not {masks!r}")
+        self.masks = masks
+        self._mask_buf: torch.Tensor | None = None
         self._retok_memo: dict = {}     # retokenized jump boundaries (the tokenizer never changes)
 
     @classmethod
@@ -504,19 +513,19 @@ class Engine:
     def _sample(self, rows: list[_Running], logits: torch.Tensor) -> None:
         """Pick each row's next token (within its grammar, if it has one) and append it.
 
-        A grammar row first takes the token it would pick unconstrained: if its grammar accepts that
-        token, masking would have picked it too (masking only removes candidates; the sampling noise
-        is fixed per (seed, step, token)), so only the rejected rows, and rows with top-p (whose
-        nucleus depends on the mask), compute a token mask and pick again."""
+        Masking only removes candidates and the sampling noise is fixed per (seed, step, token), so
+        a grammar row's pick is the same whether its mask is applied before sampling or only after
+        its grammar rejected the unconstrained pick. Rows masked ahead (`_mask_ahead`) sample once;
+        every other grammar row first takes its unconstrained pick, and only the rejected ones fill a
+        mask and pick again (a second round on the device)."""
         from lmbatch.grammar import accept_tokens
+        grammar = [k for k, r in enumerate(rows) if r.constraint is not None]
+        ahead = self._mask_ahead(rows, grammar, logits) if grammar else []
         tokens = sample(logits, [r.params for r in rows], [r.steps for r in rows])
-        lazy, redo = [], []
-        for k, r in enumerate(rows):
-            if r.constraint is not None:
-                (lazy if self.lazy_masks and r.params.top_p >= 1.0 else redo).append(k)
-        if lazy:
-            ok = accept_tokens([rows[k].constraint for k in lazy], [tokens[k] for k in lazy])
-            redo += [k for k, a in zip(lazy, ok) if not a]
+        ok = accept_tokens([rows[k].constraint for k in grammar], [tokens[k] for k in grammar])
+        redo = [k for k, a in zip(grammar, ok) if not a]
+        for k, a in zip(grammar, ok):
+            rows[k].rejected = not a
         if redo:
             from lmbatch.grammar import allocate_bitmask, apply_mask, fill_masks
             bitmask = allocate_bitmask(len(redo), self.cfg.vocab_size)
@@ -527,10 +536,57 @@ class Engine:
             accept_tokens([rows[k].constraint for k in redo], picked)
             for k, t in zip(redo, picked):
                 tokens[k] = t
-        self.stats.masked_rows += len(redo)
+        self.stats.masked_rows += len(ahead) + len(redo)
+        self.stats.resampled_rows += len(redo)
         for r, t in zip(rows, tokens):
             r.steps += 1
             self._append(r, t)
+
+    def _mask_ahead(self, rows: list[_Running], grammar: list[int], logits: torch.Tensor) -> list[int]:
+        """Fill and apply the token masks of grammar rows before their first pick; returns those rows.
+
+        Always the rows whose top-p nucleus depends on the mask, and every row with `masks="eager"`.
+        With `masks="overlap"`, also as many rows as the host fills while the device is still
+        computing `logits` (time it would otherwise spend waiting), those whose pick was rejected at
+        their last step first: they skip the second round their rejection would cost."""
+        from lmbatch.grammar import apply_mask, fill_masks
+        must = [k for k in grammar if self.masks == "eager" or rows[k].params.top_p < 1.0]
+        rest = [k for k in grammar if self.masks == "overlap" and rows[k].params.top_p >= 1.0]
+        busy = self._device_busy(logits) if rest else None
+        if not must and busy is None:
+            return []
+        bitmask = self._mask_rows(len(rows))
+        if must:
+            fill_masks([rows[k].constraint for k in must], bitmask, must)
+        ahead = list(must)
+        if busy is not None:
+            rest.sort(key=lambda k: not rows[k].rejected)
+            i = 0
+            while i < len(rest) and busy():
+                chunk = rest[i:i + AHEAD_ROWS]
+                fill_masks([rows[k].constraint for k in chunk], bitmask, chunk)
+                ahead += chunk
+                i += len(chunk)
+        if ahead:
+            apply_mask(logits, bitmask[:len(rows)], rows=ahead)
+        return ahead
+
+    def _device_busy(self, logits: torch.Tensor) -> Callable[[], bool] | None:
+        """A probe: is the device still computing `logits`? None where the host cannot overlap it."""
+        if logits.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return lambda: not event.query()
+
+    def _mask_rows(self, n: int) -> torch.Tensor:
+        """A CPU bitmask of at least n rows, reused across steps (pinned: it goes to the device
+        without a blocking copy; a step writes it only after the previous one has synchronized)."""
+        from lmbatch.grammar import allocate_bitmask
+        if self._mask_buf is None or len(self._mask_buf) < n:
+            buf = allocate_bitmask(max(n, 2 * self.max_running), self.cfg.vocab_size)
+            self._mask_buf = buf.pin_memory() if self.device.type == "cuda" else buf
+        return self._mask_buf
 
     def _append(self, r: _Running, token: int) -> None:
         """Add a sampled token (its grammar has accepted it) and see whether the request is done."""

@@ -188,19 +188,21 @@ _batch_matcher: xgr.BatchGrammarMatcher | None = None
 BATCH_FILL_MIN = 64
 
 
-def fill_masks(constraints: list[Constraint], bitmask: torch.Tensor) -> None:
-    """`fill_mask` of constraint i into row i of `bitmask`; many rows on xgrammar's thread pool
-    (a batch call costs about a millisecond more on a 16-core host, worth it from dozens of rows)."""
+def fill_masks(constraints: list[Constraint], bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
+    """`fill_mask` of constraint i into row `rows[i]` (default: row i) of `bitmask`; many rows on
+    xgrammar's thread pool (a batch call costs about a millisecond more on a 16-core host, worth it
+    from dozens of rows)."""
     global _batch_matcher
+    rows = list(range(len(constraints))) if rows is None else rows
     if len(constraints) < BATCH_FILL_MIN:
-        for row, c in enumerate(constraints):
+        for row, c in zip(rows, constraints):
             c.matcher.fill_next_token_bitmask(bitmask, row)
     else:
         if _batch_matcher is None:
             _batch_matcher = xgr.BatchGrammarMatcher()
-        _batch_matcher.batch_fill_next_token_bitmask([c.matcher for c in constraints], bitmask)
-    states = torch.tensor([c.states[-1] for c in constraints])
-    bitmask[:len(constraints)] &= constraints[0].utf8.allowed[states]
+        _batch_matcher.batch_fill_next_token_bitmask([c.matcher for c in constraints], bitmask, rows)
+    idx = torch.tensor(rows, dtype=torch.int64)
+    bitmask[idx] &= constraints[0].utf8.allowed[torch.tensor([c.states[-1] for c in constraints])]
 
 
 def accept_tokens(constraints: list[Constraint], tokens: list[int]) -> list[bool]:

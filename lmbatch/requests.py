@@ -77,7 +77,8 @@ class RunStats:
     engine_optimal_hit_rate: float = 0.0
     forward_batches: int = 0
     evicted_tokens: int = 0
-    masked_rows: int = 0            # grammar rows that computed a token mask (the rest kept their pick)
+    masked_rows: int = 0            # grammar rows that filled a token mask (the rest kept their own pick)
+    resampled_rows: int = 0         # of those, rows masked after their pick was rejected (a second round)
     order: list[int] = field(default_factory=list)                  # executed requests, in execution order
     members: dict[int, list[int]] = field(default_factory=dict)    # executed request -> requests it served
     plan_s: float = 0.0             # building the radix tree and the order (and logit demands)

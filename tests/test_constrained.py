@@ -73,27 +73,35 @@ def test_json_workload_outputs_validate_and_jump_forward_saves_steps():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_masks_only_for_rejected_picks_change_no_output(tiny_tok, temperature):
+def test_when_masks_are_filled_changes_no_output(tiny_tok, temperature, monkeypatch):
     """A grammar row keeps its unconstrained pick when the grammar accepts it (fixed sampling noise
-    makes that the masked pick too) and computes a mask only otherwise: same tokens as masking every
-    row at every step, with fewer masks."""
+    makes that the masked pick too) and computes a mask only otherwise ("lazy"); "overlap" masks some
+    rows ahead, while the device is busy (here: a probe that says busy for one look per step, time
+    for 4 masks), and the rest lazily. Same tokens as masking every row at every step ("eager"), with fewer masks."""
     from lmbatch.grammar import GrammarCompiler
     from lmbatch.programs.wiki_cities import SCHEMA
     from lmbatch.requests import GenerateRequest, SamplingParams
 
+    def one_look(self, logits):
+        looks = iter([True])
+        return lambda: next(looks, False)
+    monkeypatch.setattr(Engine, "_device_busy", one_look)
     tok = AutoTokenizer.from_pretrained(str(tiny_tok))
     gc = GrammarCompiler(tok, vocab_size=ModelConfig.from_dir(tiny_tok).vocab_size)
     out = {}
-    for lazy in (True, False):
+    for masks in ("lazy", "eager", "overlap"):
         reqs = [GenerateRequest(tok.encode(f"{name} as JSON: "), SamplingParams(48, temperature, seed=i),
                                 gc.constraint(regex=r"[a-z]{2,9}-\d{3} [A-Z][a-z]+")
                                 if i % 2 else gc.constraint(json_schema=SCHEMA))
-                for i, name in enumerate(["Oslo", "Lima", "Rome", "Kyiv", "Doha", "Baku"])]
-        res, stats = Engine.from_pretrained(tiny_tok, tokenizer=tok, lazy_masks=lazy).generate(reqs)
-        out[lazy] = ([r.token_ids for r in res], stats.masked_rows, sum(r.steps for r in res))
-    assert out[True][0] == out[False][0]
-    assert out[False][1] == out[False][2]               # every step of every row masked
-    assert 0 < out[True][1] < out[False][1]
+                for i, name in enumerate(["Oslo", "Lima", "Rome", "Kyiv", "Doha", "Baku",
+                                          "Nuuk", "Apia", "Suva", "Male", "Bern"])]
+        res, stats = Engine.from_pretrained(tiny_tok, tokenizer=tok, masks=masks, max_running=8).generate(reqs)
+        out[masks] = [r.token_ids for r in res], stats.masked_rows, stats.resampled_rows, sum(r.steps for r in res)
+    assert out["lazy"][0] == out["eager"][0] == out["overlap"][0]
+    assert out["eager"][1] == out["eager"][3] and out["eager"][2] == 0     # every step of every row masked ahead
+    assert 0 < out["lazy"][2] == out["lazy"][1] < out["eager"][1]           # only rejected rows, a second round each
+    ahead = out["overlap"][1] - out["overlap"][2]
+    assert 0 < ahead < out["eager"][1] and 0 < out["overlap"][2] < out["lazy"][2], out
 
 
 def test_validator_rejects_what_the_schema_forbids():

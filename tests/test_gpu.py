@@ -216,3 +216,31 @@ def test_decode_graph_rows_of_one_sequence_match_an_extend(tiny, max_running):
     assert len(eng.graphs.buckets) == (2 if max_running == 1 else 5)
     assert ((got - want).norm() / want.norm()) < 2e-2
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_mask_modes_pick_the_same_tokens_on_cuda(tmp_path, temperature):
+    """Masks filled ahead while the device computes the logits ("overlap"), for every row ("eager",
+    through the same pinned buffer and non-blocking copy) or only after a rejected pick ("lazy"):
+    the same tokens, on the device's real timing."""
+    from conftest import make_tiny_with_tokenizer
+    from transformers import AutoTokenizer
+
+    from lmbatch.grammar import GrammarCompiler
+    from lmbatch.programs.wiki_cities import SCHEMA
+
+    path = make_tiny_with_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    gc = GrammarCompiler(tok, vocab_size=49152)
+    out = {}
+    for masks in ("lazy", "eager", "overlap"):
+        reqs = [GenerateRequest(tok.encode(f"City number {i} as JSON: "),
+                                SamplingParams(max_new_tokens=96, temperature=temperature, seed=i),
+                                gc.constraint(json_schema=SCHEMA)) for i in range(48)]
+        eng = Engine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, attention="triton", tokenizer=tok,
+                                     max_running=32, masks=masks)
+        res, stats = eng.generate(reqs)
+        out[masks] = [r.token_ids for r in res], stats.masked_rows, stats.resampled_rows
+    assert out["lazy"][0] == out["eager"][0] == out["overlap"][0]
+    assert out["eager"][2] == 0 and 0 < out["lazy"][1] == out["lazy"][2] < out["eager"][1]
+    assert out["overlap"][2] <= out["lazy"][2]
