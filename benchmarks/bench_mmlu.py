@@ -145,6 +145,7 @@ def shared_models(model_dir, dummy: bool, dev, dtype):
     from lmbatch.weights import load_weights
 
     if dummy:
+        torch.manual_seed(0)    # the same random weights in every run, so runs write the same text
         with torch.device(dev):
             hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype,
                                                   attn_implementation="sdpa").eval()

@@ -113,6 +113,8 @@ def main() -> None:
     ap.add_argument("--hf-batch-tokens", type=int, default=32768)
     ap.add_argument("--out", default="results/bench_programs.parquet")
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per variant; the median is reported")
+    ap.add_argument("--masks", default="overlap", choices=["overlap", "lazy", "eager"],
+                    help="when grammar rows fill their token masks (lmbatch.engine.MASK_MODES)")
     ap.add_argument("--profile", action="store_true", help="print where the host time of each variant goes")
     args = ap.parse_args()
 
@@ -142,7 +144,8 @@ def main() -> None:
         interp.start(w.program, insts)              # first pass of every program: tokenizes stage 0
         t_start = time.perf_counter() - t
         eng = Engine(model, kv_cache_tokens=args.kv_cache_tokens, max_tokens_per_batch=args.max_tokens_per_batch,
-                     cache=name != "nocache", tokenizer=tok, jump_forward=jump, max_running=args.max_running)
+                     cache=name != "nocache", tokenizer=tok, jump_forward=jump, max_running=args.max_running,
+                     masks=args.masks)
         t = time.perf_counter()
         interp.execute(eng)
         if dev.type == "cuda":
@@ -191,6 +194,7 @@ def main() -> None:
                          hit_ratio=s.hit_rate / s.optimal_hit_rate if s.optimal_hit_rate else None,
                          prompt_tree_optimal=interp.prompt_tree_optimal_hit_rate, waves=interp.waves,
                          forward_batches=s.forward_batches, evicted_tokens=s.evicted_tokens, masked_rows=s.masked_rows,
+                         resampled_rows=s.resampled_rows,
                          acc=sum(m.get("acc", 0) for m in metrics) / len(metrics),
                          total_s=t_start + seconds, programs_per_s_total=len(instances) / (t_start + seconds),
                          steps_per_output=sum(g["steps"] for g in gens) / max(len(gens), 1),
