@@ -527,8 +527,8 @@ class Engine:
         for k, a in zip(grammar, ok):
             rows[k].rejected = not a
         if redo:
-            from lmbatch.grammar import allocate_bitmask, apply_mask, fill_masks
-            bitmask = allocate_bitmask(len(redo), self.cfg.vocab_size)
+            from lmbatch.grammar import apply_mask, fill_masks
+            bitmask = self._mask_rows(len(redo))[:len(redo)]
             fill_masks([rows[k].constraint for k in redo], bitmask)
             sub = logits[to_device(torch.tensor(redo), logits.device)]
             apply_mask(sub, bitmask)
@@ -581,7 +581,7 @@ class Engine:
 
     def _mask_rows(self, n: int) -> torch.Tensor:
         """A CPU bitmask of at least n rows, reused across steps (pinned: it goes to the device
-        without a blocking copy; a step writes it only after the previous one has synchronized)."""
+        without a blocking copy; it is written only after a sampling sync has waited for the last one)."""
         from lmbatch.grammar import allocate_bitmask
         if self._mask_buf is None or len(self._mask_buf) < n:
             buf = allocate_bitmask(max(n, 2 * self.max_running), self.cfg.vocab_size)

@@ -142,8 +142,7 @@ class Constraint:
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (a CPU tensor)."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-        bitmask[row] &= self.utf8.allowed[self.states[-1]]
+        fill_masks([self], bitmask, [row])
 
     def well_formed(self, token_id: int) -> int:
         """The UTF-8 state after `token_id`, or -1 if the text would be ill-formed."""

@@ -310,8 +310,7 @@ class Interpreter:
     def _account(self, requests, owner, results, st: RunStats) -> None:
         total = self.stats
         for name in ("requests", "executed", "prompt_tokens", "cached_tokens", "computed_tokens", "decode_tokens",
-                     "forward_batches", "evicted_tokens", "masked_rows",
-                     "resampled_rows"):
+                     "forward_batches", "evicted_tokens", "masked_rows", "resampled_rows"):
             setattr(total, name, getattr(total, name) + getattr(st, name))
         total.plan_s += st.plan_s
         for p in dict.fromkeys(owner):
