@@ -19,24 +19,32 @@ class KVPool:
         alloc = torch.zeros if torch.device(device).type == "cuda" else torch.empty
         self.k = alloc(shape, dtype=dtype, device=device)
         self.v = alloc(shape, dtype=dtype, device=device)
-        self._free = torch.arange(num_slots, dtype=torch.int64)
+        # Free slot ids as a stack: alloc pops from the top, free pushes; each moves only its own
+        # slots (a free that concatenated the whole list cost a copy of the pool's ids per release).
+        # The top holds the next ids in descending order, so an allocation comes out ascending.
+        self._stack = torch.arange(num_slots - 1, -1, -1, dtype=torch.int64)
+        self._top = num_slots
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._top
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        """n free slot ids (CPU int64), or None when fewer than n are free."""
-        if n > len(self._free):
+        """n free slot ids (CPU int64, a tensor of their own), or None when fewer than n are free."""
+        if n > self._top:
             return None
-        out, self._free = self._free[:n], self._free[n:]
-        return out
+        self._top -= n
+        return self._stack[self._top:self._top + n].flip(0)
 
     def reserve(self, n: int) -> torch.Tensor:
         """Take n slots out of circulation for good (e.g. a scratch slot for padded rows)."""
-        out, self._free = self._free[-n:], self._free[:-n]
+        out, self._stack = self._stack[:n].clone(), self._stack[n:]
+        self._top -= n
         return out
 
     def free(self, slots: torch.Tensor) -> None:
-        if len(slots):
-            self._free = torch.cat([self._free, slots.to(torch.int64)])
+        n = len(slots)
+        if self._top + n > len(self._stack):
+            raise RuntimeError(f"KV pool: freeing {n} slots would exceed its {len(self._stack)} (a double free)")
+        self._stack[self._top:self._top + n] = slots.flip(0)
+        self._top += n

@@ -170,6 +170,33 @@ def test_finished_rows_are_refilled_while_long_generations_run(llama):
     assert stats.forward_batches <= 1 + (row_steps + 1) // 2 + 1, stats.forward_batches
 
 
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 9)), max_size=60))
+def test_kv_pool_hands_out_each_slot_once(ops):
+    """Allocations and frees in any order: allocated slots never overlap, every slot is either free
+    or held, an allocation beyond the free count fails, and freeing more than was taken raises."""
+    from lmbatch.kv_pool import KVPool
+    pool = KVPool(16, 1, 1, 1, torch.float32, "cpu")
+    scratch = set(pool.reserve(1).tolist())
+    held: list[torch.Tensor] = []
+    for alloc, n in ops:
+        if alloc:
+            free = pool.num_free
+            got = pool.alloc(n)
+            assert (got is None) == (n > free)
+            if got is not None:
+                assert len(got) == n
+                held.append(got)
+        elif held:
+            pool.free(held.pop(n % len(held)))
+        taken = [int(x) for h in held for x in h]
+        assert len(taken) == len(set(taken)) and not set(taken) & scratch
+        assert pool.num_free + len(taken) == 15
+    everything = torch.arange(16)
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free(everything)
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10**6), max_running=st.integers(1, 6), batch=st.sampled_from([3, 8, 64]),
        slack=st.integers(0, 40), cache=st.booleans())
