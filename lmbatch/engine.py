@@ -8,8 +8,10 @@ request scores or samples from, and are captured whichever request happens to co
 
 Generation is continuous batching. A generation request's prompt is prefilled ahead, in the same
 large batches as every other prompt, and the request waits in a queue until a decode row is free;
-admitting it costs no forward pass (its first token comes from the prompt's logits), so a row that
-finishes is refilled at the next step. Prefill runs ahead while the pool keeps room for the decode
+admitting it costs no forward pass (its first token comes from the prompt's logits; those of every
+queued request are sampled together, as soon as they are computed), so a row that finishes is refilled
+at the next step. A finished request is released (its output inserted into the tree) while the
+device computes the next step. Prefill runs ahead while the pool keeps room for the decode
 slots of every queued request; when it does not, running requests decode until an eighth of them
 have finished.
 """
@@ -104,6 +106,7 @@ class _Queued:
     slots: torch.Tensor             # prompt slots
     reserve: int                    # decode slots it takes when admitted
     key: Key                        # where its prompt's last logits are captured
+    run: "_Running | None" = None   # made once its first token is sampled (or when it is admitted)
 
 
 @dataclass
@@ -198,6 +201,8 @@ class Engine:
         self._results = [GenerateResult() if isinstance(r, GenerateRequest) else ScoreResult() for r in requests]
         self._running: list[_Running] = []
         self._queue: deque[_Queued] = deque()
+        self._unsampled: list[_Queued] = []             # queued requests without their first token
+        self._finished: list[_Running] = []             # ended, released during the next step's forward
         self._queued_reserve = 0                        # pool slots kept free for the queue's decode slots
         self._batch = _Batch()
         self._own_slots: dict[int, torch.Tensor] = {}   # without a cache: each request's own KV
@@ -434,7 +439,9 @@ class Engine:
         if self.tree is None:
             slots = self._own_slots.pop(i)
         assert len(slots) >= n, "prompt KV must be in the pool"
-        self._queue.append(_Queued(i, node, slots[:n], reserve, (self._node_at(i, n - 1), n - 1)))
+        q = _Queued(i, node, slots[:n], reserve, (self._node_at(i, n - 1), n - 1))
+        self._queue.append(q)
+        self._unsampled.append(q)
         self._queued_reserve += reserve
         self._admit_queued()
 
@@ -449,9 +456,14 @@ class Engine:
             self._queued_reserve -= q.reserve
             extra = self._alloc(q.reserve)
             assert extra is not None, "queued requests' decode slots are kept free"
-            req = self._requests[q.index]
-            self._running.append(_Running(q.index, q.node, torch.cat([q.slots, extra]), len(q.slots), req.params,
-                                          req.constraint))
+            if q.run is None:
+                q.run = self._new_run(q)
+            q.run.slots = torch.cat([q.slots, extra])
+            self._running.append(q.run)
+
+    def _new_run(self, q: _Queued) -> _Running:
+        req = self._requests[q.index]
+        return _Running(q.index, q.node, q.slots, len(q.slots), req.params, req.constraint)
 
     def _make_room(self) -> None:
         """Decode until a share of the running requests has finished: refilling after every single
@@ -461,29 +473,50 @@ class Engine:
         while self._running and done < want:
             done += self._step()
             self._admit_queued()
+        self._release_finished()
 
     def _decode_all(self) -> None:
         while self._running or self._queue:
             self._admit_queued()
             self._step()
+        self._release_finished()
 
     def _step(self) -> int:
-        """One decode step of every running request (first the first token of those just admitted,
+        """One decode step of every running request (after the first tokens of those that have none,
         from their prompt's logits); returns how many requests finished."""
-        fresh = [r for r in self._running if not r.out]
-        if fresh:
-            self._drain()           # admitted requests' prompt logits were launched already
-            rows = [self._captured[(self._node_at(r.index, r.prompt_len - 1), r.prompt_len - 1)].row for r in fresh]
-            self._sample(fresh, torch.stack(rows).to(self.device))
+        self._first_tokens()
         live = [r for r in self._running if not r.finish]
+        logits = self._forward(live) if live else None
+        self._release_finished()    # host work while the device computes the step
         if live:
-            self._sample(live, self._forward(live))
+            self._sample(live, logits)
         done = [r for r in self._running if r.finish]
         if done:
-            for r in done:
-                self._release(r)
+            self._finished += done
             self._running = [r for r in self._running if not r.finish]
         return len(done)
+
+    def _release_finished(self) -> None:
+        for r in self._finished:
+            self._release(r)
+        self._finished = []
+
+    def _first_tokens(self) -> None:
+        """Sample the first token of every request whose prompt logits are computed and that has
+        none yet, running or still queued, all in one call: a wave's first step samples them all,
+        and a later step that admits a request runs no extra sampling round (and device sync)."""
+        fresh = [r for r in self._running if not r.out]
+        pending = set(self._batch.logit_keys)       # logits of the prefill batch not launched yet
+        queued = [q for q in self._unsampled if q.run is None and q.key not in pending]
+        self._unsampled = [q for q in self._unsampled if q.run is None and q.key in pending]
+        if not fresh and not queued:
+            return
+        self._drain()               # their prompts' logits were launched already
+        for q in queued:
+            q.run = self._new_run(q)
+        rows = fresh + [q.run for q in queued]
+        logits = [self._captured[(self._node_at(r.index, r.prompt_len - 1), r.prompt_len - 1)].row for r in rows]
+        self._sample(rows, torch.stack(logits).to(self.device))
 
     def _forward(self, rows: list[_Running]) -> torch.Tensor:
         """Run each row's tokens that are not in the KV pool yet (one after a sampled token, several
@@ -594,8 +627,8 @@ class Engine:
         p = r.params
         if not p.ignore_eos and token in self.cfg.eos_token_ids:
             r.finish = "eos"
-        elif r.constraint is not None and r.constraint.is_terminated():  # the grammar's own stop token
-            r.finish = "eos"
+        elif r.constraint is not None and token in r.constraint.stops and r.constraint.is_terminated():
+            r.finish = "eos"                                            # the grammar's own stop token
         elif p.stop and self.tokenizer is not None and any(s in self.tokenizer.decode(r.out) for s in p.stop):
             r.finish = "stop"
         elif len(r.out) >= p.max_new_tokens:
@@ -607,8 +640,10 @@ class Engine:
         """Append the text the grammar forces, retokenized at the boundary, without decoding it."""
         from lmbatch.grammar import retokenize_jump
 
-        new, n = retokenize_jump(self.tokenizer, r.constraint, r.out, r.constraint.jump_forward(),
-                                 memo=self._retok_memo)
+        forced = r.constraint.jump_forward()
+        if not forced:      # most steps: checked before any other work, for every grammar row
+            return
+        new, n = retokenize_jump(self.tokenizer, r.constraint, r.out, forced, memo=self._retok_memo)
         if not new and not n:
             return
         r.fed = min(r.fed, len(r.out) - n)

@@ -136,6 +136,7 @@ class Constraint:
 
     def __init__(self, compiled: xgr.CompiledGrammar, never: frozenset[int], utf8: Utf8Tokens):
         self.matcher = xgr.GrammarMatcher(compiled)
+        self.stops = frozenset(self.matcher.stop_token_ids)    # is_terminated() turns true only after one
         self.never = never
         self.utf8 = utf8
         self.states = [0]           # UTF-8 state after each accepted step (the matcher's rollback unit)

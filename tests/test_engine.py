@@ -170,6 +170,26 @@ def test_finished_rows_are_refilled_while_long_generations_run(llama):
     assert stats.forward_batches <= 1 + (row_steps + 1) // 2 + 1, stats.forward_batches
 
 
+def test_first_tokens_of_queued_requests_take_one_sampling_round(llama, monkeypatch):
+    """Every request's first token comes from its prompt's logits: those of a whole wave, queued or
+    running, are sampled in one round (one device sync), not one round per step that admits a request.
+    So the rounds are the decode forwards plus one, and the tokens those of a batch with a row each."""
+    path, _ = llama
+    reqs = [GenerateRequest([2, 7, 1, i], SamplingParams(max_new_tokens=3 + i % 4, ignore_eos=True))
+            for i in range(9)]
+    free, _ = engine(path).generate(reqs)
+    calls = {"_sample": 0, "_forward": 0}
+    for name in calls:
+        def counted(self, *a, _name=name, _fn=getattr(Engine, name)):
+            calls[_name] += 1
+            return _fn(self, *a)
+        monkeypatch.setattr(Engine, name, counted)
+    two, _ = engine(path, max_running=2).generate(reqs, schedule="fcfs")
+    assert [r.token_ids for r in two] == [r.token_ids for r in free]
+    assert calls["_forward"] >= sum(len(r.token_ids) - 1 for r in free) // 2
+    assert calls["_sample"] == calls["_forward"] + 1, calls
+
+
 @settings(max_examples=40, deadline=None)
 @given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 9)), max_size=60))
 def test_kv_pool_hands_out_each_slot_once(ops):
