@@ -25,6 +25,81 @@ from bench_mmlu import _reset, shared_models
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _phases(lmbatch, name, instances) -> None:
+    """Where a run's wall time goes (--phases), without extra device syncs: the interpreter vs the
+    engine, the engine's prefill (until decoding starts), decode and the rest; of decode, the
+    steps with a full pool of rows and the tail after the queue ran dry; and the host calls inside
+    (`_forward` launches a step, `sample` waits for it)."""
+    from lmbatch.engine import Engine
+    from lmbatch.interpreter import Interpreter
+    clock = time.perf_counter
+    acc: dict[str, float] = {}
+    marks: dict[str, float] = {}
+    run, decode_all, step, execute = Engine.run, Engine._decode_all, Engine._step, Interpreter.execute
+
+    def add(key, dt):
+        acc[key] = acc.get(key, 0.0) + dt
+
+    def t_run(self, *a, **k):
+        marks["run"] = clock()
+        try:
+            return run(self, *a, **k)
+        finally:
+            add("engine", clock() - marks["run"])
+
+    def t_decode_all(self):
+        t = clock()
+        add("prefill", t - marks["run"])
+        decode_all(self)
+        add("decode", clock() - t)
+
+    def t_step(self):
+        t, tail = clock(), not self._queue and len(self._running) < self.max_running
+        n = step(self)
+        add("tail" if tail else "full", clock() - t)
+        add("tail_steps" if tail else "full_steps", 1)
+        return n
+
+    def t_execute(self, *a, **k):
+        t = clock()
+        try:
+            return execute(self, *a, **k)
+        finally:
+            add("execute", clock() - t)
+    import lmbatch.engine as engine_mod
+    import lmbatch.grammar as grammar_mod
+
+    def timed(key, fn):
+        def wrapper(*a, **k):
+            t = clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                add(key, clock() - t)
+        return wrapper
+    sample_rows = Engine._sample
+
+    def t_sample(self, rows, logits):   # a step's first tokens (from prompt logits) apart from the rest
+        t = clock()
+        sample_rows(self, rows, logits)
+        add("first_tokens" if rows[0].steps == 1 else "sampling", clock() - t)
+    patched = [(Engine, "run", t_run), (Engine, "_decode_all", t_decode_all), (Engine, "_step", t_step),
+               (Interpreter, "execute", t_execute), (Engine, "_sample", t_sample)]
+    patched += [(o, a, timed(a, getattr(o, a))) for o, a in
+                [(Engine, "_release"), (Engine, "_jump"), (Engine, "_forward"), (Engine, "_admit_queued"),
+                 (grammar_mod, "accept_tokens"), (engine_mod, "sample")]]
+    originals = [(o, a, getattr(o, a)) for o, a, _ in patched]
+    for o, a, fn in patched:
+        setattr(o, a, fn)
+    try:
+        seconds = lmbatch(name, instances)[2]
+    finally:
+        for o, a, fn in originals:
+            setattr(o, a, fn)
+    print(f"--- {name}: {seconds:.3f} s; " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) and not
+          k.endswith("steps") else f"{k} {int(v)}" for k, v in acc.items()))
+
+
 def _step_trace(lmbatch, name, instances) -> None:
     """Where a run's time goes (--profile, CUDA only): seconds in the engine's main host calls, rows
     and synchronized wall time of every decode step, the longest outputs, then the GPU kernels."""
@@ -116,6 +191,7 @@ def main() -> None:
     ap.add_argument("--masks", default="overlap", choices=["overlap", "lazy", "eager"],
                     help="when grammar rows fill their token masks (lmbatch.engine.MASK_MODES)")
     ap.add_argument("--profile", action="store_true", help="print where the host time of each variant goes")
+    ap.add_argument("--phases", action="store_true", help="print each variant's wall time by phase (no extra syncs)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -168,6 +244,9 @@ def main() -> None:
             continue
         lmbatch(name, instances[:32])                                    # warm-up: kernels, graphs
         _reset(dev)
+        if args.phases:
+            for _ in range(2):
+                _phases(lmbatch, name, instances)
         if args.profile:
             import cProfile
             import pstats
