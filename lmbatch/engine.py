@@ -42,6 +42,7 @@ Key = tuple[PlanNode, int]
 # "eager" always before sampling. The three pick the same tokens.
 MASK_MODES = ("overlap", "lazy", "eager")
 AHEAD_ROWS = 4      # masks filled between two looks at the device (one by one: a batched fill overshoots)
+FIRST_TOKEN_ROWS = 1024  # queued requests' first tokens sampled per round (bounds the stacked logits)
 
 
 @dataclass
@@ -503,12 +504,14 @@ class Engine:
 
     def _first_tokens(self) -> None:
         """Sample the first token of every request whose prompt logits are computed and that has
-        none yet, running or still queued, all in one call: a wave's first step samples them all,
-        and a later step that admits a request runs no extra sampling round (and device sync)."""
+        none yet, running or still queued (FIRST_TOKEN_ROWS queued ones at most), in one call: a
+        wave's first step samples them all, and a later step that admits a request runs no extra
+        sampling round (and device sync)."""
         fresh = [r for r in self._running if not r.out]
         pending = set(self._batch.logit_keys)       # logits of the prefill batch not launched yet
-        queued = [q for q in self._unsampled if q.run is None and q.key not in pending]
-        self._unsampled = [q for q in self._unsampled if q.run is None and q.key in pending]
+        ready = [q for q in self._unsampled if q.run is None and q.key not in pending]
+        queued = ready[:FIRST_TOKEN_ROWS]
+        self._unsampled = ready[FIRST_TOKEN_ROWS:] + [q for q in self._unsampled if q.run is None and q.key in pending]
         if not fresh and not queued:
             return
         self._drain()               # their prompts' logits were launched already

@@ -170,10 +170,14 @@ def test_finished_rows_are_refilled_while_long_generations_run(llama):
     assert stats.forward_batches <= 1 + (row_steps + 1) // 2 + 1, stats.forward_batches
 
 
-def test_first_tokens_of_queued_requests_take_one_sampling_round(llama, monkeypatch):
+@pytest.mark.parametrize("per_round, extra", [(1024, 1), (3, 3)])
+def test_first_tokens_of_queued_requests_take_one_sampling_round(llama, monkeypatch, per_round, extra):
     """Every request's first token comes from its prompt's logits: those of a whole wave, queued or
     running, are sampled in one round (one device sync), not one round per step that admits a request.
-    So the rounds are the decode forwards plus one, and the tokens those of a batch with a row each."""
+    So the rounds are the decode forwards plus one (plus one per further `per_round` queued requests:
+    2 running + 7 queued take 3 rounds of 3), and the tokens those of a batch with a row each."""
+    import lmbatch.engine
+    monkeypatch.setattr(lmbatch.engine, "FIRST_TOKEN_ROWS", per_round)
     path, _ = llama
     reqs = [GenerateRequest([2, 7, 1, i], SamplingParams(max_new_tokens=3 + i % 4, ignore_eos=True))
             for i in range(9)]
@@ -187,7 +191,7 @@ def test_first_tokens_of_queued_requests_take_one_sampling_round(llama, monkeypa
     two, _ = engine(path, max_running=2).generate(reqs, schedule="fcfs")
     assert [r.token_ids for r in two] == [r.token_ids for r in free]
     assert calls["_forward"] >= sum(len(r.token_ids) - 1 for r in free) // 2
-    assert calls["_sample"] == calls["_forward"] + 1, calls
+    assert calls["_sample"] == calls["_forward"] + extra, calls
 
 
 @settings(max_examples=40, deadline=None)
