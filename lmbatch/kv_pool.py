@@ -29,6 +29,10 @@ class KVPool:
     def num_free(self) -> int:
         return self._top
 
+    def free_slots(self) -> list[int]:
+        """The free slot ids (for checks; the next to be handed out last)."""
+        return self._stack[:self._top].tolist()
+
     def alloc(self, n: int) -> torch.Tensor | None:
         """n free slot ids (CPU int64, a tensor of their own), or None when fewer than n are free."""
         if n > self._top:

@@ -283,7 +283,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
     @invariant()
     def no_slot_leaked_or_shared(self):
         in_tree = [s for node, _ in walk(self.tree) for s in node.value.tolist()]
-        free = self.pool._free.tolist()
+        free = self.pool.free_slots()
         assert len(in_tree) == len(set(in_tree)), "slot used twice in the tree"
         assert sorted(in_tree + free) == list(range(MACHINE_SLOTS)), "slot leaked or double-freed"
         assert self.pool.num_free == MACHINE_SLOTS - len(in_tree)
