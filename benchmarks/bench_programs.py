@@ -25,6 +25,17 @@ from bench_mmlu import _reset, shared_models
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _timed(acc: dict[str, float], key: str, fn):
+    """`fn`, adding the seconds of each call to acc[key]."""
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[key] = acc.get(key, 0.0) + time.perf_counter() - t
+    return wrapper
+
+
 def _phases(lmbatch, name, instances) -> None:
     """Where a run's wall time goes (--phases), without extra device syncs: the interpreter vs the
     engine, the engine's prefill (until decoding starts), decode and the rest; of decode, the
@@ -69,14 +80,6 @@ def _phases(lmbatch, name, instances) -> None:
     import lmbatch.engine as engine_mod
     import lmbatch.grammar as grammar_mod
 
-    def timed(key, fn):
-        def wrapper(*a, **k):
-            t = clock()
-            try:
-                return fn(*a, **k)
-            finally:
-                add(key, clock() - t)
-        return wrapper
     sample_rows = Engine._sample
 
     def t_sample(self, rows, logits):   # a step's first tokens (from prompt logits) apart from the rest
@@ -85,7 +88,7 @@ def _phases(lmbatch, name, instances) -> None:
         add("first_tokens" if rows[0].steps == 1 else "sampling", clock() - t)
     patched = [(Engine, "run", t_run), (Engine, "_decode_all", t_decode_all), (Engine, "_step", t_step),
                (Interpreter, "execute", t_execute), (Engine, "_sample", t_sample)]
-    patched += [(o, a, timed(a, getattr(o, a))) for o, a in
+    patched += [(o, a, _timed(acc, a, getattr(o, a))) for o, a in
                 [(Engine, "_release"), (Engine, "_jump"), (Engine, "_forward"), (Engine, "_admit_queued"),
                  (grammar_mod, "accept_tokens"), (engine_mod, "sample")]]
     originals = [(o, a, getattr(o, a)) for o, a, _ in patched]
@@ -133,16 +136,8 @@ def _step_trace(lmbatch, name, instances) -> None:
                (Engine, "_jump"), (Engine, "_flush"), (Engine, "_release"), (Engine, "_sample")]
     originals = [getattr(o, a) for o, a in patched]
 
-    def timed(key, fn):
-        def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                spent[key] = spent.get(key, 0.0) + time.perf_counter() - t0
-        return wrapper
     for (o, a), fn in zip(patched, originals):
-        setattr(o, a, timed(a, fn))
+        setattr(o, a, _timed(spent, a, fn))
     t = time.perf_counter()
     interp = lmbatch(name, instances)[0]
     total = time.perf_counter() - t

@@ -508,10 +508,13 @@ class Engine:
         wave's first step samples them all, and a later step that admits a request runs no extra
         sampling round (and device sync)."""
         fresh = [r for r in self._running if not r.out]
-        pending = set(self._batch.logit_keys)       # logits of the prefill batch not launched yet
-        ready = [q for q in self._unsampled if q.run is None and q.key not in pending]
-        queued = ready[:FIRST_TOKEN_ROWS]
-        self._unsampled = ready[FIRST_TOKEN_ROWS:] + [q for q in self._unsampled if q.run is None and q.key in pending]
+        queued: list[_Queued] = []
+        if self._unsampled:
+            pending = set(self._batch.logit_keys)   # logits of the prefill batch not launched yet
+            waiting = [q for q in self._unsampled if q.run is None]
+            ready = [q for q in waiting if q.key not in pending]
+            queued = ready[:FIRST_TOKEN_ROWS]
+            self._unsampled = ready[FIRST_TOKEN_ROWS:] + [q for q in waiting if q.key in pending]
         if not fresh and not queued:
             return
         self._drain()               # their prompts' logits were launched already
