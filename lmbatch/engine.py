@@ -643,20 +643,25 @@ class Engine:
             self._jump(r)
 
     def _jump(self, r: _Running) -> None:
-        """Append the text the grammar forces, retokenized at the boundary, without decoding it."""
-        from lmbatch.grammar import retokenize_jump
-
+        """Append the text the grammar forces, retokenized at the boundary, without decoding it; and
+        end the output there if the grammar then admits nothing but its stop token."""
         forced = r.constraint.jump_forward()
-        if not forced:      # most steps: checked before any other work, for every grammar row
-            return
-        new, n = retokenize_jump(self.tokenizer, r.constraint, r.out, forced, memo=self._retok_memo)
-        if not new and not n:
-            return
-        r.fed = min(r.fed, len(r.out) - n)
-        r.out = r.out[:len(r.out) - n] + new
-        r.jumped += len(new)
-        if len(r.out) >= r.params.max_new_tokens:
-            r.out, r.finish = r.out[:r.params.max_new_tokens], "length"
+        if forced:          # most steps force nothing: checked before any other work, for every grammar row
+            from lmbatch.grammar import retokenize_jump
+
+            new, n = retokenize_jump(self.tokenizer, r.constraint, r.out, forced, memo=self._retok_memo)
+            if new or n:
+                r.fed = min(r.fed, len(r.out) - n)
+                r.out = r.out[:len(r.out) - n] + new
+                r.jumped += len(new)
+                if len(r.out) >= r.params.max_new_tokens:
+                    r.out, r.finish = r.out[:r.params.max_new_tokens], "length"
+                    return
+        stop = r.constraint.forced_stop()
+        if stop is not None and r.constraint.accept(stop):   # the stop token would be the only pick
+            r.out.append(stop)
+            r.jumped += 1
+            r.finish = "eos"
 
     def _release(self, r: _Running) -> None:
         """Insert prompt + output into the tree (so later calls extending it hit), free the rest."""

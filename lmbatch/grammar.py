@@ -170,6 +170,23 @@ class Constraint:
         """The longest continuation the grammar forces from here ('' if none); state unchanged."""
         return self.matcher.find_jump_forward_string()
 
+    def forced_stop(self) -> int | None:
+        """The stop token, where the grammar is complete and admits nothing else: the end is forced
+        too, and jump-forward ends the output without decoding it. None otherwise; state unchanged."""
+        if not self.matcher.is_completed():
+            return None
+        row = _scratch_row(self.utf8.allowed.shape[1])
+        self.matcher.fill_next_token_bitmask(row)
+        words = row.numpy().view(np.uint32)[0]
+        nonzero = np.flatnonzero(words)
+        if len(nonzero) != 1:
+            return None
+        word = int(words[nonzero[0]])
+        if word & (word - 1):           # more than one bit: more than one token allowed
+            return None
+        token = int(nonzero[0]) * 32 + word.bit_length() - 1
+        return token if token in self.stops else None
+
     def accept_string(self, s: str) -> bool:
         """Advance by the characters `s`, as ONE rollback step whatever its token count."""
         if self.states[-1] != 0 or not self.matcher.accept_string(s):
@@ -182,6 +199,16 @@ class Constraint:
         if n:
             self.matcher.rollback(n)
             del self.states[-n:]
+
+
+_scratch: dict[int, torch.Tensor] = {}
+
+
+def _scratch_row(words: int) -> torch.Tensor:
+    """A one-row bitmask of `words` int32 words, reused."""
+    if words not in _scratch:
+        _scratch[words] = torch.zeros((1, words), dtype=torch.int32)
+    return _scratch[words]
 
 
 _batch_matcher: xgr.BatchGrammarMatcher | None = None

@@ -58,6 +58,25 @@ def test_regex_outputs_match_and_grammars_compile_once_per_run(tiny_tok, jump, c
         assert all(m["jumped_tokens"] == 0 and m["steps"] == m["output_tokens"] for m in phone)
 
 
+def yes_no_program(s, who):
+    s += f"Is {who} here? Answer: "
+    s += gen("answer", max_tokens=8, regex="(yes|no)")
+
+
+@pytest.mark.parametrize("jump", [True, False])
+def test_jump_forward_ends_output_where_only_the_stop_token_fits(tiny_tok, jump):
+    """With jump-forward one sampled token decides each answer: the rest of the word and the stop
+    token are forced, so no decode step runs for them. Without it every token is a step."""
+    interp = run_programs(tiny_tok, yes_no_program, [{"who": n} for n in ("Ann", "Bob", "Cy", "Dee")], jump=jump)
+    for run in interp.runs:
+        m = run.state.meta("answer")
+        assert run.state["answer"] in ("yes", "no") and m["finish_reason"] == "eos" and not m["incomplete"]
+        if jump:
+            assert m["steps"] == 1 and m["jumped_tokens"] >= 1, m
+        else:
+            assert m["steps"] == m["output_tokens"] >= 2 and m["jumped_tokens"] == 0, m
+
+
 def test_json_workload_outputs_validate_and_jump_forward_saves_steps():
     path = embedded_model_dir()
     tok = AutoTokenizer.from_pretrained(str(path))

@@ -149,6 +149,21 @@ def test_jump_forward_at_start_is_compact_prefix(gc) -> None:
     assert gc.constraint(regex=r"[0-9]+").jump_forward() == ""
 
 
+def test_forced_stop_only_where_the_grammar_admits_nothing_else(tok, gc) -> None:
+    stop = gc.info.stop_token_ids[0]
+    c = gc.constraint(regex="(yes|no)")
+    assert c.forced_stop() is None                      # nothing matched yet
+    for t in _ids(tok, "no"):
+        assert c.forced_stop() is None
+        assert c.accept(t)
+    assert c.forced_stop() == stop and not c.is_terminated()   # the state is unchanged
+    assert c.accept(stop) and c.is_terminated()
+    digits = _fresh(gc, _ids(tok, "12"), regex=r"[0-9]+")
+    assert digits.is_completed() and digits.forced_stop() is None   # complete, but more digits may follow
+    obj = _fresh(gc, _ids(tok, '{"name":"Paris","population":null,"landmarks":[]}'), json_schema=SCHEMA)
+    assert obj.forced_stop() == stop
+
+
 def test_accept_string_is_one_rollback_step(gc) -> None:
     c = gc.constraint(json_schema=SCHEMA)
     assert c.accept_string('{"name":"') and c.jump_forward() == ""
