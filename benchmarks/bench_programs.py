@@ -90,7 +90,8 @@ def _phases(lmbatch, name, instances) -> None:
                (Interpreter, "execute", t_execute), (Engine, "_sample", t_sample)]
     patched += [(o, a, _timed(acc, a, getattr(o, a))) for o, a in
                 [(Engine, "_release"), (Engine, "_jump"), (Engine, "_forward"), (Engine, "_admit_queued"),
-                 (grammar_mod, "accept_tokens"), (engine_mod, "sample")]]
+                 (Engine, "_flush"), (grammar_mod, "accept_tokens"), (grammar_mod, "retokenize_jump"),
+                 (engine_mod, "sample")]]
     originals = [(o, a, getattr(o, a)) for o, a, _ in patched]
     for o, a, fn in patched:
         setattr(o, a, fn)

@@ -131,8 +131,8 @@ class GrammarCompiler:
 
 
 class Constraint:
-    """One request's grammar state. The matcher counts one rollback step per accepted token (and per
-    `accept_string` call), so keep accepting token ids, one by one, if you will roll back."""
+    """One request's grammar state. The matcher counts one rollback step per accepted token and per
+    `accept_string` call (a jump-forward is one such call, whatever its token count)."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, never: frozenset[int], utf8: Utf8Tokens):
         self.matcher = xgr.GrammarMatcher(compiled)
@@ -320,11 +320,13 @@ def retokenize_jump(tokenizer, constraint: Constraint, out_ids: list[int], force
     with it so the boundary merges as the tokenizer would ('"' then ',"' becomes '","').
 
     Returns (new, n): the request's tokens become out_ids[:len(out_ids) - n] + new (the engine frees
-    the n dropped tokens' KV and prefills `new`). The matcher is rolled back n tokens and has accepted
-    `new`, one step per token, so it stays in step with the token list. Fewer old tokens are redone
+    the n dropped tokens' KV and prefills `new`). The grammar reads text, which retokenizing leaves as
+    it was, so the matcher only accepts `forced`, as one step (`rollback(1)` undoes the jump): no
+    rollback and no token-by-token accept of what the tail already said. Fewer old tokens are redone
     where the text does not round-trip (a tail starting inside a UTF-8 character, a tokenizer that
-    prefixes a space to a fragment); (`[]`, 0) means: no jump, decode as usual. `memo` (a dict kept
-    per tokenizer) caches the tokenizer's part.
+    prefixes a space to a fragment), and none where the new tokens would hold a special token;
+    (`[]`, 0) means: no jump, decode as usual. `memo` (a dict kept per tokenizer) caches the
+    tokenizer's part.
     """
     if not forced:
         return [], 0
@@ -334,16 +336,9 @@ def retokenize_jump(tokenizer, constraint: Constraint, out_ids: list[int], force
         if split is None:
             continue
         same, new = split
-        n = j - same
-        constraint.rollback(n)
-        accepted = 0
-        for t in new:
-            if not constraint.accept(t):
-                break
-            accepted += 1
-        if accepted == len(new):
-            return list(new), n
-        constraint.rollback(accepted)  # cannot happen for a byte-exact retokenization; undo anyway
-        for t in tail[same:]:
-            constraint.accept(t)
+        if any(t in constraint.never or t in constraint.stops for t in new):
+            continue
+        if not constraint.accept_string(forced):
+            return [], 0
+        return list(new), j - same
     return [], 0
