@@ -645,11 +645,12 @@ class Engine:
     def _jump(self, r: _Running) -> None:
         """Append the text the grammar forces, retokenized at the boundary, without decoding it; and
         end the output there if the grammar then admits nothing but its stop token."""
-        forced = r.constraint.jump_forward()
+        c = r.constraint
+        forced = c.jump_forward()
         if forced:          # most steps force nothing: checked before any other work, for every grammar row
             from lmbatch.grammar import retokenize_jump
 
-            new, n = retokenize_jump(self.tokenizer, r.constraint, r.out, forced, memo=self._retok_memo)
+            new, n = retokenize_jump(self.tokenizer, c, r.out, forced, memo=self._retok_memo)
             if new or n:
                 r.fed = min(r.fed, len(r.out) - n)
                 r.out = r.out[:len(r.out) - n] + new
@@ -657,8 +658,8 @@ class Engine:
                 if len(r.out) >= r.params.max_new_tokens:
                     r.out, r.finish = r.out[:r.params.max_new_tokens], "length"
                     return
-        stop = r.constraint.forced_stop()
-        if stop is not None and r.constraint.accept(stop):   # the stop token would be the only pick
+        stop = c.forced_stop()
+        if stop is not None and c.accept(stop):     # the stop token would be the only pick
             r.out.append(stop)
             r.jumped += 1
             r.finish = "eos"

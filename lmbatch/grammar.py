@@ -136,6 +136,11 @@ class Constraint:
 
     def __init__(self, compiled: xgr.CompiledGrammar, never: frozenset[int], utf8: Utf8Tokens):
         self.matcher = xgr.GrammarMatcher(compiled)
+        # jump_forward(): the longest continuation the grammar forces from here ('' if none), state
+        # unchanged. Asked of every grammar row at every step, so bound once (a wrapper call costs as
+        # much as the work)
+        self.jump_forward = self.matcher.find_jump_forward_string
+        self._completed = self.matcher.is_completed
         self.stops = frozenset(self.matcher.stop_token_ids)    # is_terminated() turns true only after one
         self.never = never
         self.utf8 = utf8
@@ -166,14 +171,10 @@ class Constraint:
         """The text so far is a complete match (the stop token may still follow)."""
         return self.matcher.is_completed()
 
-    def jump_forward(self) -> str:
-        """The longest continuation the grammar forces from here ('' if none); state unchanged."""
-        return self.matcher.find_jump_forward_string()
-
     def forced_stop(self) -> int | None:
         """The stop token, where the grammar is complete and admits nothing else: the end is forced
         too, and jump-forward ends the output without decoding it. None otherwise; state unchanged."""
-        if not self.matcher.is_completed():
+        if not self._completed():
             return None
         row = _scratch_row(self.utf8.allowed.shape[1])
         self.matcher.fill_next_token_bitmask(row)
