@@ -41,7 +41,8 @@ def _phases(lmbatch, name, instances) -> None:
     """Where a run's wall time goes (--phases), without extra device syncs: the interpreter vs the
     engine, the engine's prefill (until decoding starts), decode and the rest; of decode, the
     steps with a full pool of rows and the tail after the queue ran dry; and the host calls inside
-    (`_forward` launches a step, `sample` waits for it)."""
+    (`_forward` launches a step, of which `run` is the graph replay's; `_mask_ahead` fills masks
+    until the step's logits are in, `sample` waits for what is left of it)."""
     from lmbatch.engine import Engine
     from lmbatch.interpreter import Interpreter
     clock = time.perf_counter
@@ -80,6 +81,7 @@ def _phases(lmbatch, name, instances) -> None:
             add("execute", clock() - t)
     import lmbatch.engine as engine_mod
     import lmbatch.grammar as grammar_mod
+    from lmbatch.kernels.decode_graphs import DecodeGraphs
 
     sample_rows = Engine._sample
 
@@ -91,8 +93,8 @@ def _phases(lmbatch, name, instances) -> None:
                (Interpreter, "execute", t_execute), (Engine, "_sample", t_sample)]
     patched += [(o, a, _timed(acc, a, getattr(o, a))) for o, a in
                 [(Engine, "_release"), (Engine, "_jump"), (Engine, "_forward"), (Engine, "_admit_queued"),
-                 (Engine, "_flush"), (grammar_mod, "accept_tokens"), (grammar_mod, "retokenize_jump"),
-                 (engine_mod, "sample")]]
+                 (Engine, "_flush"), (Engine, "_mask_ahead"), (DecodeGraphs, "run"), (grammar_mod, "accept_tokens"),
+                 (grammar_mod, "retokenize_jump"), (engine_mod, "sample")]]
     originals = [(o, a, getattr(o, a)) for o, a, _ in patched]
     for o, a, fn in patched:
         setattr(o, a, fn)
