@@ -7,6 +7,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("xgrammar")
 from transformers import AutoTokenizer  # noqa: E402
@@ -69,6 +71,10 @@ def _greedy(tok, gc, constraint: dict, seed: int, jump: bool, max_steps: int = 4
             new, n = retokenize_jump(tok, c, out, c.jump_forward())
             out = out[:len(out) - n] + new
             assert _state(gc, c)[0] == ""  # nothing forced is left
+            if new or n:    # the matcher took the forced text whole: as if fed the new tokens one by one
+                jf, mask, done = _state(gc, c)
+                jf0, mask0, done0 = _state(gc, _fresh(gc, out, **constraint))
+                assert (jf, done) == (jf0, done0) and torch.equal(mask, mask0)
         logits = torch.randn(1, gc.vocab_size + PAD, generator=g)
         c.fill_mask(mask, 0)
         apply_mask(logits, mask)
@@ -77,6 +83,21 @@ def _greedy(tok, gc, constraint: dict, seed: int, jump: bool, max_steps: int = 4
         assert c.accept(t)
         out.append(t)
     raise AssertionError("did not terminate")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31 - 1),
+       constraint=st.sampled_from([dict(json_schema=SCHEMA), dict(regex=r"\(\d{3}\) \d{3}-\d{4}"),
+                                   dict(regex=r"(yes|no)! [a-z]{1,5}\."), dict(regex=r"Ōsaka-[0-9]{2}")]))
+def test_jumps_leave_the_matcher_as_if_fed_the_tokens(tok, gc, seed, constraint) -> None:
+    """Jump-forward under random logits: after each jump the matcher's state (mask, forced text,
+    completion) is that of a fresh matcher fed the request's tokens one by one, and the text parses."""
+    out = _greedy(tok, gc, constraint, seed, jump=True)
+    text = tok.decode(out[:-1])
+    if "regex" in constraint:
+        assert re.fullmatch(constraint["regex"], text), text
+    else:
+        json.loads(text, strict=False)
 
 
 def test_compile_is_cached_per_constraint(tok, gc) -> None:
