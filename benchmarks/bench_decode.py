@@ -12,6 +12,18 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def dummy_model(preset: str):
+    """Our model of a preset's shape with dummy weights, bf16 on the GPU."""
+    from lmbatch.config import ModelConfig
+    from lmbatch.model import Transformer
+    from lmbatch.weights import init_dummy
+
+    with torch.device("cuda"):
+        model = Transformer(ModelConfig.from_dir(ROOT / "presets" / preset)).to(torch.bfloat16)
+    init_dummy(model)
+    return model.eval()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen2.5-1.5b")
@@ -20,16 +32,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     args = ap.parse_args()
 
-    from lmbatch.config import ModelConfig
     from lmbatch.engine import Engine
-    from lmbatch.model import Transformer
     from lmbatch.requests import GenerateRequest, SamplingParams
-    from lmbatch.weights import init_dummy
 
-    cfg = ModelConfig.from_dir(ROOT / "presets" / args.preset)
-    with torch.device("cuda"):
-        model = Transformer(cfg).to(torch.bfloat16)
-    init_dummy(model)
+    model = dummy_model(args.preset)
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     reqs = [GenerateRequest(torch.randint(0, 30000, (args.prompt_tokens,), generator=g).tolist(), params)

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench_decode import dummy_model
 
 
 def main() -> None:
@@ -25,20 +24,15 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args()
 
-    from lmbatch.config import ModelConfig
     from lmbatch.kernels.decode_graphs import DecodeGraphs
     from lmbatch.kv_pool import KVPool
-    from lmbatch.model import Transformer
-    from lmbatch.weights import init_dummy
 
-    cfg = ModelConfig.from_dir(ROOT / "presets" / args.preset)
-    with torch.device("cuda"):
-        model = Transformer(cfg).to(torch.bfloat16)
-    init_dummy(model)
+    model = dummy_model(args.preset)
+    cfg = model.cfg
     rows = [int(r) for r in args.rows.split(",")]
     pool = KVPool(max(rows) * args.context + 1, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16,
                   "cuda")
-    graphs = DecodeGraphs(model.eval(), pool, int(pool.alloc(1)), max(rows))
+    graphs = DecodeGraphs(model, pool, int(pool.alloc(1)), max(rows))
     rng = np.random.default_rng(0)
     with torch.inference_mode():
         graphs.capture_all()

@@ -73,12 +73,6 @@ def _phases(lmbatch, name, instances) -> None:
         add("tail_steps" if tail else "full_steps", 1)
         return n
 
-    def t_execute(self, *a, **k):
-        t = clock()
-        try:
-            return execute(self, *a, **k)
-        finally:
-            add("execute", clock() - t)
     import lmbatch.engine as engine_mod
     import lmbatch.grammar as grammar_mod
     from lmbatch.kernels.decode_graphs import DecodeGraphs
@@ -90,7 +84,7 @@ def _phases(lmbatch, name, instances) -> None:
         sample_rows(self, rows, logits)
         add("first_tokens" if rows[0].steps == 1 else "sampling", clock() - t)
     patched = [(Engine, "run", t_run), (Engine, "_decode_all", t_decode_all), (Engine, "_step", t_step),
-               (Interpreter, "execute", t_execute), (Engine, "_sample", t_sample)]
+               (Interpreter, "execute", _timed(acc, "execute", execute)), (Engine, "_sample", t_sample)]
     patched += [(o, a, _timed(acc, a, getattr(o, a))) for o, a in
                 [(Engine, "_release"), (Engine, "_jump"), (Engine, "_forward"), (Engine, "_admit_queued"),
                  (Engine, "_flush"), (Engine, "_mask_ahead"), (DecodeGraphs, "run"), (grammar_mod, "accept_tokens"),

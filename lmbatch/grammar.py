@@ -140,7 +140,6 @@ class Constraint:
         # unchanged. Asked of every grammar row at every step, so bound once (a wrapper call costs as
         # much as the work)
         self.jump_forward = self.matcher.find_jump_forward_string
-        self._completed = self.matcher.is_completed
         self.stops = frozenset(self.matcher.stop_token_ids)    # is_terminated() turns true only after one
         self.never = never
         self.utf8 = utf8
@@ -174,7 +173,7 @@ class Constraint:
     def forced_stop(self) -> int | None:
         """The stop token, where the grammar is complete and admits nothing else: the end is forced
         too, and jump-forward ends the output without decoding it. None otherwise; state unchanged."""
-        if not self._completed():
+        if not self.matcher.is_completed():
             return None
         row = _scratch_row(self.utf8.allowed.shape[1])
         self.matcher.fill_next_token_bitmask(row)
