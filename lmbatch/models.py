@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
 import json
 import os
 import re
@@ -48,8 +46,6 @@ def embedded_model_dir() -> Path:
     if (target / "config.json").is_file():
         return target
     gguf_path = embedded_gguf()
-    if importlib.util.find_spec("accelerate") is None:  # transformers' GGUF loader insists on it
-        raise UserError("converting the embedded model needs accelerate: pip install accelerate")
     target.parent.mkdir(parents=True, exist_ok=True)
     print(f"converting embedded {EMBEDDED_NAME} (GGUF Q4_1) to {target} once", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_NAME}.", dir=target.parent))
@@ -66,59 +62,44 @@ def embedded_model_dir() -> Path:
     return target
 
 
-def _gguf_has_output_head(gguf_path: Path) -> bool:
-    """Whether the GGUF stores its own lm head (output.weight); without one, embeddings are tied."""
-    from gguf import GGUFReader
-
-    return any(t.name == "output.weight" for t in GGUFReader(gguf_path).tensors)
-
-
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
-    """Dequantize a GGUF into a float32 safetensors HF folder at out, then check the result."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Dequantize a GGUF into a float32 safetensors HF folder at out, then check the result.
 
-    tied = not _gguf_has_output_head(gguf_path)
-    noise = io.StringIO()  # progress bars; shown only if the conversion fails
-    try:
-        with contextlib.redirect_stderr(noise):
-            model = AutoModelForCausalLM.from_pretrained(
-                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-            )
-            tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-            model.hf_quantizer = None  # weights are plain float32 now: save them as such
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
-            model.config.tie_word_embeddings = tied
-            if tok("Hi").input_ids[:1] == [tok.bos_token_id]:  # like the hub tokenizer: no BOS on plain text
-                tok.add_bos_token = False
-            model.save_pretrained(out)
-            tok.save_pretrained(out)
-    except BaseException:
-        sys.stderr.write(noise.getvalue())
-        raise
-    _check_converted(out, tied)
+    Done by lmbatch.gguf_convert with numpy and tokenizers (~2 s) rather than by loading the GGUF
+    into a transformers model and saving it (~23 s): same files, weights bitwise equal.
+    """
+    from lmbatch.gguf_convert import convert_gguf
+
+    convert_gguf(gguf_path, out)
+    _check_converted(out)
 
 
-def _check_converted(out: Path, tied: bool) -> None:
-    """Fail loudly if the converted folder is not the plain llama checkpoint we expect."""
-    from transformers import AutoTokenizer
+def _check_converted(out: Path) -> None:
+    """Fail loudly if the converted folder is not the plain llama checkpoint we expect.
+
+    Cheap on purpose (a safetensors header, one tokenizer.json load): it runs at every conversion.
+    """
+    from safetensors import safe_open
+    from tokenizers import Tokenizer
 
     config = json.loads((out / "config.json").read_text())
     problems = []
     if config.get("model_type") != "llama":
         problems.append(f"model_type {config.get('model_type')!r}")
-    if config.get("tie_word_embeddings", True) != tied:
-        problems.append(f"tie_word_embeddings {config.get('tie_word_embeddings')!r}, expected {tied}")
     if "quantization_config" in config:
         problems.append("config still has quantization_config")
     if not (out / "model.safetensors").is_file():
         problems.append("no model.safetensors")
-    tok = AutoTokenizer.from_pretrained(out)
-    ids = tok("Hello world").input_ids
+    else:
+        with safe_open(out / "model.safetensors", "np") as weights:
+            tied = "lm_head.weight" not in weights.keys()
+        if config.get("tie_word_embeddings", True) != tied:
+            problems.append(f"tie_word_embeddings {config.get('tie_word_embeddings')!r}, expected {tied}")
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    ids = tok.encode("Hello world").ids
     if tok.decode(ids) != "Hello world":
         problems.append(f"tokenizer round trip gave {tok.decode(ids)!r}")
-    if ids[:1] == [tok.bos_token_id]:
+    if ids[:1] == [config.get("bos_token_id")]:
         problems.append("tokenizer adds BOS to plain text")
     if problems:
         raise RuntimeError(f"conversion of the embedded model went wrong: {'; '.join(problems)}")

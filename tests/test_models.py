@@ -5,11 +5,28 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from lmbatch.config import ModelConfig
 from lmbatch.errors import UserError
-from lmbatch.models import embedded_model_dir, resolve_model
+from lmbatch.models import EMBEDDED_NAME, embedded_gguf, embedded_model_dir, resolve_model
+
+# MMLU-style prompt plus the awkward cases of a byte-level BPE: unicode, digits, runs of spaces and
+# newlines, code, and special tokens written in the text.
+MIXED_TEXTS = [
+    "The following are multiple choice questions (with answers) about high school physics.\n\n"
+    "A 2.5 kg block slides 12.75 m down a 30° incline (μ = 0.15). What is its speed?\n"
+    "A. 3.2 m/s\nB. 7.9 m/s\nC. 10,000 m/s\nD. 0.001 m/s\nAnswer: B\n\n",
+    "Café naïve résumé — 東京タワー, Ελληνικά, русский текст, emoji 🤖🎉, 1234567890 and 3.14159e-10;\t\ttabs",
+    "  leading spaces,   runs    of spaces\n\n\n\nand trailing   \r\n",
+    "def f(x):\n    return {'a': [1, 2, 3], \"b\": x ** 2}  # comment\n",
+    "<|im_start|>user\nWhat is 7*8?<|im_end|>\n<|im_start|>assistant\n56<|im_end|><|endoftext|><file_sep>",
+    "",
+    " ",
+    "I'm sure they'll say it's the CEO's (and the board's) decision... isn't it?!",
+]
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +76,97 @@ def test_embedded_model_runs(embedded: Path) -> None:
     assert logits.shape == (1, ids.shape[1], 49152)
     assert torch.isfinite(logits).all()
     assert isinstance(tok.decode([int(logits[0, -1].argmax())]), str)
+
+
+def _convert_with_transformers(gguf_path: Path, out: Path) -> None:
+    """lmbatch's conversion before gguf_convert, through a transformers model: the reference to match."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model.hf_quantizer = None  # weights are plain float32 now: save them as such
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.tie_word_embeddings = True  # the embedded GGUF has no output.weight
+    if tok("Hi").input_ids[:1] == [tok.bos_token_id]:
+        tok.add_bos_token = False
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+@pytest.mark.slow  # 24-36 s on a shared 2-core host, nearly all of it the transformers reference
+def test_conversion_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The numpy conversion writes what the transformers route wrote: same weights, config and tokenizer."""
+    pytest.importorskip("accelerate")  # transformers' GGUF loader insists on it
+    from safetensors import safe_open
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("LMBATCH_CACHE", str(tmp_path / "cache"))
+    new = embedded_model_dir()
+    assert new == tmp_path / "cache" / "models" / EMBEDDED_NAME
+    ref = tmp_path / "reference"
+    _convert_with_transformers(embedded_gguf(), ref)
+
+    with safe_open(new / "model.safetensors", "np") as ours, safe_open(ref / "model.safetensors", "np") as theirs:
+        assert sorted(ours.keys()) == sorted(theirs.keys())
+        for name in theirs.keys():
+            a, b = ours.get_tensor(name), theirs.get_tensor(name)
+            assert a.dtype == b.dtype == np.float32 and a.shape == b.shape, name
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{name} differs"
+
+    assert ModelConfig.from_dir(new) == ModelConfig.from_dir(ref)
+    ours_config, their_config = (json.loads((d / "config.json").read_text()) for d in (new, ref))
+    for key in ("architectures", "head_dim", "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        assert ours_config.get(key) == their_config.get(key), key
+    ours_gen, their_gen = (json.loads((d / "generation_config.json").read_text()) for d in (new, ref))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert ours_gen.get(key) == their_gen.get(key), key
+
+    assert (new / "chat_template.jinja").read_text() == (ref / "chat_template.jinja").read_text()
+    ours_tok, their_tok = AutoTokenizer.from_pretrained(new), AutoTokenizer.from_pretrained(ref)
+    assert type(ours_tok) is type(their_tok)
+    for attr in ("bos_token", "eos_token", "pad_token", "unk_token", "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(ours_tok, attr) == getattr(their_tok, attr), attr
+    assert ours_tok.all_special_tokens == their_tok.all_special_tokens
+    ours_raw, their_raw = (Tokenizer.from_file(str(d / "tokenizer.json")) for d in (new, ref))
+    for text in [*MIXED_TEXTS, "".join(MIXED_TEXTS)]:
+        ids = their_tok(text).input_ids
+        assert ours_tok(text).input_ids == ids, text
+        assert ours_raw.encode(text).ids == their_raw.encode(text).ids == ids, text
+        assert ours_tok.decode(ids) == their_tok.decode(ids) == text, text
+        assert ours_tok.decode(ids, skip_special_tokens=True) == their_tok.decode(ids, skip_special_tokens=True)
+    chat = [{"role": "user", "content": MIXED_TEXTS[0]}, {"role": "assistant", "content": "B"}]
+    for messages in (chat, [{"role": "system", "content": "Be brief."}, *chat]):
+        prompt = their_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ours_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == prompt
+        assert ours_tok(prompt).input_ids == their_tok(prompt).input_ids
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_dequantize_and_unpermute_match_reference(kind: str) -> None:
+    """Fast check of gguf_convert's two numeric steps on random data, against gguf-py and transformers."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    from lmbatch.gguf_convert import dequantize, hf_tensor
+
+    qtype = GGMLQuantizationType[kind]
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    rows, cols, rng = 24, 4 * block, np.random.default_rng(0)
+    header = 4 if kind == "Q4_1" else 2  # f16 scale (and minimum) at the start of each block
+    data = rng.integers(0, 256, (rows, cols // block, block_bytes), dtype=np.uint8)
+    data[..., :header] = rng.normal(0, 0.05, (rows, cols // block, header // 2)).astype(np.float16).view(np.uint8)
+    data = data.reshape(rows, -1)
+    expected = gguf_dequantize(data, qtype)
+    assert np.array_equal(dequantize(data, int(qtype)).view(np.uint32), expected.view(np.uint32))
+
+    config = {"num_attention_heads": 6, "num_key_value_heads": 2}
+    reference = LlamaTensorProcessor(config)
+    for name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"):
+        want = reference.process(expected, name).weights
+        assert np.array_equal(hf_tensor(name, data, int(qtype), config), want), name
 
 
 def test_folder_without_config(tmp_path: Path) -> None:
