@@ -125,9 +125,11 @@ class TorchBackend(AttentionBackend):
 BACKENDS = ("torch", "triton", "flashinfer")
 
 
-def default_backend(device: torch.device) -> str:
-    """FlashInfer on CUDA when installed, else our Triton kernels; the torch reference on CPU."""
-    if device.type != "cuda":
+def default_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """FlashInfer on CUDA when installed, else our Triton kernels; the torch reference on CPU, and
+    for float32 on CUDA (FlashInfer has no float32 kernels, and Triton's dots would round float32
+    inputs to tf32, which is not the precision a float32 run asks for)."""
+    if device.type != "cuda" or dtype == torch.float32:
         return "torch"
     try:
         import flashinfer  # noqa: F401

@@ -1,6 +1,7 @@
 """Command line: `lmbatch run`, `lmbatch tasks`, `lmbatch report`."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -24,9 +25,11 @@ def run(
     model: Optional[str] = typer.Option(None, help="Local HF folder or hub id; default: the embedded SmolLM2-135M-Instruct."),
     limit: Optional[int] = typer.Option(None, help="First N instances (per subject for mmlu, as lm-eval's --limit)."),
     subjects: Optional[List[str]] = typer.Option(None, "--subjects", help="Only these MMLU subjects (repeatable)."),
-    device: str = typer.Option("cpu", help="cpu or cuda."),
+    device: str = typer.Option("auto", help="auto (CUDA when a GPU is visible, else CPU), cpu or cuda."),
     dtype: Optional[str] = typer.Option(None, help="float32 (CPU default), bfloat16 (CUDA default) or float16."),
-    max_tokens_per_batch: int = typer.Option(4096, help="Token budget of one forward batch."),
+    max_tokens_per_batch: Optional[int] = typer.Option(
+        None, help="Token budget of one forward batch (default: 4096 on CPU; on CUDA up to 16384, fitted to the "
+                   "model and free memory)."),
     kv_cache_tokens: Optional[int] = typer.Option(None, help="KV pool size in tokens (default: 4 GiB on CPU; on CUDA half the free memory, at most 131072 tokens)."),
     schedule: str = typer.Option("dfs", help="dfs (radix-tree order), fcfs or random: the last two for ablations."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Disable prefix caching (ablation)."),
@@ -39,6 +42,8 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar or closing line."),
     no_jump_forward: bool = typer.Option(False, "--no-jump-forward",
                                          help="Decode grammar-forced text token by token (ablation)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Load, tokenize and plan only; print the plan's figures "
+                                 "as JSON (no weights loaded, nothing written)."),
 ) -> None:
     """Run a task's every instance through the engine; write results/<run_id>/."""
     from lmbatch.runner import RunOptions
@@ -48,12 +53,12 @@ def run(
                       dtype=dtype, max_tokens_per_batch=max_tokens_per_batch, kv_cache_tokens=kv_cache_tokens,
                       schedule=schedule, no_cache=no_cache, seed=seed, out=out, run_id=run_id, overwrite=overwrite,
                       truncate_left=truncate_left, save_token_ids=save_token_ids, quiet=quiet,
-                      jump_forward=not no_jump_forward)
+                      jump_forward=not no_jump_forward, dry_run=dry_run)
     try:
-        path = do_run(opts)
+        result = do_run(opts)
     except UserError as e:
         _fail(e)
-    typer.echo(str(path))
+    typer.echo(json.dumps(result, indent=2) if dry_run else str(result))
 
 
 @app.command()

@@ -135,7 +135,7 @@ class Engine:
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
-        attention = attention or default_backend(self.device)
+        attention = attention or default_backend(self.device, dtype)
         # decode steps replay CUDA graphs (not for the torch reference backend, which stays eager);
         # one extra slot is their scratch for padded rows
         use_graphs = cuda_graphs and self.device.type == "cuda" and attention != "torch"
@@ -167,6 +167,20 @@ class Engine:
             model = Transformer(cfg).to(dtype)
         init_dummy(model) if load_format == "dummy" else load_weights(model, path)
         return cls(model.eval(), **kw)
+
+    @torch.inference_mode()
+    def warm_up(self, tokens: int = 16) -> None:
+        """Run one small prefill batch and its logit reduction, so that kernel compilation and
+        library loading happen now (on the loader's thread) rather than in the first real batch.
+        Its KV goes to slots that are freed again."""
+        if self.device.type != "cuda":
+            return
+        slots = self.pool.alloc(tokens)
+        b = _Batch()
+        b.add([0] * tokens, 0, slots, slots, [(tokens - 1, None)])
+        logits = self.model(b.build().to(self.device), self.attn)
+        torch.log_softmax(logits, dim=-1).argmax(dim=-1).cpu()
+        self.pool.free(slots)
 
     # ---- public API -------------------------------------------------------------------------
     def score(self, requests: Sequence[ScoreRequest], **kw) -> tuple[list[ScoreResult], RunStats]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import greenlet
 
@@ -21,9 +21,9 @@ from lmbatch.engine import Engine
 from lmbatch.errors import UserError
 from lmbatch.frontend import Gen, Pending, Select, State
 from lmbatch.program import Instance
-from lmbatch.programs.mmlu import choice_texts, split_choices
 from lmbatch.requests import GenerateRequest, RunStats, SamplingParams, ScoreRequest
 from lmbatch.scheduler.planner import posthoc_unique
+from lmbatch.tokenize import TextEncoder
 
 
 @dataclass
@@ -77,10 +77,12 @@ class ProgramRun:
 
 
 class Interpreter:
-    def __init__(self, tokenizer, *, max_len: int, schedule: str = "dfs", seed: int = 0, truncate_left: bool = False,
+    def __init__(self, tokenizer: TextEncoder | Any, *, max_len: int, schedule: str = "dfs", seed: int = 0, truncate_left: bool = False,
                  progress: Callable[[int, RunStats], None] | None = None, vocab_size: int | None = None,
                  jump_forward: bool = True, grammar_cache: bool = True):
-        self.tokenizer, self.max_len = tokenizer, max_len
+        # a TextEncoder, or a transformers fast tokenizer it is made from
+        self.encoder = tokenizer if isinstance(tokenizer, TextEncoder) else TextEncoder.from_hf(tokenizer)
+        self.max_len = max_len
         self.vocab_size, self.jump_forward, self.grammar_cache = vocab_size, jump_forward, grammar_cache
         self.grammars = None            # lmbatch.grammar.GrammarCompiler, made on the first constraint
         self.schedule, self.seed, self.truncate_left, self.progress = schedule, seed, truncate_left, progress
@@ -92,6 +94,7 @@ class Interpreter:
         self.stages: dict[int, StageCounts] = {}
         self.request_rows: list[dict] = []
         self.truncated = 0
+        self.tokenize_s = 0.0           # tokenizing calls' prompts, over every wave
         self.max_final_footprint = 0   # largest cache footprint of a finished program
         self.waves = 0
         self._prompts: list[list[int]] = []            # executed prompts, for the post-hoc optimum
@@ -99,29 +102,36 @@ class Interpreter:
 
     # ---- calls ----------------------------------------------------------------------------
     def _tokenize(self, pending: list[Pending]) -> None:
-        """Token ids of queued calls, in one batched (multi-threaded) tokenizer call, checked
-        against the model's context. A call that cannot run fails its program."""
-        texts, spans = [], []
+        """Token ids of queued calls (each distinct text segment tokenized once), checked against
+        the model's context. A call that cannot run fails its program."""
+        t0 = time.perf_counter()
+        try:
+            self._tokenize_calls(pending)
+        finally:
+            self.tokenize_s += time.perf_counter() - t0
+
+    def _tokenize_calls(self, pending: list[Pending]) -> None:
+        gens, selects = [], []
         for p in pending:
-            k = len(texts)
             if isinstance(p.op, Select):
-                ctx, wholes = choice_texts(p.prompt, p.op.choices)
-                texts += [ctx, *wholes]
-            elif p.op.regex is not None or p.op.json_schema is not None:
+                selects.append(p)
+                continue
+            if p.op.regex is not None or p.op.json_schema is not None:
                 try:
                     self._constrain(p)
                 except ValueError as e:
                     p.meta["_bad"] = str(e)
-                texts.append(p.prompt + p.meta.get("forced", ""))
-            else:
-                texts.append(p.prompt)
-            spans.append((k, len(texts)))
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-        for p, (a, b) in zip(pending, spans):
+            gens.append(p)
+        ids: dict[int, Any] = {}
+        for p, pair in zip(selects, self.encoder.encode_choices([(p.prompt, p.op.choices) for p in selects])):
+            ids[id(p)] = pair
+        for p, one in zip(gens, self.encoder.encode([p.prompt + p.meta.get("forced", "") for p in gens])):
+            ids[id(p)] = one
+        for p in pending:
             try:
                 if "_bad" in p.meta:
                     raise UserError(f"instance {p.owner.instance.id}: gen {p.op.name!r}: {p.meta.pop('_bad')}")
-                p.meta["_ids"] = self._check(p, ids[a:b])
+                p.meta["_ids"] = self._check(p, ids[id(p)])
             except (UserError, ValueError) as e:
                 self._fail(p, str(e))
 
@@ -133,17 +143,17 @@ class Interpreter:
         except ImportError as e:
             raise ValueError(f"constrained gen needs xgrammar ({e}): pip install --no-deps xgrammar==0.2.8") from None
         if self.grammars is None:
-            self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, cache=self.grammar_cache)
+            self.grammars = GrammarCompiler(self.encoder.hf, self.vocab_size, cache=self.grammar_cache)
         c = self.grammars.constraint(p.op.regex, p.op.json_schema)
         forced = c.jump_forward() if self.jump_forward else ""
         if forced:
             c.accept_string(forced)
         p.meta["_constraint"], p.meta["forced"] = c, forced
 
-    def _check(self, p: Pending, ids: list[list[int]]):
+    def _check(self, p: Pending, ids):
         inst = p.owner.instance.id
         if isinstance(p.op, Select):
-            ctx, conts = split_choices(ids[0], ids[1:])
+            ctx, conts = ids
             over = len(ctx) + max(len(c) for c in conts) - self.max_len
             if over > 0:
                 if not self.truncate_left:
@@ -153,12 +163,12 @@ class Interpreter:
                 ctx = ctx[over:]
                 self.truncated += 1
             return ctx, conts
-        if not ids[0]:
+        if not ids:
             raise UserError(f"instance {inst}: gen {p.op.name!r} has an empty prompt")
-        if len(ids[0]) + p.op.max_tokens > self.max_len:
-            raise UserError(f"instance {inst}: gen {p.op.name!r} needs {len(ids[0])} prompt + {p.op.max_tokens} "
+        if len(ids) + p.op.max_tokens > self.max_len:
+            raise UserError(f"instance {inst}: gen {p.op.name!r} needs {len(ids)} prompt + {p.op.max_tokens} "
                             f"new tokens, more than the model's {self.max_len}-token context")
-        return ids[0]
+        return ids
 
     def _fail(self, p: Pending, message: str) -> None:
         """Before any model work a failing call stops the run; later it ends its own program."""
@@ -187,7 +197,7 @@ class Interpreter:
 
     def execute(self, engine: Engine, wave_tokens: int | None = None) -> list[ProgramRun]:
         """Run waves until every program has finished."""
-        t0 = time.perf_counter()
+        t0, tokenized = time.perf_counter(), self.tokenize_s
         self.engine = engine
         self.wave_tokens = wave_tokens or engine.pool.num_slots * 3 // 4
         while self.ready:
@@ -195,7 +205,7 @@ class Interpreter:
             self._execute(wave)
             for run in {p.owner.index: p.owner for p in wave}.values():
                 self._resume(run)
-        self.stats.execute_s = time.perf_counter() - t0 - self.stats.plan_s
+        self.stats.execute_s = time.perf_counter() - t0 - self.stats.plan_s - (self.tokenize_s - tokenized)
         self._finish_stats()
         return self.runs
 
@@ -266,8 +276,14 @@ class Interpreter:
             p.owner.started = True
         return wave
 
-    def _execute(self, wave: list[Pending]) -> None:
-        requests, owner = [], []
+    def first_requests(self) -> list[ScoreRequest | GenerateRequest]:
+        """The engine requests of every queued call (after `start`: the whole first stage), as the
+        first wave would run them if it held them all: what a dry run plans."""
+        return self._requests(self.ready)[0]
+
+    def _requests(self, wave: list[Pending]) -> tuple[list[ScoreRequest | GenerateRequest], list[Pending]]:
+        requests: list[ScoreRequest | GenerateRequest] = []
+        owner: list[Pending] = []
         for p in wave:
             if isinstance(p.op, Select):
                 ctx, conts = p.meta["_ids"]
@@ -278,8 +294,14 @@ class Interpreter:
                 op = p.op
                 seed = hash((self.seed, p.owner.index, p.seq)) & 0x7FFFFFFF
                 params = SamplingParams(op.max_tokens, op.temperature, op.top_p, seed, op.stop)
-                requests.append(GenerateRequest(p.meta["_ids"], params, p.meta.pop("_constraint", None)))
+                requests.append(GenerateRequest(p.meta["_ids"], params, p.meta.get("_constraint")))
                 owner.append(p)
+        return requests, owner
+
+    def _execute(self, wave: list[Pending]) -> None:
+        requests, owner = self._requests(wave)
+        for p in wave:
+            p.meta.pop("_constraint", None)
         results, st = self.engine.run(requests, schedule=self.schedule, seed=self.seed + self.waves)
         self._account(requests, owner, results, st)
         k = 0

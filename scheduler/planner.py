@@ -11,8 +11,10 @@ Definitions (reported by every run):
 """
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -57,26 +59,61 @@ class Plan:
         return out[::-1]
 
 
-def _lcp(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
+def sorted_lcps(prompts: Sequence[Sequence[int]]) -> tuple[list[int], np.ndarray]:
+    """The prompts' sorted order and, for each prompt in that order, the length of its longest
+    common prefix with the one before (0 for the first). Compared in numpy, a block of positions at
+    a time for every adjacent pair still equal so far: no Python work per token."""
+    order = sorted(range(len(prompts)), key=prompts.__getitem__)
+    n = len(order)
+    lcps = np.zeros(n, dtype=np.int64)
+    # a prompt equal to the one before it (a choice sharing its context's prompt) has lcp = its
+    # length; only the distinct ones are compared in numpy
+    distinct = [0] + [k for k in range(1, n) if prompts[order[k]] != prompts[order[k - 1]]]
+    for k in range(1, n):
+        lcps[k] = len(prompts[order[k]])
+    lcps[distinct] = _adjacent_lcps([prompts[order[k]] for k in distinct])
+    return order, lcps
 
 
-def build_tree(prompts: list[list[int]]) -> tuple[PlanNode, list[PlanNode], list[int]]:
+def _adjacent_lcps(seqs: list[Sequence[int]]) -> np.ndarray:
+    """For each sequence, its longest common prefix with the one before it (0 for the first)."""
+    n = len(seqs)
+    lcps = np.zeros(n, dtype=np.int64)
+    if n < 2:
+        return lcps
+    lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
+    starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(lens[:-1], out=starts[1:])
+    flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lens.sum()))
+    most = np.minimum(lens[:-1], lens[1:])      # pair k compares sequences k and k + 1
+    active = np.flatnonzero(most > 0)
+    offset, block = 0, 64
+    cols = np.arange(block)
+    while len(active):
+        pos = offset + cols                                     # [block]
+        valid = pos[None, :] < most[active, None]               # [active, block]
+        a = flat[np.minimum(starts[active, None] + pos, len(flat) - 1)]
+        b = flat[np.minimum(starts[active + 1, None] + pos, len(flat) - 1)]
+        differs = (a != b) | ~valid
+        first = np.where(differs.any(axis=1), differs.argmax(axis=1), block)
+        lcps[active + 1] = offset + first
+        active = active[first == block]
+        offset += block
+    return lcps
+
+
+def build_tree(prompts: Sequence[Sequence[int]]) -> tuple[PlanNode, list[PlanNode], list[int]]:
     """Radix tree of all prompts, built from their sorted order and adjacent common prefixes.
 
     Returns (root, end node per prompt, sorted order). The sorted order is a DFS of the tree in
     which a prompt comes before its extensions.
     """
-    order = sorted(range(len(prompts)), key=lambda i: prompts[i])
+    order, lcps = sorted_lcps(prompts)
     root = PlanNode(0, 0, owner=-1)
     ends: list[PlanNode] = [root] * len(prompts)
     stack = [root]                  # the path of the previous prompt
-    prev = None
-    for i in order:
-        s = np.asarray(prompts[i], dtype=np.int64)
-        lcp = 0 if prev is None else _lcp(prev, s)
+    for i, lcp in zip(order, lcps.tolist()):
+        n = len(prompts[i])
         while len(stack) > 1 and stack[-1].start >= lcp:
             stack.pop()
         node = stack[-1]
@@ -87,14 +124,54 @@ def build_tree(prompts: list[list[int]]) -> tuple[PlanNode, list[PlanNode], list
             upper.children.append(node)
             node.start, node.parent = lcp, upper
             stack[-1] = node = upper
-        if len(s) > lcp:
-            leaf = PlanNode(lcp, len(s), owner=i, parent=node)
+        if n > lcp:
+            leaf = PlanNode(lcp, n, owner=i, parent=node)
             node.children.append(leaf)
             stack.append(leaf)
             node = leaf
         ends[i] = node
-        prev = s
     return root, ends, order
+
+
+class PlanSummary(NamedTuple):
+    """What a batch's plan costs, without building its tree (a dry run's figures)."""
+    requests: int
+    executed: int                   # distinct executed requests (equal mergeable prompts run once)
+    prompt_tokens: int              # over executed requests
+    unique_tokens: int              # sum of edge lengths of the radix tree (computed tokens, Theorem 3.1)
+    attended_keys: int              # over computed tokens, the keys each attends to (its position + 1)
+    logit_rows: int                 # over executed requests, the positions whose logits they need
+
+    @property
+    def optimal_hit_rate(self) -> float:
+        return 1 - self.unique_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def summarize(prompts: Sequence[Sequence[int]], mergeable: Sequence[bool] | None = None,
+              logit_rows: Sequence[int] | None = None) -> PlanSummary:
+    """The figures of `make_plan(prompts, mergeable=...)`, from sorted prompts and adjacent common
+    prefixes in numpy: the tree's edges are each prompt's tokens past its common prefix with the
+    prompt before it in sorted order (a DFS of the trie)."""
+    order, lcps = sorted_lcps(prompts)
+    n = len(order)
+    lens = np.fromiter((len(prompts[i]) for i in order), dtype=np.int64, count=n)
+    flags = np.fromiter((bool(mergeable[i]) for i in order) if mergeable is not None else iter(()),
+                        dtype=bool, count=n if mergeable is not None else 0)
+    if not len(flags):
+        flags = np.zeros(n, dtype=bool)
+    # equal prompts are adjacent in sorted order; the mergeable ones of a run execute once
+    same = np.zeros(n, dtype=bool)
+    same[1:] = (lcps[1:] == lens[1:]) & (lens[:-1] == lens[1:])
+    run = np.cumsum(~same)
+    runs, first = np.unique(run[flags], return_index=True)
+    executed = int((~flags).sum()) + len(runs)
+    prompt_tokens = int(lens[~flags].sum() + lens[flags][first].sum())
+    rows = np.fromiter((logit_rows[i] for i in order), dtype=np.int64, count=n) if logit_rows is not None \
+        else np.ones(n, dtype=np.int64)
+    rows_total = int(rows[~flags].sum() + rows[flags][first].sum())
+    new = lens - lcps
+    keys = (lens * (lens + 1) - lcps * (lcps + 1)) // 2
+    return PlanSummary(n, executed, prompt_tokens, int(new.sum()), int(keys.sum()), rows_total)
 
 
 def make_plan(prompts: list[list[int]], schedule: str = "dfs", seed: int = 0,

@@ -2,6 +2,7 @@
 import json
 
 import pyarrow.parquet as pq
+import torch
 import pytest
 from conftest import make_tiny_with_tokenizer
 from typer.testing import CliRunner
@@ -119,3 +120,49 @@ def test_tasks_lists_the_builtin_workloads():
     r = lmbatch("tasks")
     assert r.exit_code == 0
     assert [line.split()[0] for line in r.output.splitlines()] == ["hellaswag", "json", "mmlu", "tot-gsm8k"]
+
+
+PHASES = {"startup", "model_files", "data", "tokenize", "plan", "load", "execute", "write", "total"}
+
+
+@pytest.mark.parametrize("task,extra", [
+    ("mmlu", ["--shots", 2, "--limit", 3, "--subjects", "anatomy", "--subjects", "virology"]),
+    ("hellaswag", ["--shots", 1, "--limit", 6]),
+])
+def test_dry_run_figures_equal_the_real_runs(tiny, tmp_path, task, extra):
+    dry = lmbatch("run", task, *extra, "--model", tiny, "--out", tmp_path, "--run-id", "d", "--dry-run")
+    assert dry.exit_code == 0, dry.output
+    plan = json.loads(dry.stdout)
+    assert not (tmp_path / "d").exists(), "a dry run writes no run directory"
+    r = lmbatch("run", task, *extra, "--model", tiny, "--out", tmp_path, "--run-id", "r", "--quiet")
+    assert r.exit_code == 0, r.output
+    s = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert plan["instances"] == s["counts"]["instances"]
+    assert plan["requests"] == s["counts"]["requests"]
+    assert plan["executed_requests"] == s["counts"]["executed_requests"]
+    assert plan["prompt_tokens"] == s["tokens"]["prompt"]
+    assert plan["unique_tokens"] == s["tokens"]["unique"] == s["tokens"]["computed"]
+    assert plan["optimal_hit_rate"] == pytest.approx(s["optimal_hit_rate"], abs=1e-12)
+    assert plan["flops"] > 0
+    assert {"startup", "model_files", "data", "tokenize", "plan", "total"} <= set(plan["time_s"])
+    assert "load" not in plan["time_s"] and "execute" not in plan["time_s"]
+
+
+def test_summary_times_every_phase_and_names_the_device(tiny, tmp_path):
+    assert lmbatch(*run_args(tiny, tmp_path, "a")).exit_code == 0
+    s = json.loads((tmp_path / "a" / "summary.json").read_text())
+    t = s["time_s"]
+    assert PHASES <= set(t), t
+    assert sum(v for k, v in t.items() if k != "total") <= t["total"] + 1e-6
+    assert s["device"] == "cpu" and s["options"]["device"] == "auto"      # no GPU in CI
+    assert s["max_tokens_per_batch"] == 4096
+
+
+def test_device_and_dtype_combinations_that_cannot_run(tiny, tmp_path):
+    _error(lmbatch(*run_args(tiny, tmp_path, "x", "--device", "tpu")), "--device tpu")
+    _error(lmbatch(*run_args(tiny, tmp_path, "x", "--device", "cpu", "--dtype", "float16")), "float16", "CPU")
+    _error(lmbatch(*run_args(tiny, tmp_path, "x", "--max-tokens-per-batch", 0)), "--max-tokens-per-batch")
+    _error(lmbatch(*run_args(tiny, tmp_path, "x", "--kv-cache-tokens", 100)), "--kv-cache-tokens 100", "needs")
+    if not torch.cuda.is_available():
+        _error(lmbatch(*run_args(tiny, tmp_path, "x", "--device", "cuda")), "no CUDA GPU")
+    assert not (tmp_path / "x").exists()

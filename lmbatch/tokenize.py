@@ -1,0 +1,228 @@
+r"""Prompt text to token ids, fast and exactly as the tokenizer (and lm-eval) would produce them.
+
+A batch's prompts repeat most of their text: the few-shot examples of every question of a subject,
+a question's context in each of its choices. `TextEncoder` tokenizes each distinct *segment* once
+and joins the segments' ids, with the `tokenizers` library directly (no per-text conversion in
+transformers).
+
+Where a text may be cut. The byte-level BPE tokenizers this is used with (GPT-2's and
+Llama-3/Qwen2's pre-tokenizer patterns) first split a text into pre-tokens by a regex, then merge
+bytes only within a pre-token. Two kinds of position always end a pre-token, whatever follows:
+- c where text[c-1] is a newline and text[c] an ASCII letter or digit ("line" cuts). No pattern
+  carries a newline into a letter, digit or punctuation match, and the whitespace matches stop at
+  the first non-space. Only the split *inside* a whitespace run before c depends on what follows
+  (`\s+(?!\S)` keeps the last newline apart when a non-space follows, takes it at the end of the
+  text), so a segment that a cut ends is tokenized with one letter appended, whose single token is
+  dropped.
+- c where text[c-1] is not whitespace and text[c:c+2] is a space then an ASCII letter or digit
+  (used where a continuation meets its context). Letter, digit and punctuation matches stop at a
+  space, and the match at c (" word") takes its leading space from text[c] alone.
+A pre-token starting at c is decided by text[c:] alone, since no pattern takes a newline or a
+non-space into the start of a letter match. So tokens(a + b) == tokens(a) + tokens(b) at such a cut.
+`TextEncoder` cuts only for tokenizers whose normalizer and pre-tokenizer are of those kinds and
+none of whose added tokens holds a newline; any other tokenizer encodes whole texts (still each
+distinct text once). Tests compare the result with whole-text tokenization on every MMLU and
+HellaSwag prompt and on random texts.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+# a line cut: after a newline, before an ASCII letter or digit
+_CUT = re.compile(r"(?<=\n)(?=[A-Za-z0-9])")
+_ALNUM = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
+_FOLLOW = "A"       # appended to a segment that a line cut ends; its one token is dropped
+_SAFE_NORMALIZERS = (None, "NFC")
+
+
+def choice_texts(context: str, continuations: Sequence[str]) -> tuple[str, list[str]]:
+    """The texts lm-eval's `_encode_pair` encodes for a context and its continuations: the context
+    without its trailing whitespace (which moves onto each continuation) and each whole text."""
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces > 0:
+        continuations = [context[-n_spaces:] + c for c in continuations]
+        context = context[:-n_spaces]
+    return context, [context + c for c in continuations]
+
+
+def split_choices(ctx: list[int], wholes: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """lm-eval's split: the context's ids, and each whole's ids past the context's length."""
+    if not ctx:
+        raise ValueError("empty context: lm-eval would use a prefix token here, lmbatch does not")
+    return list(ctx), [list(w[len(ctx):]) for w in wholes]
+
+
+def _splittable(spec: dict) -> bool:
+    """Whether the tokenizer.json describes a tokenizer for which the cut rule above holds."""
+    norm = spec.get("normalizer")
+    if (norm or {}).get("type") not in _SAFE_NORMALIZERS:
+        return False
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    kinds = [s.get("type") for s in steps]
+    if kinds == ["ByteLevel"]:
+        byte_level = steps[0]
+        if not byte_level.get("use_regex", True):
+            return False
+    elif kinds == ["Split", "ByteLevel"]:
+        split, byte_level = steps
+        pattern = (split.get("pattern") or {}).get("Regex", "")
+        # Llama-3 / Qwen2's pattern: letters take one leading non-newline char, punctuation takes
+        # trailing newlines; checked as the known pattern rather than trusted in general
+        if "[^\\r\\n\\p{L}\\p{N}]?\\p{L}+" not in pattern or split.get("behavior") != "Isolated" \
+                or byte_level.get("use_regex", True):
+            return False
+    else:
+        return False
+    if byte_level.get("add_prefix_space", False):
+        return False
+    if (spec.get("model") or {}).get("type") != "BPE":
+        return False
+    return not any("\n" in t.get("content", "") for t in spec.get("added_tokens", []))
+
+
+class TextEncoder:
+    """Token ids of many texts (no special tokens added), each distinct segment tokenized once.
+
+    A text is held as (segments each ended by a line cut, segments ended by a space cut or by the
+    text's end); the two kinds are tokenized differently (see the module's docstring), so they have
+    a memo each, kept across calls (a run's later waves reuse the few-shot segments)."""
+
+    def __init__(self, tokenizer: Any, hf_loader: Callable[[], Any] | None = None):
+        """`tokenizer`: a `tokenizers.Tokenizer`; `hf_loader` makes the transformers tokenizer of the
+        same model (for decoding and grammars), only if something asks for it."""
+        self.tokenizer = tokenizer
+        self.splittable = _splittable(json.loads(tokenizer.to_str()))
+        self._hf_loader = hf_loader
+        self._cut: dict[str, list[int]] = {}
+        self._end: dict[str, list[int]] = {}
+
+    @classmethod
+    def for_model(cls, model_dir: str | Path) -> "TextEncoder":
+        """The model folder's tokenizer. A byte-level BPE `tokenizer.json` is used as it is (as
+        transformers' fast tokenizer uses it); any other kind through transformers, which may adjust
+        the file's settings on load."""
+        from tokenizers import Tokenizer
+
+        def load_hf() -> Any:
+            from transformers import AutoTokenizer
+            return AutoTokenizer.from_pretrained(str(model_dir))
+
+        path = Path(model_dir) / "tokenizer.json"
+        if path.is_file():
+            enc = cls(Tokenizer.from_file(str(path)), load_hf)
+            if enc.splittable:
+                return enc
+        return cls.from_hf(load_hf())
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> "TextEncoder":
+        """A transformers fast tokenizer's own Rust tokenizer."""
+        backend = getattr(hf, "backend_tokenizer", None)
+        if backend is None:
+            from lmbatch.errors import UserError
+            raise UserError(f"{type(hf).__name__} is not a fast tokenizer; lmbatch needs a tokenizer.json")
+        return cls(backend, lambda: hf)
+
+    @functools.cached_property
+    def hf(self) -> Any:
+        """The transformers tokenizer (decoding, stop strings, grammars), loaded on first use."""
+        if self._hf_loader is None:
+            raise RuntimeError("this TextEncoder has no transformers tokenizer")
+        return self._hf_loader()
+
+    def lazy_hf(self) -> Any:
+        """A stand-in for `hf` that loads it on its first use (an engine that never decodes text,
+        as for select-only workloads, never loads transformers' tokenizer)."""
+        return _LazyHF(self)
+
+    def _tokenize(self, memo: dict[str, list[int]], segments, follow: str = "") -> None:
+        """Tokenize the segments memo lacks, in one multi-threaded call; with `follow`, each with
+        that letter after it, whose token is then dropped."""
+        new = [s for s in dict.fromkeys(segments) if s not in memo]
+        if not new:
+            return
+        batch = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
+        follow_id = self.tokenizer.token_to_id(follow) if follow else None
+        for seg, enc in zip(new, batch([s + follow for s in new], add_special_tokens=False)):
+            ids = enc.ids
+            if follow:
+                if ids[-1] != follow_id:
+                    raise RuntimeError(f"the tokenizer merged across a line cut after {seg[-40:]!r}")
+                ids = ids[:-1]
+            memo[seg] = ids
+
+    def _split(self, text: str) -> tuple[list[str], list[str]]:
+        if not self.splittable:
+            return [], [text]
+        segs = _CUT.split(text)
+        return segs[:-1], segs[-1:]
+
+    def _join(self, parts: list[tuple[list[str], list[str]]]) -> list[list[int]]:
+        self._tokenize(self._cut, (s for cut, _ in parts for s in cut), _FOLLOW)
+        self._tokenize(self._end, (s for _, end in parts for s in end))
+        out = []
+        for cut, end in parts:
+            ids: list[int] = []
+            for s in cut:
+                ids += self._cut[s]
+            for s in end:
+                ids += self._end[s]
+            out.append(ids)
+        return out
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """Ids of each text, equal to tokenizing it whole."""
+        return self._join([self._split(t) for t in texts])
+
+    def encode_choices(self, pairs: Sequence[tuple[str, Sequence[str]]]) -> list[tuple[list[int], list[list[int]]]]:
+        """lm-eval's `_encode_pair` for each (context, continuations): the context's ids and each
+        continuation's, the whole text encoded and split at the context's length.
+
+        Only the end of a whole text is tokenized: a continuation " word..." after a context ending
+        in a non-space alone (a space cut); otherwise the context's last segment with the
+        continuation (a whole text has the context's line cuts up to there, since a cut depends on
+        two characters). The ids up to that segment are the context's own."""
+        contexts, tails, whole_tail = [], [], []     # whole_tail: the tail starts at the context's last segment
+        for context, conts in pairs:
+            ctx, wholes = choice_texts(context, conts)
+            cut, end = self._split(ctx)
+            contexts.append((cut, end))
+            last = len(ctx) - len(end[0])
+            space_cut = self.splittable and bool(ctx) and not ctx[-1].isspace()
+            for w in wholes:
+                cont = w[len(ctx):]
+                if space_cut and len(cont) > 1 and cont[0] == " " and cont[1] in _ALNUM:
+                    tails.append(([], [cont]))
+                    whole_tail.append(False)
+                else:
+                    tails.append(self._split(w[last:]))
+                    whole_tail.append(True)
+        ctx_ids = self._join(contexts)
+        tail_ids = self._join(tails)
+        out, k = [], 0
+        for (_, conts), ids, (_, end) in zip(pairs, ctx_ids, contexts):
+            if not ids:
+                raise ValueError("empty context: lm-eval would use a prefix token here, lmbatch does not")
+            keep = len(ids) - len(self._end[end[0]])     # the context's ids before its last segment
+            out.append((ids, [tail_ids[j][len(ids) - keep:] if whole_tail[j] else tail_ids[j]
+                              for j in range(k, k + len(conts))]))
+            k += len(conts)
+        return out
+
+    def clear(self) -> None:
+        """Forget memoized segments."""
+        self._cut.clear()
+        self._end.clear()
+
+
+class _LazyHF:
+    def __init__(self, encoder: TextEncoder):
+        self._encoder = encoder
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._encoder.hf, name)
