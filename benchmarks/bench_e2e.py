@@ -94,8 +94,10 @@ def _build_weights(preset: Path, target: Path, device: str) -> None:
 
 
 def lmbatch_cmd() -> list[str]:
+    """The console script, as a user runs it (beside this Python, else on PATH)."""
     exe = Path(sys.executable).parent / "lmbatch"
-    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "lmbatch.cli"]
+    found = str(exe) if exe.is_file() else shutil.which("lmbatch")
+    return [found] if found else [sys.executable, "-m", "lmbatch.cli"]
 
 
 def run_timed(cmd: list[str], log: Path, timeout: float | None) -> float:

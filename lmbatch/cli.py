@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -98,7 +99,19 @@ def report(
 
 
 def main() -> None:
-    app()
+    """The console script. After a command has written and flushed everything, the process ends
+    without tearing down the interpreter: freeing a full run's millions of token-id objects one by
+    one took ~2.5 s on a GPU host, after the results were already on disk."""
+    import os
+
+    try:
+        app()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from lmbatch.errors import UserError
 from lmbatch.frontend import Gen, Pending, Select, State
 from lmbatch.program import Instance
 from lmbatch.requests import GenerateRequest, RunStats, SamplingParams, ScoreRequest
-from lmbatch.scheduler.planner import posthoc_unique
+from lmbatch.scheduler.planner import posthoc_unique, summarize
 from lmbatch.tokenize import TextEncoder
 
 
@@ -206,7 +206,9 @@ class Interpreter:
             for run in {p.owner.index: p.owner for p in wave}.values():
                 self._resume(run)
         self.stats.execute_s = time.perf_counter() - t0 - self.stats.plan_s - (self.tokenize_s - tokenized)
+        t1 = time.perf_counter()
         self._finish_stats()
+        self.stats.plan_s += time.perf_counter() - t1
         return self.runs
 
     def longest_ready(self) -> int:
@@ -365,8 +367,8 @@ class Interpreter:
         """The post-hoc optimum: from the tree of every prompt actually executed, where tokens that
         generation already put in the cache count as free (their KV exists without any prefill)."""
         s = self.stats
-        s.unique_tokens = posthoc_unique(self._prompts, self._generated)
+        plain = summarize(self._prompts).unique_tokens     # the prompts' own tree (Theorem 3.1)
+        s.unique_tokens = posthoc_unique(self._prompts, self._generated) if self._generated else plain
         s.optimal_hit_rate = 1 - s.unique_tokens / s.prompt_tokens if s.prompt_tokens else 0.0
         s.engine_optimal_hit_rate = s.optimal_hit_rate
-        plain = posthoc_unique(self._prompts, [])
         self.prompt_tree_optimal_hit_rate = 1 - plain / s.prompt_tokens if s.prompt_tokens else 0.0

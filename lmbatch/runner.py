@@ -16,7 +16,7 @@ import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lmbatch
 from lmbatch.errors import UserError
@@ -94,7 +94,10 @@ def _device(o: RunOptions) -> tuple[str, str]:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA GPU is visible here")
-    return device, o.dtype or ("float32" if device == "cpu" else "bfloat16")
+    dtype = o.dtype or ("float32" if device == "cpu" else "bfloat16")
+    if device == "cpu" and dtype == "float16":
+        raise UserError("--dtype float16 on CPU: use float32 (or bfloat16, ~100x slower on most CPUs)")
+    return device, dtype
 
 
 def _kv_tokens(o: RunOptions, cfg, device: str, dtype_name: str) -> int:
@@ -128,28 +131,54 @@ def _batch_tokens(o: RunOptions, cfg, device: str, dtype_name: str) -> int:
     return budget
 
 
-class _Loader(threading.Thread):
-    """Builds the engine (CUDA start, weights, kernels warmed, decode graphs captured) on a
-    background thread, while the main thread loads data, tokenizes and plans."""
+class Loaded(NamedTuple):
+    engine: Any
+    device: str
+    dtype: str
+    batch_tokens: int
+    kv_tokens: int
 
-    def __init__(self, build):
+
+class _Loader(threading.Thread):
+    """Builds the engine on a background thread while the main thread loads data, tokenizes and
+    plans: torch's import, CUDA's start, the model config, weights, warmed kernels and captured
+    decode graphs. Its errors (a user's, too) are raised where the main thread takes the result."""
+
+    def __init__(self, o: RunOptions, model_dir: Path, encoder):
         super().__init__(name="lmbatch-model-load", daemon=True)
-        self._build, self.engine, self.error, self.seconds = build, None, None, 0.0
+        self.o, self.model_dir, self.encoder = o, model_dir, encoder
+        self.loaded: Loaded | None = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
         self.start()
 
     def run(self) -> None:
         t = time.perf_counter()
         try:
-            self.engine = self._build()
-        except BaseException as e:  # re-raised on the main thread
+            from lmbatch.config import ModelConfig
+
+            device, dtype_name = _device(self.o)
+            cfg = ModelConfig.from_dir(self.model_dir)
+            kv, batch = _kv_tokens(self.o, cfg, device, dtype_name), _batch_tokens(self.o, cfg, device, dtype_name)
+            engine = _build_engine(self.o, self.model_dir, device, dtype_name, self.encoder, kv, batch)
+            self.loaded = Loaded(engine, device, dtype_name, batch, kv)
+        except BaseException as e:  # noqa: BLE001  re-raised on the main thread
             self.error = e
         self.seconds = time.perf_counter() - t
 
-    def result(self):
+    def result(self, longest: int) -> Loaded:
+        """The engine, its pool grown (rebuilt) if the longest request needs more."""
         self.join()
         if self.error is not None:
             raise self.error
-        return self.engine
+        assert self.loaded is not None
+        ld = self.loaded
+        need = _check_pool(self.o, ld.kv_tokens, ld.batch_tokens, longest)
+        if need > ld.kv_tokens:      # rare (prompts near the model's context): the small pool goes first
+            self.loaded, ld = None, ld._replace(engine=None, kv_tokens=need)
+            ld = ld._replace(engine=_build_engine(self.o, self.model_dir, ld.device, ld.dtype, self.encoder, need,
+                                                  ld.batch_tokens))
+        return ld
 
 
 def _build_engine(o: RunOptions, model_dir: Path, device: str, dtype_name: str, encoder, kv_tokens: int,
@@ -182,7 +211,6 @@ def run(o: RunOptions) -> Path | dict[str, Any]:
     clock = Phases()
     w = get_workload(o.task)
     _check(o, w)
-    from lmbatch.config import ModelConfig
     from lmbatch.interpreter import Interpreter
     from lmbatch.models import resolve_model
     from lmbatch.tokenize import TextEncoder
@@ -194,33 +222,24 @@ def run(o: RunOptions) -> Path | dict[str, Any]:
     if not o.dry_run and final.exists() and not o.overwrite:
         raise UserError(f"output directory {final} exists; pass --overwrite to replace it or --run-id to name another")
     with clock("model_files"):
-        cfg = ModelConfig.from_dir(model_dir)
         encoder = TextEncoder.for_model(model_dir)
-    loader = None
-    if not o.dry_run:
-        device, dtype_name = _device(o)
-        _check_backend(device, dtype_name)
-        kv_tokens, batch_tokens = _kv_tokens(o, cfg, device, dtype_name), _batch_tokens(o, cfg, device, dtype_name)
-        if device == "cuda":
-            loader = _Loader(lambda: _build_engine(o, model_dir, device, dtype_name, encoder, kv_tokens,
-                                                   batch_tokens))
+        max_len, vocab_size = _context_and_vocab(model_dir)
+    loader = None if o.dry_run else _Loader(o, model_dir, encoder)
     with clock("data"):
         instances = w.instances(LoadArgs(encoder, o.shots, o.limit, o.subjects, o.seed))
         if not instances:
             raise UserError(f"{w.name} has no instances to run")
-        interp = Interpreter(encoder, max_len=cfg.max_position_embeddings, schedule=o.schedule, seed=o.seed,
+        interp = Interpreter(encoder, max_len=max_len, schedule=o.schedule, seed=o.seed,
                              truncate_left=o.truncate_left, progress=_progress_bar(len(instances), o.quiet or o.dry_run),
-                             vocab_size=cfg.vocab_size, jump_forward=o.jump_forward)
+                             vocab_size=vocab_size, jump_forward=o.jump_forward)
         interp.start(w.program, instances)       # every first-stage call, before any model work
     clock.seconds["data"] -= interp.tokenize_s
     clock.add("tokenize", interp.tokenize_s)
-    if o.dry_run:
-        return _dry_run(o, w, model_dir, cfg, instances, interp, clock)
+    if loader is None:
+        return _dry_run(o, w, model_dir, instances, interp, clock)
     with clock("load"):
-        kv_tokens = _check_pool(o, kv_tokens, batch_tokens, interp.longest_ready())
-        engine = loader.result() if loader else None
-        if engine is None or engine.pool.num_slots < kv_tokens:
-            engine = _build_engine(o, model_dir, device, dtype_name, encoder, kv_tokens, batch_tokens)
+        loaded = loader.result(interp.longest_ready())
+    engine, device, dtype_name = loaded.engine, loaded.device, loaded.dtype
     tokenized = interp.tokenize_s
     runs = interp.execute(engine)
     clock.add("tokenize", interp.tokenize_s - tokenized)
@@ -229,8 +248,7 @@ def run(o: RunOptions) -> Path | dict[str, Any]:
     with clock("write"):
         rows = _instance_rows(w, runs)
         summary = _summary(o, w, final.name, model_dir, device, dtype_name, rows, interp, clock.total(),
-                           batch_tokens, engine.pool.num_slots - (engine.graphs is not None),
-                           loader.seconds if loader else None)
+                           loaded.batch_tokens, loaded.kv_tokens, loader.seconds)
         _write(final, o, rows, interp, summary)
     summary["time_s"].update(clock.total())
     (final / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")   # with the write's own time
@@ -244,10 +262,16 @@ def run(o: RunOptions) -> Path | dict[str, Any]:
     return final
 
 
-def _check_backend(device: str, dtype_name: str) -> None:
-    """Combinations no attention backend runs are one-line errors before any work."""
-    if device == "cpu" and dtype_name == "float16":
-        raise UserError("--dtype float16 on CPU: use float32 (or bfloat16, ~100x slower on most CPUs)")
+def _context_and_vocab(model_dir: Path) -> tuple[int, int]:
+    """The model's context length and vocabulary, read from config.json (transformers writes both
+    for every model; its config classes are loaded on the loader's thread, not here)."""
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+        return int(raw["max_position_embeddings"]), int(raw["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        from lmbatch.config import ModelConfig
+        cfg = ModelConfig.from_dir(model_dir)
+        return cfg.max_position_embeddings, cfg.vocab_size
 
 
 def _write(final: Path, o: RunOptions, rows: list[dict], interp, summary: dict) -> None:
@@ -270,8 +294,12 @@ def estimate_flops(cfg, unique_tokens: int, attended_keys: int, logit_rows: int)
     return 2.0 * per_token * unique_tokens + attention + 2.0 * d * cfg.vocab_size * logit_rows
 
 
-def _dry_run(o: RunOptions, w: Workload, model_dir: Path, cfg, instances, interp, clock: Phases) -> dict[str, Any]:
+def _dry_run(o: RunOptions, w: Workload, model_dir: Path, instances, interp, clock: Phases) -> dict[str, Any]:
     """The plan's figures for every first-stage call (later stages depend on generated text)."""
+    from lmbatch.config import ModelConfig
+
+    with clock("model_files"):
+        cfg = ModelConfig.from_dir(model_dir)
     from lmbatch.requests import ScoreRequest
     from lmbatch.scheduler.planner import summarize
 
