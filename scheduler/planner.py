@@ -66,6 +66,8 @@ def sorted_lcps(prompts: Sequence[Sequence[int]]) -> tuple[list[int], np.ndarray
     order = sorted(range(len(prompts)), key=prompts.__getitem__)
     n = len(order)
     lcps = np.zeros(n, dtype=np.int64)
+    if n == 0:
+        return order, lcps
     # a prompt equal to the one before it (a choice sharing its context's prompt) has lcp = its
     # length; only the distinct ones are compared in numpy
     distinct = [0] + [k for k in range(1, n) if prompts[order[k]] != prompts[order[k - 1]]]
@@ -161,7 +163,7 @@ def summarize(prompts: Sequence[Sequence[int]], mergeable: Sequence[bool] | None
         flags = np.zeros(n, dtype=bool)
     # equal prompts are adjacent in sorted order; the mergeable ones of a run execute once
     same = np.zeros(n, dtype=bool)
-    same[1:] = (lcps[1:] == lens[1:]) & (lens[:-1] == lens[1:])
+    same[1:] = (lcps[1:] == lens[1:]) & (lens[:-1] == lens[1:])    # sorted: a prefix comes first
     run = np.cumsum(~same)
     runs, first = np.unique(run[flags], return_index=True)
     executed = int((~flags).sum()) + len(runs)
