@@ -103,21 +103,12 @@ class TextEncoder:
 
     @classmethod
     def for_model(cls, model_dir: str | Path) -> "TextEncoder":
-        """The model folder's tokenizer. A byte-level BPE `tokenizer.json` is used as it is (as
-        transformers' fast tokenizer uses it); any other kind through transformers, which may adjust
-        the file's settings on load."""
-        from tokenizers import Tokenizer
+        """The tokenizer transformers' `AutoTokenizer` makes of the folder, as lm-eval uses it: not
+        the folder's tokenizer.json as it stands, since transformers may rebuild parts of it for the
+        model's type (a qwen2 folder gets Qwen2's pre-tokenizer whatever its tokenizer.json says)."""
+        from transformers import AutoTokenizer
 
-        def load_hf() -> Any:
-            from transformers import AutoTokenizer
-            return AutoTokenizer.from_pretrained(str(model_dir))
-
-        path = Path(model_dir) / "tokenizer.json"
-        if path.is_file():
-            enc = cls(Tokenizer.from_file(str(path)), load_hf)
-            if enc.splittable:
-                return enc
-        return cls.from_hf(load_hf())
+        return cls.from_hf(AutoTokenizer.from_pretrained(str(model_dir)))
 
     @classmethod
     def from_hf(cls, hf: Any) -> "TextEncoder":

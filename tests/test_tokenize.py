@@ -357,3 +357,25 @@ def test_for_model_falls_back_to_transformers(tmp_path):
     enc = TextEncoder.for_model(tmp_path)
     assert enc.splittable is False
     assert enc.encode(FALLBACK_TEXTS) == [enc.hf.encode(t, add_special_tokens=False) for t in FALLBACK_TEXTS]
+
+
+def test_for_model_tokenizes_as_autotokenizer_even_where_it_rebuilds_the_file(tmp_path):
+    """transformers rebuilds a qwen2 folder's pre-tokenizer as Qwen2's, whatever its tokenizer.json
+    says (here the embedded GPT-2-style one): lmbatch must use the ids lm-eval gets, not the file's."""
+    from transformers import AutoTokenizer, Qwen2Config
+
+    Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text((embedded_model_dir() / name).read_text())
+    from lmbatch.programs import mmlu
+
+    context = mmlu.instances(LoadArgs(None, 5, 1, ["anatomy"], 0))[0].inputs["context"]
+    texts = [context, context + " B", "x  12345 y\n\n\nz"]
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    want = [hf.encode(t, add_special_tokens=False) for t in texts]
+    raw = [e.ids for e in Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode_batch(texts, add_special_tokens=False)]
+    assert raw != want, "transformers no longer rebuilds this tokenizer: the test lost its point"
+    enc = TextEncoder.for_model(tmp_path)
+    assert enc.encode(texts) == want
+    assert enc.encode_choices([(context, [" A", " B"])]) == [mmlu.encode_choices(hf, context, [" A", " B"])]
