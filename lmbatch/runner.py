@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -250,8 +251,10 @@ def run(o: RunOptions) -> Path | dict[str, Any]:
         summary = _summary(o, w, final.name, model_dir, device, dtype_name, rows, interp, clock.total(),
                            loaded.batch_tokens, loaded.kv_tokens, loader.seconds)
         _write(final, o, rows, interp, summary)
-    summary["time_s"].update(clock.total())
-    (final / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")   # with the write's own time
+    summary["time_s"].update(clock.total())       # again, with the write's own time; replaced atomically
+    tmp = final / ".summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, final / "summary.json")
     if not o.quiet:
         acc = "" if summary["accuracy"] is None else f"accuracy {summary['accuracy']:.4f}  "
         failed = summary["counts"]["failed_instances"]

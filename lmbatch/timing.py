@@ -44,6 +44,7 @@ class Phases:
 
 
 def largest(times: dict[str, float], n: int = 3) -> str:
-    """'execute 6.1s, load 2.0s, tokenize 1.5s': the n largest phases."""
-    parts = sorted(((v, k) for k, v in times.items() if k != "total"), reverse=True)[:n]
+    """'execute 6.1s, load 2.0s, tokenize 1.5s': the n largest phases of the wall time (not `total`,
+    nor `load_background`, which overlaps the others)."""
+    parts = sorted(((v, k) for k, v in times.items() if k not in ("total", "load_background")), reverse=True)[:n]
     return ", ".join(f"{k} {v:.1f}s" for v, k in parts)
