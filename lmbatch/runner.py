@@ -189,7 +189,7 @@ def _build_engine(o: RunOptions, model_dir: Path, device: str, dtype_name: str, 
     from lmbatch.engine import Engine
 
     engine = Engine.from_pretrained(model_dir, device=device, dtype=getattr(torch, dtype_name),
-                                    tokenizer=encoder.lazy_hf(), kv_cache_tokens=kv_tokens,
+                                    tokenizer=encoder.hf, kv_cache_tokens=kv_tokens,
                                     max_tokens_per_batch=batch_tokens, cache=not o.no_cache,
                                     jump_forward=o.jump_forward)
     engine.warm_up()

@@ -26,11 +26,10 @@ HellaSwag prompt and on random texts.
 """
 from __future__ import annotations
 
-import functools
 import json
 import re
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 # a line cut: after a newline, before an ASCII letter or digit
 _CUT = re.compile(r"(?<=\n)(?=[A-Za-z0-9])")
@@ -92,12 +91,12 @@ class TextEncoder:
     text's end); the two kinds are tokenized differently (see the module's docstring), so they have
     a memo each, kept across calls (a run's later waves reuse the few-shot segments)."""
 
-    def __init__(self, tokenizer: Any, hf_loader: Callable[[], Any] | None = None):
-        """`tokenizer`: a `tokenizers.Tokenizer`; `hf_loader` makes the transformers tokenizer of the
-        same model (for decoding and grammars), only if something asks for it."""
+    def __init__(self, tokenizer: Any, hf: Any = None):
+        """`tokenizer`: a `tokenizers.Tokenizer`; `hf`: the transformers tokenizer it belongs to
+        (decoding, stop strings, grammars), if any."""
         self.tokenizer = tokenizer
         self.splittable = _splittable(json.loads(tokenizer.to_str()))
-        self._hf_loader = hf_loader
+        self.hf = hf
         self._cut: dict[str, list[int]] = {}
         self._end: dict[str, list[int]] = {}
 
@@ -117,19 +116,7 @@ class TextEncoder:
         if backend is None:
             from lmbatch.errors import UserError
             raise UserError(f"{type(hf).__name__} is not a fast tokenizer; lmbatch needs a tokenizer.json")
-        return cls(backend, lambda: hf)
-
-    @functools.cached_property
-    def hf(self) -> Any:
-        """The transformers tokenizer (decoding, stop strings, grammars), loaded on first use."""
-        if self._hf_loader is None:
-            raise RuntimeError("this TextEncoder has no transformers tokenizer")
-        return self._hf_loader()
-
-    def lazy_hf(self) -> Any:
-        """A stand-in for `hf` that loads it on its first use (an engine that never decodes text,
-        as for select-only workloads, never loads transformers' tokenizer)."""
-        return _LazyHF(self)
+        return cls(backend, hf)
 
     def _tokenize(self, memo: dict[str, list[int]], segments, follow: str = "") -> None:
         """Tokenize the segments memo lacks, in one multi-threaded call; with `follow`, each with
@@ -210,10 +197,3 @@ class TextEncoder:
         self._cut.clear()
         self._end.clear()
 
-
-class _LazyHF:
-    def __init__(self, encoder: TextEncoder):
-        self._encoder = encoder
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._encoder.hf, name)

@@ -65,14 +65,12 @@ def sorted_lcps(prompts: Sequence[Sequence[int]]) -> tuple[list[int], np.ndarray
     a time for every adjacent pair still equal so far: no Python work per token."""
     order = sorted(range(len(prompts)), key=prompts.__getitem__)
     n = len(order)
-    lcps = np.zeros(n, dtype=np.int64)
     if n == 0:
-        return order, lcps
+        return order, np.zeros(0, dtype=np.int64)
     # a prompt equal to the one before it (a choice sharing its context's prompt) has lcp = its
     # length; only the distinct ones are compared in numpy
+    lcps = np.fromiter((len(prompts[i]) for i in order), dtype=np.int64, count=n)
     distinct = [0] + [k for k in range(1, n) if prompts[order[k]] != prompts[order[k - 1]]]
-    for k in range(1, n):
-        lcps[k] = len(prompts[order[k]])
     lcps[distinct] = _adjacent_lcps([prompts[order[k]] for k in distinct])
     return order, lcps
 
