@@ -1,3 +1,5 @@
+import random
+
 import pytest
 import torch
 
@@ -48,20 +50,48 @@ def tiny_model(request, tmp_path_factory):
     return request.param, path, make_tiny_hf(request.param, path)
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def make_small_tokenizer(path, vocab_size: int = 2048):
+    """A byte-level BPE tokenizer trained here on a fixed text (SmolLM2's special tokens, pre-tokenizer and
+    chat format), saved to `path`: every byte has a token, so grammars and any text work, and no model
+    package is needed (GPU machines have none)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    words = ("the of and to in is was for on that with as by at from city river population landmark name "
+             "answer question true false yes no capital country north south museum park bridge tower "
+             "one two three four five because which what who where when how many number").split()
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 14))).capitalize() + rng.choice(".?!:")
+             for _ in range(3000)]
+    lines += [f'{{"name": "{rng.choice(words).title()}", "population": {rng.randint(0, 10**7)}, '
+              f'"landmarks": ["{rng.choice(words)}"]}}' for _ in range(500)]
+    lines += [f"Answer: {rng.choice('ABCD')}\n{rng.randint(0, 9999)} + {rng.randint(0, 99)} = " for _ in range(500)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|im_end|>", unk_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
 def make_tiny_with_tokenizer(path, max_positions: int = 2048, seed: int = 0):
-    """A tiny random Llama over the embedded model's tokenizer (vocab 49152), saved to `path`."""
-    import shutil
-
-    from lmbatch.models import embedded_model_dir
-
+    """A tiny random Llama over a small trained byte-level BPE tokenizer, saved to `path`."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    vocab = len(make_small_tokenizer(path))
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-                      tie_word_embeddings=True)
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    for f in embedded_model_dir().iterdir():
-        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
-            shutil.copy(f, path / f.name)
     return path
 
 

@@ -167,7 +167,7 @@ def test_jump_forward_rows_in_decode_graphs_match_eager(tmp_path, dtype):
 
     path = make_tiny_with_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(str(path))
-    gc = GrammarCompiler(tok, vocab_size=49152)
+    gc = GrammarCompiler(tok, vocab_size=len(tok))
 
     def run(**kw):
         reqs = [GenerateRequest(tok.encode(f"City number {i} as JSON: "), SamplingParams(max_new_tokens=160),
@@ -231,7 +231,7 @@ def test_mask_modes_pick_the_same_tokens_on_cuda(tmp_path, temperature):
 
     path = make_tiny_with_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(str(path))
-    gc = GrammarCompiler(tok, vocab_size=49152)
+    gc = GrammarCompiler(tok, vocab_size=len(tok))
     out = {}
     for masks in ("lazy", "eager", "overlap"):
         reqs = [GenerateRequest(tok.encode(f"City number {i} as JSON: "),
@@ -244,3 +244,24 @@ def test_mask_modes_pick_the_same_tokens_on_cuda(tmp_path, temperature):
     assert out["lazy"][0] == out["eager"][0] == out["overlap"][0]
     assert out["eager"][2] == 0 and 0 < out["lazy"][1] == out["lazy"][2] < out["eager"][1]
     assert out["overlap"][2] <= out["lazy"][2]
+
+
+def test_apply_mask_cuda_matches_cpu(tiny_tok) -> None:
+    from transformers import AutoTokenizer
+
+    from lmbatch.grammar import GrammarCompiler, allocate_bitmask, apply_mask
+    from lmbatch.programs.wiki_cities import SCHEMA
+
+    PAD = 64  # an embedding padded past the vocabulary
+    gc = GrammarCompiler(AutoTokenizer.from_pretrained(str(tiny_tok)))
+    c = gc.constraint(json_schema=SCHEMA)
+    mask = allocate_bitmask(4, gc.vocab_size)
+    c.fill_mask(mask, 0)
+    c.fill_mask(mask, 2)
+    for dtype in (torch.float32, torch.bfloat16):
+        cpu = torch.randn(4, gc.vocab_size + PAD).to(dtype)
+        cuda = cpu.cuda()
+        apply_mask(cpu, mask, rows=[0, 2])
+        apply_mask(cuda, mask, rows=[0, 2])  # the CPU bitmask is moved to the logits' device
+        assert torch.equal(cuda.cpu(), cpu)
+        assert torch.isinf(cpu[0]).sum() > 0 and not torch.isinf(cpu[1]).any()

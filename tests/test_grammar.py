@@ -235,22 +235,6 @@ def test_retokenize_jump_memo_gives_the_same_tokens_without_the_tokenizer(tok, g
     assert memo
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_apply_mask_cuda_matches_cpu(gc) -> None:
-    c = gc.constraint(json_schema=SCHEMA)
-    mask = allocate_bitmask(4, gc.vocab_size)
-    c.fill_mask(mask, 0)
-    c.fill_mask(mask, 2)
-    for dtype in (torch.float32, torch.bfloat16):
-        cpu = torch.randn(4, gc.vocab_size + PAD).to(dtype)
-        cuda = cpu.cuda()
-        apply_mask(cpu, mask, rows=[0, 2])
-        apply_mask(cuda, mask, rows=[0, 2])  # the CPU bitmask is moved to the logits' device
-        assert torch.equal(cuda.cpu(), cpu)
-        assert torch.isinf(cpu[0]).sum() > 0 and not torch.isinf(cpu[1]).any()
-
-
 def test_ids_no_grammar_accepts_are_rejected_quietly(tok, capfd) -> None:
     """Padding ids past the tokenizer (a model's larger embedding) are rejected without xgrammar's
     per-token warning: the engine offers every unconstrained pick to the grammar first."""
