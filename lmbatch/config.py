@@ -1,11 +1,15 @@
 """Model shape read from a Hugging Face config: the few numbers our forward pass needs."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED = ("llama", "qwen2")
 
@@ -66,8 +70,22 @@ class ModelConfig:
 
         return cls.from_hf(AutoConfig.from_pretrained(str(path)))
 
+    @classmethod
+    def shape_from_json(cls, path: str | Path) -> "ModelConfig":
+        """The shape (sizes, context length) from config.json alone, without importing transformers
+        (seconds: it imports torch), for the host's side of a run; `from_dir` where the file leaves a
+        field to transformers' defaults. Fields a config class may default differently (tied
+        embeddings) are not to be trusted from this."""
+        try:
+            raw = json.loads((Path(path) / "config.json").read_text())
+            return cls.from_hf(SimpleNamespace(**raw))
+        except (OSError, ValueError, AttributeError, TypeError):
+            return cls.from_dir(path)
+
     def inv_freq(self) -> torch.Tensor:
         """RoPE inverse frequencies in float64, with llama3 scaling when configured."""
+        import torch
+
         d = self.head_dim
         inv = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         if not self.rope_scaling:

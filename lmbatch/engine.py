@@ -31,7 +31,7 @@ from lmbatch.model import Transformer
 from lmbatch.requests import (GenerateRequest, GenerateResult, RunStats, SamplingParams, ScoreRequest,
                               ScoreResult)
 from lmbatch.sampling import sample
-from lmbatch.scheduler.planner import Plan, PlanNode, make_plan
+from lmbatch.scheduler.planner import Plan, PlanNode, plan_requests
 from lmbatch.scheduler.radix_tree import Node, RadixTree
 
 FULL_ROW = -1  # demand marker: keep the whole logits row (to sample from it)
@@ -191,17 +191,14 @@ class Engine:
 
     @torch.inference_mode()
     def run(self, requests: Sequence[ScoreRequest | GenerateRequest], schedule: str = "dfs", seed: int = 0,
-            progress: Callable[[int, RunStats], None] | None = None):
+            progress: Callable[[int, RunStats], None] | None = None, plan: Plan | None = None):
         """Execute every request; results come back in the order of `requests`.
 
         `progress(i, stats)` is called as request i's last prompt token is issued (scoring) or as
-        its generation ends."""
+        its generation ends. `plan`: `plan_requests(requests, schedule, seed)`, if made already."""
         t0 = time.perf_counter()
-        prompts = [r.prompt for r in requests]
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"request {i} has an empty prompt")
-        plan = make_plan(prompts, schedule, seed, mergeable=[isinstance(r, ScoreRequest) for r in requests])
+        if plan is None:
+            plan = plan_requests(requests, schedule, seed)
         self._requests, self._progress = requests, progress
         self._captured: dict[Key, Captured] = {}
         self._pending: set[Key] = set()

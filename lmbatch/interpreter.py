@@ -10,20 +10,23 @@ their programs' next calls arrive. Score calls (select) always join: they leave 
 """
 from __future__ import annotations
 
+import operator
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import greenlet
 
-from lmbatch.engine import Engine
 from lmbatch.errors import UserError
 from lmbatch.frontend import Gen, Pending, Select, State
 from lmbatch.program import Instance
 from lmbatch.requests import GenerateRequest, RunStats, SamplingParams, ScoreRequest
-from lmbatch.scheduler.planner import posthoc_unique, summarize
+from lmbatch.scheduler.planner import Plan, plan_requests, posthoc_unique, summarize
 from lmbatch.tokenize import TextEncoder
+
+if TYPE_CHECKING:      # the engine (and torch) load on the runner's model thread, not here
+    from lmbatch.engine import Engine
 
 
 @dataclass
@@ -87,6 +90,7 @@ class Interpreter:
         self.grammars = None            # lmbatch.grammar.GrammarCompiler, made on the first constraint
         self.schedule, self.seed, self.truncate_left, self.progress = schedule, seed, truncate_left, progress
         self.engine: Engine | None = None
+        self._ahead: tuple[list[Pending], Plan] | None = None     # the first wave, planned ahead
         self.runs: list[ProgramRun] = []
         self.ready: list[Pending] = []
         self.hub = greenlet.getcurrent()
@@ -300,11 +304,25 @@ class Interpreter:
                 owner.append(p)
         return requests, owner
 
+    def plan_ahead(self) -> None:
+        """Plan the first wave before the model is there (the runner calls this while it loads), when
+        that wave is known without the engine: every queued call a select (a wave of generation
+        calls depends on the engine's cache and pool)."""
+        if self.waves or not self.ready or not all(isinstance(p.op, Select) for p in self.ready):
+            return
+        t = time.perf_counter()
+        requests = self._requests(self.ready)[0]
+        self._ahead = (list(self.ready), plan_requests(requests, self.schedule, self.seed))
+        self.stats.plan_s += time.perf_counter() - t
+
     def _execute(self, wave: list[Pending]) -> None:
         requests, owner = self._requests(wave)
         for p in wave:
             p.meta.pop("_constraint", None)
-        results, st = self.engine.run(requests, schedule=self.schedule, seed=self.seed + self.waves)
+        ahead, self._ahead = self._ahead, None
+        same = ahead is not None and len(ahead[0]) == len(wave) and all(map(operator.is_, ahead[0], wave))
+        plan = ahead[1] if same else None
+        results, st = self.engine.run(requests, schedule=self.schedule, seed=self.seed + self.waves, plan=plan)
         self._account(requests, owner, results, st)
         k = 0
         for p in wave:

@@ -26,10 +26,14 @@ HellaSwag prompt and on random texts.
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
+import os
 import re
+import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 # a line cut: after a newline, before an ASCII letter or digit
 _CUT = re.compile(r"(?<=\n)(?=[A-Za-z0-9])")
@@ -84,6 +88,25 @@ def _splittable(spec: dict) -> bool:
     return not any("\n" in t.get("content", "") for t in spec.get("added_tokens", []))
 
 
+_CACHED_TOKENIZERS = 32
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+
+
+def tokenizer_cache_file(model_dir: Path) -> Path:
+    """Where the tokenizer AutoTokenizer makes of this folder is cached: keyed by the folder's path
+    (AutoTokenizer consults it), its files other than weights, and the versions of transformers and
+    tokenizers, which together decide what AutoTokenizer builds."""
+    from lmbatch.models import cache_dir
+
+    h = hashlib.sha256(str(model_dir.resolve()).encode())
+    for lib in ("transformers", "tokenizers"):
+        h.update(f"\0{lib}={importlib.metadata.version(lib)}".encode())
+    for f in sorted(model_dir.iterdir()):
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES):
+            h.update(b"\0" + f.name.encode() + b"\0" + f.read_bytes())
+    return cache_dir() / "tokenizers" / f"{h.hexdigest()[:40]}.json"
+
+
 class TextEncoder:
     """Token ids of many texts (no special tokens added), each distinct segment tokenized once.
 
@@ -91,23 +114,66 @@ class TextEncoder:
     text's end); the two kinds are tokenized differently (see the module's docstring), so they have
     a memo each, kept across calls (a run's later waves reuse the few-shot segments)."""
 
-    def __init__(self, tokenizer: Any, hf: Any = None):
+    def __init__(self, tokenizer: Any, hf: Any = None, load_hf: Callable[[], Any] | None = None):
         """`tokenizer`: a `tokenizers.Tokenizer`; `hf`: the transformers tokenizer it belongs to
-        (decoding, stop strings, grammars), if any."""
+        (decoding, stop strings, grammars), or `load_hf` to make that on first use of `hf`."""
         self.tokenizer = tokenizer
-        self.splittable = _splittable(json.loads(tokenizer.to_str()))
-        self.hf = hf
+        self.spec = tokenizer.to_str()
+        self.splittable = _splittable(json.loads(self.spec))
+        self._hf, self._load_hf, self._lock = hf, load_hf, threading.Lock()
         self._cut: dict[str, list[int]] = {}
         self._end: dict[str, list[int]] = {}
+
+    @property
+    def hf(self) -> Any:
+        """The transformers tokenizer (made on first use when this encoder came from the cache)."""
+        with self._lock:
+            if self._hf is None and self._load_hf is not None:
+                self._hf = self._load_hf()
+            return self._hf
+
+    def matches_hf(self) -> bool:
+        """Whether this encoder's tokenizer is the transformers tokenizer's own (a cached one is
+        checked once the transformers tokenizer is made anyway, for the engine)."""
+        hf = self.hf
+        return hf is None or hf.backend_tokenizer.to_str() == self.spec
 
     @classmethod
     def for_model(cls, model_dir: str | Path) -> "TextEncoder":
         """The tokenizer transformers' `AutoTokenizer` makes of the folder, as lm-eval uses it: not
         the folder's tokenizer.json as it stands, since transformers may rebuild parts of it for the
-        model's type (a qwen2 folder gets Qwen2's pre-tokenizer whatever its tokenizer.json says)."""
-        from transformers import AutoTokenizer
+        model's type (a qwen2 folder gets Qwen2's pre-tokenizer whatever its tokenizer.json says).
 
-        return cls.from_hf(AutoTokenizer.from_pretrained(str(model_dir)))
+        Importing transformers' auto classes and building the tokenizer take seconds (they import
+        torch), so what AutoTokenizer built is cached (`tokenizer_cache_file`); later runs load that
+        with `tokenizers` alone and make the transformers tokenizer on first use of `hf`."""
+        model_dir = Path(model_dir)
+
+        def load_hf() -> Any:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(str(model_dir))
+
+        cached = tokenizer_cache_file(model_dir)
+        if cached.is_file():
+            from tokenizers import Tokenizer
+
+            try:
+                return cls(Tokenizer.from_file(str(cached)), load_hf=load_hf)
+            except Exception:  # noqa: BLE001  a damaged entry is made again below
+                pass
+        enc = cls.from_hf(load_hf())
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+            tmp.write_text(enc.spec)
+            os.replace(tmp, cached)
+            entries = sorted(cached.parent.glob("*.json"), key=lambda f: f.stat().st_mtime)
+            for old in entries[:-_CACHED_TOKENIZERS]:      # the least recently made go
+                old.unlink(missing_ok=True)
+        except OSError:      # a read-only cache: every run builds it
+            pass
+        return enc
 
     @classmethod
     def from_hf(cls, hf: Any) -> "TextEncoder":

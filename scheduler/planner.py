@@ -18,6 +18,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from lmbatch.requests import GenerateRequest, ScoreRequest
+
 SCHEDULES = ("dfs", "fcfs", "random")
 
 
@@ -200,6 +202,15 @@ def make_plan(prompts: list[list[int]], schedule: str = "dfs", seed: int = 0,
         if schedule == "random":
             random.Random(seed).shuffle(order)
     return Plan(order, members, root, ends, sum(len(prompts[i]) for i in executed), unique)
+
+
+def plan_requests(requests: Sequence[ScoreRequest | GenerateRequest], schedule: str = "dfs", seed: int = 0) -> Plan:
+    """The plan `Engine.run` executes: scored requests with equal prompts run once."""
+    prompts = [r.prompt for r in requests]
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"request {i} has an empty prompt")
+    return make_plan(prompts, schedule, seed, mergeable=[isinstance(r, ScoreRequest) for r in requests])
 
 
 def posthoc_unique(prompts: list[list[int]], generated: list[tuple[list[int], int]]) -> int:

@@ -1,4 +1,4 @@
-"""The CLI end to end on a tiny random model with the embedded tokenizer: outputs, user errors, report."""
+"""The CLI end to end on a tiny random model with a small trained tokenizer: outputs, user errors, report."""
 import json
 
 import pyarrow.parquet as pq
@@ -166,3 +166,27 @@ def test_device_and_dtype_combinations_that_cannot_run(tiny, tmp_path):
     if not torch.cuda.is_available():
         _error(lmbatch(*run_args(tiny, tmp_path, "x", "--device", "cuda")), "no CUDA GPU")
     assert not (tmp_path / "x").exists()
+
+
+def test_a_stale_tokenizer_cache_is_caught_and_the_run_tokenizes_again(tiny, tmp_path):
+    """The run tokenizes with the cached copy of AutoTokenizer's tokenizer; if that is not what
+    AutoTokenizer makes (checked once the model's thread has made it), the run drops the entry and
+    tokenizes again: the outputs are a clean run's."""
+    import gc
+
+    from lmbatch.tokenize import TextEncoder, tokenizer_cache_file
+
+    assert lmbatch(*run_args(tiny, tmp_path, "clean", "--save-token-ids")).exit_code == 0
+    cached = tokenizer_cache_file(tiny)
+    right = cached.read_text()
+    assert TextEncoder.for_model(tiny).spec == right
+    wrong = json.loads(right)
+    wrong["pre_tokenizer"]["add_prefix_space"] = True     # other ids for most texts
+    cached.write_text(json.dumps(wrong))
+    r = lmbatch(*run_args(tiny, tmp_path, "stale", "--save-token-ids"))
+    assert r.exit_code == 0, r.output
+    for name in ("instances.parquet", "requests.parquet"):
+        a, b = (pq.read_table(tmp_path / run / name).to_pylist() for run in ("clean", "stale"))
+        assert a == b
+    assert not cached.exists() or cached.read_text() == right
+    assert gc.isenabled() and gc.get_freeze_count() == 0, "the run left the cycle collector changed"

@@ -1,4 +1,4 @@
-"""The LM program frontend and its interpreter on a tiny random model with the embedded tokenizer:
+"""The LM program frontend and its interpreter on a tiny random model with a small trained tokenizer:
 results equal the engine's, forks compute their shared prefix once, waves change no result, the
 post-hoc optimum is exact, and user program files run from the CLI."""
 import json
@@ -200,3 +200,45 @@ def test_the_readme_example_program_runs(tiny_tok, tmp_path):
     assert len(rows) == 2 and all(row["error"] is None for row in rows)
     outs = [json.loads(row["outputs"]) for row in rows]
     assert all(len(o["population"]) == 2 and len(o["code"]) == 5 for o in outs), outs
+
+
+def test_a_first_wave_of_selects_planned_ahead_runs_that_plan(tiny_tok, monkeypatch):
+    """`plan_ahead` (called while the model loads) plans a first wave of selects once; the engine
+    runs that plan instead of making its own, with the same results. A first wave that is not all
+    selects is left to the engine."""
+    from lmbatch import interpreter as interp_module
+    from lmbatch import engine as engine_module
+
+    def program(s, q):
+        s += PREFIX + q + " Answer:"
+        s += select("a", [" yes", " no", " maybe"])
+        s += " Why?" + select("b", [" because", " so"])
+
+    inputs = [{"q": q} for q in ("One?", "Two?", "Three?", "Four?")]
+    plain, tok = run_programs(tiny_tok, program, inputs)
+    calls = {"interpreter": 0, "engine": 0}
+    for name, module in (("interpreter", interp_module), ("engine", engine_module)):
+        def counted(*a, _name=name, _f=module.plan_requests, **k):
+            calls[_name] += 1
+            return _f(*a, **k)
+        monkeypatch.setattr(module, "plan_requests", counted)
+    interp = Interpreter(tok, max_len=2048)
+    interp.start(program, [Instance(str(k), x) for k, x in enumerate(inputs)])
+    interp.plan_ahead()
+    assert calls == {"interpreter": 1, "engine": 0}
+    interp.execute(Engine.from_pretrained(tiny_tok, tokenizer=tok))
+    assert calls == {"interpreter": 1, "engine": 1}, "the second wave is planned by the engine"
+    assert [r.state.variables() for r in interp.runs] == [r.state.variables() for r in plain.runs]
+    assert [(r.state.meta("a"), r.state.meta("b")) for r in interp.runs] == \
+        [(r.state.meta("a"), r.state.meta("b")) for r in plain.runs]
+
+    calls.update(interpreter=0, engine=0)
+    def generating(s, q):
+        s += q
+        s += gen("g", max_tokens=2)
+
+    gens = Interpreter(tok, max_len=2048)
+    gens.start(generating, [Instance("0", {"q": "Hi"})])
+    assert len(gens.ready) == 1
+    gens.plan_ahead()
+    assert calls["interpreter"] == 0
