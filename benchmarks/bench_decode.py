@@ -54,7 +54,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, {args.preset}, {args.requests} requests x {args.new_tokens} new tokens")
     print("variant | seconds | decode tokens/s | speed-up vs eager triton | same tokens as graphs")
     for name, s, tok_s, toks in rows:
-        print(f"{name} | {s:.2f} | {tok_s:,.0f} | {rows[1][1] / s:.2f}x | {sum(a == b for a, b in zip(toks, base))}/{len(toks)}")
+        print(f"{name} | {s:.2f} | {tok_s:,.0f} | {rows[1][1] / s:.2f}x | "
+              f"{sum(a == b for a, b in zip(toks, base))}/{len(toks)}")
 
 
 if __name__ == "__main__":

@@ -226,7 +226,8 @@ def main() -> None:
     from lmbatch.models import embedded_model_dir
     if args.preset:
         tok_dir = Path(args.tokenizer).expanduser() if args.tokenizer else embedded_model_dir()
-        target = Path(args.models_dir).expanduser() if args.models_dir else ROOT / "results" / "e2e-models" / args.preset
+        target = (Path(args.models_dir).expanduser() if args.models_dir
+                  else ROOT / "results" / "e2e-models" / args.preset)
         model = build_preset(args.preset, target.resolve(), tok_dir, args.device)
     else:
         model = Path(args.model).expanduser().resolve() if args.model else embedded_model_dir()

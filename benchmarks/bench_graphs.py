@@ -12,7 +12,6 @@ import time
 
 import numpy as np
 import torch
-
 from bench_decode import dummy_model
 
 
@@ -24,7 +23,7 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args()
 
-    from lmbatch.kernels.decode_graphs import DecodeGraphs
+    from lmbatch.engine.graphs import DecodeGraphs
     from lmbatch.kv_pool import KVPool
 
     model = dummy_model(args.preset)

@@ -19,11 +19,11 @@ PREFIXES = ['{"name":"Os', '{"name":"Oslo","country":"Nor', '{"name":"Oslo","cou
 
 def main() -> None:
     import xgrammar as xgr
+    from lmbatch.programs.wiki_cities import SCHEMA
 
-    from lmbatch.engine import AHEAD_ROWS
+    from lmbatch.engine.engine import AHEAD_ROWS
     from lmbatch.grammar import GrammarCompiler, allocate_bitmask, fill_masks
     from lmbatch.models import embedded_model_dir
-    from lmbatch.programs.wiki_cities import SCHEMA
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer")
@@ -56,7 +56,8 @@ def main() -> None:
                 rows = list(range(lo, min(lo + AHEAD_ROWS, n)))
                 fill_masks(constraints[lo:lo + len(rows)], bitmask, rows)
             best_ours = min(best_ours, time.perf_counter() - t)
-        print(f"vocab {gc.vocab_size}, {n} rows: one by one {1e6 * best_seq:.0f} us ({1e6 * best_seq / n:.1f} per row), "
+        print(f"vocab {gc.vocab_size}, {n} rows: one by one {1e6 * best_seq:.0f} us "
+              f"({1e6 * best_seq / n:.1f} per row), "
               f"batched {1e6 * best_batch:.0f} us, fill_masks by {AHEAD_ROWS} {1e6 * best_ours:.0f} us "
               f"({1e6 * best_ours / n:.1f} per row)")
 

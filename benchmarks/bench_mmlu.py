@@ -42,13 +42,13 @@ def main() -> None:
     ap.add_argument("--torch-profile", action="store_true", help="device time by kernel, on the first 4000 requests")
     args = ap.parse_args()
 
+    from lmbatch.programs import mmlu
     from transformers import AutoTokenizer
 
     from lmbatch.baseline import first_selects, score_choices
     from lmbatch.engine import Engine
     from lmbatch.models import embedded_model_dir
     from lmbatch.program import LoadArgs
-    from lmbatch.programs import mmlu
     from lmbatch.requests import ScoreRequest
 
     dev = torch.device(args.device)
@@ -200,8 +200,9 @@ def _flops(cfg, computed: int, scored: int, pairs) -> float:
 def _row(name, seconds, programs, prompt, computed, hit, optimum, flops, peak, dev) -> dict:
     mem = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
     return dict(variant=name, seconds=seconds, programs_per_s=programs / seconds, prompt_tokens=prompt,
-                computed_tokens=computed, prompt_tokens_per_s=prompt / seconds, computed_tokens_per_s=computed / seconds,
-                hit_rate=hit, optimal_hit_rate=optimum, mfu=flops / seconds / peak, peak_mem_gib=mem)
+                computed_tokens=computed, prompt_tokens_per_s=prompt / seconds,
+                computed_tokens_per_s=computed / seconds, hit_rate=hit, optimal_hit_rate=optimum,
+                mfu=flops / seconds / peak, peak_mem_gib=mem)
 
 
 def _print(rows, dev, args, peak) -> None:

@@ -1,6 +1,7 @@
 """LM-program benchmark (HellaSwag, tree of thought on GSM8K), every variant in one process on the
 same programs and the same weights (`seconds`: model work, every wave of the programs; `start_s`:
-the programs' first pass, which tokenizes their first-stage calls, as the baseline's tokenization): lmbatch (DFS waves), the paper's ablations (fcfs, random, no
+the programs' first pass, which tokenizes their first-stage calls, as the baseline's tokenization):
+lmbatch (DFS waves), the paper's ablations (fcfs, random, no
 cache) and, for HellaSwag, plain transformers (lm-eval's loglikelihood with padded batches).
 
     # GPU, SmolLM2-135M shape with dummy weights:
@@ -20,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from bench_mmlu import _reset, shared_models
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,7 +75,7 @@ def _phases(lmbatch, name, instances) -> None:
 
     import lmbatch.engine as engine_mod
     import lmbatch.grammar as grammar_mod
-    from lmbatch.kernels.decode_graphs import DecodeGraphs
+    from lmbatch.engine.graphs import DecodeGraphs
 
     sample_rows = Engine._sample
 
@@ -181,9 +181,10 @@ def main() -> None:
     ap.add_argument("--hf-batch-tokens", type=int, default=32768)
     ap.add_argument("--out", default="results/bench_programs.parquet")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="rounds of timed runs, each running every variant once (percall: the first only); medians are reported")
+                    help="rounds of timed runs, each running every variant once (percall: the first only); "
+                         "medians are reported")
     ap.add_argument("--masks", default="overlap", choices=["overlap", "lazy", "eager"],
-                    help="when grammar rows fill their token masks (lmbatch.engine.MASK_MODES)")
+                    help="when grammar rows fill their token masks (lmbatch.engine.engine.MASK_MODES)")
     ap.add_argument("--profile", action="store_true", help="print where the host time of each variant goes")
     ap.add_argument("--phases", action="store_true", help="print each variant's wall time by phase (no extra syncs)")
     args = ap.parse_args()
@@ -281,7 +282,8 @@ def main() -> None:
             print(f"{name}: {len(bad)} complete outputs fail validation, e.g. {bad[:3]}")
         gens = [p.meta for r in interp.runs for p in r.calls if "steps" in p.meta]
         rows.append(dict(variant=name, seconds=seconds, start_s=t_start, programs_per_s=len(instances) / seconds,
-                         prompt_tokens=s.prompt_tokens, computed_tokens=s.computed_tokens, decode_tokens=s.decode_tokens,
+                         prompt_tokens=s.prompt_tokens, computed_tokens=s.computed_tokens,
+                         decode_tokens=s.decode_tokens,
                          hit_rate=s.hit_rate, optimal_hit_rate=s.optimal_hit_rate,
                          hit_ratio=s.hit_rate / s.optimal_hit_rate if s.optimal_hit_rate else None,
                          prompt_tree_optimal=interp.prompt_tree_optimal_hit_rate, waves=interp.waves,

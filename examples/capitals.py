@@ -1,6 +1,7 @@
 """Capitals and their size (examples/capitals.py)."""
 from lmbatch.frontend import gen, select
 
+
 def instances():          # dicts of program inputs; "id", "gold" and "subject" are kept aside
     return [{"country": "France", "gold": "Paris"}, {"country": "Japan", "gold": "Tokyo"}]
 

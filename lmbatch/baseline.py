@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass
 class ChoiceInstance:
     """One select's token ids: a context and its choices' continuations."""
@@ -24,7 +23,7 @@ def first_selects(program, instances, tokenizer, max_len: int = 1 << 30) -> list
 
     interp = Interpreter(tokenizer, max_len=max_len)
     interp.start(program, instances)
-    first = {}
+    first: dict[int, ChoiceInstance] = {}
     for p in interp.ready:
         if isinstance(p.op, Select):
             first.setdefault(p.owner.index, ChoiceInstance(*p.meta["_ids"]))
@@ -73,6 +72,7 @@ def score_pairs(model, instances: list[ChoiceInstance], batch_tokens: int = 8192
             hidden = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
         else:
             hidden = model.model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+        cols: list[int]
         rows, cols, targets, owner = [], [], [], []
         for row, j in enumerate(idx):
             k, c = pairs[j]

@@ -23,7 +23,8 @@ def _fail(e: UserError) -> None:
 def run(
     task: str = typer.Argument(..., help="Task name (see `lmbatch tasks`) or a program file path/to/file.py."),
     shots: int = typer.Option(0, help="Few-shot examples per prompt."),
-    model: Optional[str] = typer.Option(None, help="Local HF folder or hub id; default: the embedded SmolLM2-135M-Instruct."),
+    model: Optional[str] = typer.Option(None, help="Local HF folder or hub id; default: the embedded "
+                                                   "SmolLM2-135M-Instruct."),
     limit: Optional[int] = typer.Option(None, help="First N instances (per subject for mmlu, as lm-eval's --limit)."),
     subjects: Optional[List[str]] = typer.Option(None, "--subjects", help="Only these MMLU subjects (repeatable)."),
     device: str = typer.Option("auto", help="auto (CUDA when a GPU is visible, else CPU), cpu or cuda."),
@@ -31,15 +32,18 @@ def run(
     max_tokens_per_batch: Optional[int] = typer.Option(
         None, help="Token budget of one forward batch (default: 4096 on CPU; on CUDA up to 16384, fitted to the "
                    "model and free memory)."),
-    kv_cache_tokens: Optional[int] = typer.Option(None, help="KV pool size in tokens (default: 4 GiB on CPU; on CUDA half the free memory, at most 131072 tokens)."),
+    kv_cache_tokens: Optional[int] = typer.Option(None, help="KV pool size in tokens (default: 4 GiB on CPU; on CUDA "
+                                                             "half the free memory, at most 131072 tokens)."),
     schedule: str = typer.Option("dfs", help="dfs (radix-tree order), fcfs or random: the last two for ablations."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Disable prefix caching (ablation)."),
     seed: int = typer.Option(0, help="Seed for shots drawing, sampling and --schedule random."),
     out: Path = typer.Option(Path("results"), help="Parent directory of run directories."),
     run_id: Optional[str] = typer.Option(None, help="Run directory name (default: task-shots-model-time)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing run directory."),
-    truncate_left: bool = typer.Option(False, "--truncate-left", help="Drop the oldest tokens of prompts longer than the model's context."),
-    save_token_ids: bool = typer.Option(False, "--save-token-ids", help="Store each request's token ids in requests.parquet."),
+    truncate_left: bool = typer.Option(False, "--truncate-left", help="Drop the oldest tokens of prompts longer than "
+                                                                      "the model's context."),
+    save_token_ids: bool = typer.Option(False, "--save-token-ids",
+                                        help="Store each request's token ids in requests.parquet."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar or closing line."),
     no_jump_forward: bool = typer.Option(False, "--no-jump-forward",
                                          help="Decode grammar-forced text token by token (ablation)."),

@@ -164,7 +164,8 @@ class Forks(list):
         super().__init__(states)
         self.parent = parent
 
-    def __iadd__(self, other) -> "Forks":
+    # mypy wants an __iadd__ to match list.__add__, which typeshed overloads; this one appends to each state
+    def __iadd__(self, other) -> "Forks":  # type: ignore[misc]
         for s in self:
             s += other
         return self

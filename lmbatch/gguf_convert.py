@@ -13,7 +13,7 @@ import json
 import math
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -54,7 +54,8 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})  # "pt": transformers wants it
     del tensors
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    special_ids = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in config}
+    special_ids: dict[str, Any] = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+                                   if key in config}
     generation = {"_from_model_config": True, **special_ids}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
     write_tokenizer(meta, out)
@@ -117,7 +118,7 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, np.ndarr
     start = -(-pos // align) * align
     tensors = {}
     for name, dims, kind, offset in infos:
-        block, block_bytes = GGML_QUANT_SIZES[kind]
+        block, block_bytes = cast("dict[int, tuple[int, int]]", GGML_QUANT_SIZES)[kind]  # IntEnum keys: ints work
         rows = math.prod(dims[1:])  # GGUF lists dims innermost first: dims[0] is the row length
         data = np.frombuffer(buf, np.uint8, rows * dims[0] // block * block_bytes, start + offset)
         tensors[name] = (kind, data.reshape(*dims[:0:-1], -1))

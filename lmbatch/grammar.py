@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ def _schema_text(schema: str | dict[str, Any]) -> str:
         try:
             schema = json.loads(schema)
         except ValueError:
-            return schema
+            return cast(str, schema)    # still the string: json.loads raised
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -108,7 +108,7 @@ class GrammarCompiler:
         """The compiled grammar of exactly one of `regex`, `json_schema`; ValueError if invalid."""
         if (regex is None) == (json_schema is None):
             raise ValueError("give exactly one of regex, json_schema")
-        key = ("regex", regex) if regex is not None else ("json_schema", _schema_text(json_schema))
+        key = ("regex", regex) if regex is not None else ("json_schema", _schema_text(cast("str | dict", json_schema)))
         if self.cache and key in self._compiled:
             return self._compiled[key]
         try:
@@ -239,7 +239,8 @@ def accept_tokens(constraints: list[Constraint], tokens: list[int]) -> list[bool
     ok = [n >= 0 for n in nxt]
     sure = [k for k, o in enumerate(ok) if o]
     if sure:
-        res = xgr.BatchGrammarMatcher.batch_accept_token([constraints[k].matcher for k in sure], [tokens[k] for k in sure])
+        res = xgr.BatchGrammarMatcher.batch_accept_token([constraints[k].matcher for k in sure],
+                                                         [tokens[k] for k in sure])
         for k, r in zip(sure, res):
             ok[k] = bool(r)
             if r:
@@ -252,7 +253,7 @@ def allocate_bitmask(n: int, vocab_size: int) -> torch.Tensor:
     return xgr.allocate_token_bitmask(n, vocab_size)
 
 
-def _cuda_backend() -> str:
+def _cuda_backend() -> Literal["triton", "torch_native"]:
     try:
         import triton  # noqa: F401  (xgrammar's CUDA kernel is a Triton one)
         return "triton"
@@ -266,7 +267,7 @@ def apply_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | No
     width = min(logits.shape[-1], bitmask.shape[-1] * 32)
     if bitmask.device != logits.device:
         bitmask = bitmask.to(logits.device, non_blocking=True)
-    backend = _cuda_backend() if logits.device.type == "cuda" else "auto"
+    backend: Literal["triton", "torch_native", "auto"] = _cuda_backend() if logits.device.type == "cuda" else "auto"
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=rows, backend=backend)
     if logits.shape[-1] > width:
         if rows is None:

@@ -14,7 +14,7 @@ import operator
 import random
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import greenlet
 
@@ -27,6 +27,7 @@ from lmbatch.tokenize import TextEncoder
 
 if TYPE_CHECKING:      # the engine (and torch) load on the runner's model thread, not here
     from lmbatch.engine import Engine
+    from lmbatch.grammar import GrammarCompiler  # imports xgrammar: loaded on the first constraint
 
 
 @dataclass
@@ -80,14 +81,14 @@ class ProgramRun:
 
 
 class Interpreter:
-    def __init__(self, tokenizer: TextEncoder | Any, *, max_len: int, schedule: str = "dfs", seed: int = 0, truncate_left: bool = False,
-                 progress: Callable[[int, RunStats], None] | None = None, vocab_size: int | None = None,
-                 jump_forward: bool = True, grammar_cache: bool = True):
+    def __init__(self, tokenizer: TextEncoder | Any, *, max_len: int, schedule: str = "dfs", seed: int = 0,
+                 truncate_left: bool = False, progress: Callable[[int, RunStats], None] | None = None,
+                 vocab_size: int | None = None, jump_forward: bool = True, grammar_cache: bool = True):
         # a TextEncoder, or a transformers fast tokenizer it is made from
         self.encoder = tokenizer if isinstance(tokenizer, TextEncoder) else TextEncoder.from_hf(tokenizer)
         self.max_len = max_len
         self.vocab_size, self.jump_forward, self.grammar_cache = vocab_size, jump_forward, grammar_cache
-        self.grammars = None            # lmbatch.grammar.GrammarCompiler, made on the first constraint
+        self.grammars: GrammarCompiler | None = None    # made on the first constraint
         self.schedule, self.seed, self.truncate_left, self.progress = schedule, seed, truncate_left, progress
         self.engine: Engine | None = None
         self._ahead: tuple[list[Pending], Plan] | None = None     # the first wave, planned ahead
@@ -127,7 +128,8 @@ class Interpreter:
                     p.meta["_bad"] = str(e)
             gens.append(p)
         ids: dict[int, Any] = {}
-        for p, pair in zip(selects, self.encoder.encode_choices([(p.prompt, p.op.choices) for p in selects])):
+        pairs = [(p.prompt, cast(Select, p.op).choices) for p in selects]
+        for p, pair in zip(selects, self.encoder.encode_choices(pairs)):
             ids[id(p)] = pair
         for p, one in zip(gens, self.encoder.encode([p.prompt + p.meta.get("forced", "") for p in gens])):
             ids[id(p)] = one
@@ -148,7 +150,8 @@ class Interpreter:
             raise ValueError(f"constrained gen needs xgrammar ({e}): pip install --no-deps xgrammar==0.2.8") from None
         if self.grammars is None:
             self.grammars = GrammarCompiler(self.encoder.hf, self.vocab_size, cache=self.grammar_cache)
-        c = self.grammars.constraint(p.op.regex, p.op.json_schema)
+        op = cast(Gen, p.op)       # only gen calls are constrained
+        c = self.grammars.constraint(op.regex, op.json_schema)
         forced = c.jump_forward() if self.jump_forward else ""
         if forced:
             c.accept_string(forced)
@@ -240,7 +243,7 @@ class Interpreter:
 
     def _resume(self, run: ProgramRun) -> None:
         if not run.finished and all(p.done for p in run.calls):
-            run.glet.switch()
+            cast(greenlet.greenlet, run.glet).switch()     # not finished: it has a greenlet
 
     def _done(self, run: ProgramRun) -> None:
         self.max_final_footprint = max(self.max_final_footprint, run.footprint)
@@ -256,7 +259,7 @@ class Interpreter:
         ready, self.ready = [p for p in self.ready if "_ids" in p.meta], []
         wave = [p for p in ready if isinstance(p.op, Select)]
         gens = [p for p in ready if isinstance(p.op, Gen)]
-        tree = self.engine.tree
+        tree = cast("Engine", self.engine).tree     # set by execute(), the only caller
         matched = {id(p): tree.match_len(p.meta["_ids"]) if tree else 0 for p in gens}
         if self.schedule == "dfs":      # longest cached prefix first, then radix-tree (sorted) order
             gens.sort(key=lambda p: (-matched[id(p)], p.meta["_ids"]))
@@ -271,7 +274,7 @@ class Interpreter:
             if p.owner.started:
                 continue
             if p.owner.index not in admitted:
-                cost = max(grown, len(p.meta["_ids"]) - matched[id(p)] + p.op.max_tokens)
+                cost = max(grown, len(p.meta["_ids"]) - matched[id(p)] + cast(Gen, p.op).max_tokens)
                 if (wave or admitted) and live + cost > self.wave_tokens:
                     self.ready.append(p)
                     continue
@@ -321,8 +324,9 @@ class Interpreter:
             p.meta.pop("_constraint", None)
         ahead, self._ahead = self._ahead, None
         same = ahead is not None and len(ahead[0]) == len(wave) and all(map(operator.is_, ahead[0], wave))
-        plan = ahead[1] if same else None
-        results, st = self.engine.run(requests, schedule=self.schedule, seed=self.seed + self.waves, plan=plan)
+        plan = cast("tuple[list[Pending], Plan]", ahead)[1] if same else None    # same: ahead is not None
+        engine = cast("Engine", self.engine)     # set by execute(), the only caller
+        results, st = engine.run(requests, schedule=self.schedule, seed=self.seed + self.waves, plan=plan)
         self._account(requests, owner, results, st)
         k = 0
         for p in wave:

@@ -7,6 +7,7 @@ and as plain PyTorch elsewhere, rounding at the same points.
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -133,6 +134,6 @@ class Transformer(nn.Module):
         for block in self.layers:
             x, residual = block(x, residual, cos, sin, attn)
         rows = batch.logit_rows                    # the LM head runs only where logits are wanted
-        h, _ = self.norm(x[rows], residual[rows])
+        h, _ = self.norm(x[rows], cast(torch.Tensor, residual)[rows])     # set by the first layer
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, w).float()

@@ -8,9 +8,13 @@ import importlib.util
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 from lmbatch.errors import UserError
+
+if TYPE_CHECKING:
+    from importlib.abc import Loader
+    from importlib.machinery import ModuleSpec
 
 
 @dataclass
@@ -52,16 +56,16 @@ def load_file(path: Path) -> Workload:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"program file {path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"lmbatch_user_{path.stem}", path)
+    spec = cast("ModuleSpec", importlib.util.spec_from_file_location(f"lmbatch_user_{path.stem}", path))
     module = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(module)
+        cast("Loader", spec.loader).exec_module(module)
     except Exception as e:  # the user's code: report it in one line
         raise UserError(f"{path}: {type(e).__name__}: {e}") from e
     for name in ("program", "instances"):
         if not callable(getattr(module, name, None)):
             raise UserError(f"{path} must define a function `{name}` (see the README's program file example)")
-    user_score = getattr(module, "score", None)
+    user_score: Any = getattr(module, "score", None)     # whatever the file defines; called only if callable
 
     def instances(args: LoadArgs) -> list[Instance]:
         fn = module.instances

@@ -140,4 +140,4 @@ def compare(base: dict, cand: dict, max_slowdown: float = 0.05, min_hit_ratio: f
         check(drop > max_acc_drop + _EPS, "accuracy",
               f"candidate {c_acc:.4f} vs base {b_acc:.4f} ({-drop:+.4f})",
               f"dropped by more than the {max_acc_drop:.4f} allowed")
-    return not any(l.startswith("REGRESSION") for l in lines), lines
+    return not any(line.startswith("REGRESSION") for line in lines), lines

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:      # lmbatch.grammar imports xgrammar: loaded only where a grammar is used
+    from lmbatch.grammar import Constraint
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,7 @@ class ScoreRequest:
 class GenerateRequest:
     prompt: list[int]
     params: SamplingParams = SamplingParams()
-    constraint: object = None       # a lmbatch.grammar.Constraint (its own matcher state)
+    constraint: Constraint | None = None    # its own matcher state
 
 
 @dataclass

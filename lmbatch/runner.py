@@ -231,8 +231,8 @@ def _run(o: RunOptions, collect: bool) -> Path | dict[str, Any]:
     clock = Phases()
     w = get_workload(o.task)
     _check(o, w)
-    from lmbatch.models import resolve_model
     from lmbatch.config import ModelConfig
+    from lmbatch.models import resolve_model
     from lmbatch.tokenize import TextEncoder, tokenizer_cache_file
 
     with clock("model_files"):
@@ -292,7 +292,8 @@ def _prepare(o: RunOptions, w: Workload, encoder, shape, clock: Phases):
         if not instances:
             raise UserError(f"{w.name} has no instances to run")
         interp = Interpreter(encoder, max_len=shape.max_position_embeddings, schedule=o.schedule, seed=o.seed,
-                             truncate_left=o.truncate_left, progress=_progress_bar(len(instances), o.quiet or o.dry_run),
+                             truncate_left=o.truncate_left,
+                             progress=_progress_bar(len(instances), o.quiet or o.dry_run),
                              vocab_size=shape.vocab_size, jump_forward=o.jump_forward)
         interp.start(w.program, instances)       # every first-stage call, before any model work
     clock.seconds["data"] -= interp.tokenize_s

@@ -231,6 +231,7 @@ class TextEncoder:
         in a non-space alone (a space cut); otherwise the context's last segment with the
         continuation (a whole text has the context's line cuts up to there, since a cut depends on
         two characters). The ids up to that segment are the context's own."""
+        tails: list[tuple[list[str], list[str]]]
         contexts, tails, whole_tail = [], [], []     # whole_tail: the tail starts at the context's last segment
         for context, conts in pairs:
             ctx, wholes = choice_texts(context, conts)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import re
 
+from lmbatch.programs.wiki_cities import SCHEMA, load_cities, prompt
+
 from lmbatch.frontend import gen
 from lmbatch.program import Instance, LoadArgs, Workload
-from lmbatch.programs.wiki_cities import SCHEMA, load_cities, prompt
 
 MAX_TOKENS = 256
 

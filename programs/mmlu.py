@@ -127,7 +127,8 @@ def program(s, context: str) -> None:
 
 
 def instances(args: LoadArgs) -> list[Instance]:
-    return [Instance(f"{q.subject}/{q.index}", {"context": build_context(q.subject, args.shots, q)}, q.subject, q.answer)
+    return [Instance(f"{q.subject}/{q.index}", {"context": build_context(q.subject, args.shots, q)},
+                     q.subject, q.answer)
             for q in load_questions(args.subjects, args.limit)]
 
 

@@ -8,10 +8,18 @@ and all of them share the few-shot prefix and the question's own growing text.
 """
 from __future__ import annotations
 
+from lmbatch.programs.gsm8k import (
+    ANSWER_PROMPT,
+    EVAL_PROMPT,
+    FEWSHOT,
+    extract_answer,
+    is_correct,
+    load_questions,
+    question_prompt,
+)
+
 from lmbatch.frontend import gen, select
 from lmbatch.program import Instance, LoadArgs, Workload
-from lmbatch.programs.gsm8k import (ANSWER_PROMPT, EVAL_PROMPT, FEWSHOT, extract_answer, is_correct,
-                                    load_questions, question_prompt)
 
 LEVELS = 3
 BRANCHES = 3

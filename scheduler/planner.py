@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence, cast
 
 import numpy as np
 
@@ -65,7 +65,7 @@ def sorted_lcps(prompts: Sequence[Sequence[int]]) -> tuple[list[int], np.ndarray
     """The prompts' sorted order and, for each prompt in that order, the length of its longest
     common prefix with the one before (0 for the first). Compared in numpy, a block of positions at
     a time for every adjacent pair still equal so far: no Python work per token."""
-    order = sorted(range(len(prompts)), key=prompts.__getitem__)
+    order = sorted(range(len(prompts)), key=cast("Callable[[int], Any]", prompts.__getitem__))  # lexicographic
     n = len(order)
     if n == 0:
         return order, np.zeros(0, dtype=np.int64)
@@ -121,7 +121,7 @@ def build_tree(prompts: Sequence[Sequence[int]]) -> tuple[PlanNode, list[PlanNod
         node = stack[-1]
         if lcp < node.end:          # split: the new prompt leaves this edge part-way
             upper = PlanNode(node.start, lcp, node.owner, parent=node.parent)
-            siblings = node.parent.children
+            siblings = cast(PlanNode, node.parent).children     # node is not the root (lcp >= 0 = root.end)
             siblings[siblings.index(node)] = upper
             upper.children.append(node)
             node.start, node.parent = lcp, upper
@@ -234,6 +234,7 @@ def posthoc_unique(prompts: list[list[int]], generated: list[tuple[list[int], in
         else:
             g = generated[i - n][1]
             gen_start[id(node)] = min(gen_start.get(id(node), float("inf")), g)
+    total: float
     total, post, stack = 0, [], [root]
     while stack:
         node = stack.pop()

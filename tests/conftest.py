@@ -2,6 +2,7 @@ import random
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 # GPU tests (marked gpu) need CUDA: on a machine without it they are not collected at all.
 collect_ignore = [] if torch.cuda.is_available() else ["test_gpu.py"]
@@ -11,7 +12,6 @@ def pytest_report_header(config):
     if collect_ignore:
         return "gpu tests: not collected (no CUDA here); run them on the GPU machine with -m gpu"
 
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-6)

@@ -2,8 +2,8 @@
 import json
 
 import pyarrow.parquet as pq
-import torch
 import pytest
+import torch
 from conftest import make_tiny_with_tokenizer
 from typer.testing import CliRunner
 

@@ -4,6 +4,7 @@ outputs are marked incomplete, invalid constraints fail before model work."""
 import re
 
 import pytest
+from lmbatch.programs import json_cities
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
@@ -14,7 +15,6 @@ from lmbatch.frontend import gen
 from lmbatch.interpreter import Interpreter
 from lmbatch.models import embedded_model_dir
 from lmbatch.program import Instance, LoadArgs
-from lmbatch.programs import json_cities
 
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-[0-2]\d"
@@ -97,8 +97,9 @@ def test_when_masks_are_filled_changes_no_output(tiny_tok, temperature, monkeypa
     makes that the masked pick too) and computes a mask only otherwise ("lazy"); "overlap" masks some
     rows ahead, while the device is busy (here: a probe that says busy for one look per step, time
     for 4 masks), and the rest lazily. Same tokens as masking every row at every step ("eager"), with fewer masks."""
-    from lmbatch.grammar import GrammarCompiler
     from lmbatch.programs.wiki_cities import SCHEMA
+
+    from lmbatch.grammar import GrammarCompiler
     from lmbatch.requests import GenerateRequest, SamplingParams
 
     def one_look(self, logits):

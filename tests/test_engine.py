@@ -6,10 +6,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from lmbatch.scheduler.planner import make_plan
 
 from lmbatch.engine import Engine
 from lmbatch.requests import GenerateRequest, GenerateResult, SamplingParams, ScoreRequest
-from lmbatch.scheduler.planner import make_plan
 
 
 def engine(path, **kw):
@@ -161,7 +161,8 @@ def test_finished_rows_are_refilled_while_long_generations_run(llama):
     steps; outputs are those of an unconstrained batch."""
     path, _ = llama
     lens = [40] + [10] * 8
-    reqs = [GenerateRequest([3, 1, 4, i], SamplingParams(max_new_tokens=n, ignore_eos=True)) for i, n in enumerate(lens)]
+    reqs = [GenerateRequest([3, 1, 4, i], SamplingParams(max_new_tokens=n, ignore_eos=True))
+            for i, n in enumerate(lens)]
     free, _ = engine(path).generate(reqs)
     two, stats = engine(path, max_running=2).generate(reqs, schedule="fcfs")
     assert [r.token_ids for r in two] == [r.token_ids for r in free]
@@ -176,8 +177,8 @@ def test_first_tokens_of_queued_requests_take_one_sampling_round(llama, monkeypa
     running, are sampled in one round (one device sync), not one round per step that admits a request.
     So the rounds are the decode forwards plus one (plus one per further `per_round` queued requests:
     2 running + 7 queued take 3 rounds of 3), and the tokens those of a batch with a row each."""
-    import lmbatch.engine
-    monkeypatch.setattr(lmbatch.engine, "FIRST_TOKEN_ROWS", per_round)
+    import lmbatch.engine.engine
+    monkeypatch.setattr(lmbatch.engine.engine, "FIRST_TOKEN_ROWS", per_round)
     path, _ = llama
     reqs = [GenerateRequest([2, 7, 1, i], SamplingParams(max_new_tokens=3 + i % 4, ignore_eos=True))
             for i in range(9)]
@@ -283,7 +284,7 @@ def test_finished_generations_are_cached_for_later_calls(llama):
 def test_sampling_noise_is_finite_at_the_ends_of_its_range():
     """The uniform of the top 24-bit value used to round to 1.0: Gumbel noise +inf, so the token won
     even where its grammar had masked it to -inf (NaN wins argmax). Seen at 1 in ~2^24 draws."""
-    from lmbatch.sampling import _unit
+    from lmbatch.engine.sampling import _unit
 
     u = _unit(torch.tensor([0, 1, (1 << 24) - 2, (1 << 24) - 1]))
     assert bool(((u > 0) & (u < 1)).all()), u
@@ -294,7 +295,7 @@ def test_sampling_noise_is_finite_at_the_ends_of_its_range():
 
 
 def test_sampling_follows_the_distribution_and_top_p():
-    from lmbatch.sampling import sample
+    from lmbatch.engine.sampling import sample
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]])
     probs = torch.softmax(logits[0] / 0.7, -1)

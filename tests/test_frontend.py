@@ -7,6 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lmbatch.programs.mmlu import encode_choices
+from lmbatch.scheduler.planner import posthoc_unique
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
@@ -15,9 +17,7 @@ from lmbatch.engine import Engine
 from lmbatch.frontend import gen, select
 from lmbatch.interpreter import Interpreter
 from lmbatch.program import Instance
-from lmbatch.programs.mmlu import encode_choices
 from lmbatch.requests import GenerateRequest, SamplingParams
-from lmbatch.scheduler.planner import posthoc_unique
 
 PREFIX = "You are a careful assistant. Answer every question briefly and precisely. " * 3
 
@@ -148,7 +148,8 @@ def test_user_program_file_runs_from_the_cli(tiny_tok, tmp_path):
     assert s["task"] == "capitals" and s["counts"]["instances"] == 3 and s["counts"]["calls"] == 6
     assert set(s["stages"]) == {"0", "1"} and s["accuracy"] == s["metrics"]["acc"]
     rows = pq.read_table(tmp_path / "u" / "instances.parquet").to_pylist()
-    assert [row["id"] for row in rows] == ["c0", "c1", "c2"] and [row["gold"] for row in rows] == ["Paris", "Tokyo", "Lima"]
+    assert ([row["id"] for row in rows] == ["c0", "c1", "c2"]
+            and [row["gold"] for row in rows] == ["Paris", "Tokyo", "Lima"])
     outs = [json.loads(row["outputs"]) for row in rows]
     assert all(set(o) == {"city", "pop"} and "." not in o["pop"] for o in outs)
     reqs = pq.read_table(tmp_path / "u" / "requests.parquet").to_pylist()
@@ -207,7 +208,7 @@ def test_a_first_wave_of_selects_planned_ahead_runs_that_plan(tiny_tok, monkeypa
     runs that plan instead of making its own, with the same results. A first wave that is not all
     selects is left to the engine."""
     from lmbatch import interpreter as interp_module
-    from lmbatch import engine as engine_module
+    from lmbatch.engine import engine as engine_module
 
     def program(s, q):
         s += PREFIX + q + " Answer:"

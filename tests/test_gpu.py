@@ -8,12 +8,12 @@ import torch
 pytestmark = pytest.mark.gpu
 
 from conftest import make_tiny_hf  # noqa: E402
+from test_engine import random_requests  # noqa: E402
 
 from lmbatch.attention import ForwardBatch, make_backend  # noqa: E402
 from lmbatch.engine import Engine  # noqa: E402
 from lmbatch.kv_pool import KVPool  # noqa: E402
 from lmbatch.requests import GenerateRequest, SamplingParams  # noqa: E402
-from test_engine import random_requests  # noqa: E402
 
 BACKENDS = ["triton", "flashinfer"]
 
@@ -83,7 +83,8 @@ def test_scores_against_transformers_and_reference(tiny, name):
         with torch.no_grad():
             lp = torch.log_softmax(hf(torch.tensor([req.tokens], device="cuda")).logits[0].float(), -1)
         c = len(req.context)
-        want = float(lp[c - 1:len(req.tokens) - 1].gather(1, torch.tensor(req.continuation, device="cuda")[:, None]).sum())
+        want = float(lp[c - 1:len(req.tokens) - 1].gather(1, torch.tensor(req.continuation,
+                                                                           device="cuda")[:, None]).sum())
         assert abs(b.logprob - a.logprob) < 0.05 * len(req.continuation)
         assert abs(b.logprob - want) < 0.08 * len(req.continuation)
 
@@ -111,8 +112,8 @@ def test_eviction_under_small_pool(tiny, name):
 
 def test_fused_ops_match_torch_path():
     import torch.nn.functional as F
-
     from lmbatch.kernels import fused
+
     from lmbatch.model import apply_rope
 
     g = torch.Generator("cuda").manual_seed(0)
@@ -159,11 +160,11 @@ def test_jump_forward_rows_in_decode_graphs_match_eager(tmp_path, dtype):
     import json
 
     from conftest import make_tiny_with_tokenizer
+    from lmbatch.programs.json_cities import valid
+    from lmbatch.programs.wiki_cities import SCHEMA
     from transformers import AutoTokenizer
 
     from lmbatch.grammar import GrammarCompiler
-    from lmbatch.programs.json_cities import valid
-    from lmbatch.programs.wiki_cities import SCHEMA
 
     path = make_tiny_with_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(str(path))
@@ -224,10 +225,10 @@ def test_mask_modes_pick_the_same_tokens_on_cuda(tmp_path, temperature):
     through the same pinned buffer and non-blocking copy) or only after a rejected pick ("lazy"):
     the same tokens, on the device's real timing."""
     from conftest import make_tiny_with_tokenizer
+    from lmbatch.programs.wiki_cities import SCHEMA
     from transformers import AutoTokenizer
 
     from lmbatch.grammar import GrammarCompiler
-    from lmbatch.programs.wiki_cities import SCHEMA
 
     path = make_tiny_with_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(str(path))
@@ -247,10 +248,10 @@ def test_mask_modes_pick_the_same_tokens_on_cuda(tmp_path, temperature):
 
 
 def test_apply_mask_cuda_matches_cpu(tiny_tok) -> None:
+    from lmbatch.programs.wiki_cities import SCHEMA
     from transformers import AutoTokenizer
 
     from lmbatch.grammar import GrammarCompiler, allocate_bitmask, apply_mask
-    from lmbatch.programs.wiki_cities import SCHEMA
 
     PAD = 64  # an embedding padded past the vocabulary
     gc = GrammarCompiler(AutoTokenizer.from_pretrained(str(tiny_tok)))

@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 pytest.importorskip("xgrammar")
 from transformers import AutoTokenizer  # noqa: E402
 
-from lmbatch.grammar import (Constraint, GrammarCompiler, accept_tokens, allocate_bitmask,  # noqa: E402
-                             apply_mask, retokenize_jump)
+from lmbatch.grammar import Constraint, GrammarCompiler, accept_tokens, allocate_bitmask, apply_mask, retokenize_jump  # noqa: E402
 from lmbatch.models import embedded_model_dir  # noqa: E402
 
 PAD = 64  # simulate an embedding padded past the vocabulary
@@ -199,7 +198,8 @@ def test_retokenize_jump_merges_boundary_and_keeps_matcher_in_step(tok, gc) -> N
     assert (jf, done) == (jf0, done0) and torch.equal(mask, mask0)
     # the matcher took the forced text as one step, on top of the '"' it had: one rollback undoes the jump
     c.rollback(1)
-    assert c.jump_forward() == forced and torch.equal(_state(gc, c)[1], _state(gc, _fresh(gc, _ids(tok, '{"name":"Paris"'), **schema))[1])
+    assert c.jump_forward() == forced and torch.equal(_state(gc, c)[1],
+                                                      _state(gc, _fresh(gc, _ids(tok, '{"name":"Paris"'), **schema))[1])
 
 
 def test_retokenize_jump_never_splits_a_character(tok, gc) -> None:

@@ -6,9 +6,9 @@ import re
 from decimal import Decimal
 
 import pytest
+from lmbatch.programs import gsm8k
 
 from lmbatch.errors import UserError
-from lmbatch.programs import gsm8k
 
 
 def test_load_all_questions() -> None:

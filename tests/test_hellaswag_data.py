@@ -6,9 +6,9 @@ import random
 
 import numpy as np
 import pytest
+from lmbatch.programs import hellaswag
 
 from lmbatch.errors import UserError
-from lmbatch.programs import hellaswag
 
 N_DOCS = 10042
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import re
 
 import pytest
+from lmbatch.programs import mmlu  # noqa: E402
 
 from lmbatch.data import package_dir
 from lmbatch.errors import UserError
-
-from lmbatch.programs import mmlu  # noqa: E402
 
 
 def test_package_dir_missing() -> None:
@@ -54,7 +53,8 @@ def test_prompt_abstract_algebra_one_shot() -> None:
 def test_prompt_zero_and_five_shots() -> None:
     q = mmlu.load_questions(["high_school_us_history"], 1)[0]
     zero = mmlu.build_context("high_school_us_history", 0, q)
-    assert zero.startswith("The following are multiple choice questions (with answers) about high school us history.\n\n")
+    assert zero.startswith("The following are multiple choice questions (with answers) "
+                           "about high school us history.\n\n")
     assert zero.endswith("\nAnswer:") and zero.count("Answer:") == 1
     five = mmlu.build_context("high_school_us_history", 5, q)
     assert five.count("\nAnswer:") == 6

@@ -1,7 +1,8 @@
 """Our forward pass over the paged KV pool against transformers' own model, float32."""
 import torch
 
-from lmbatch.attention import ForwardBatch, TorchBackend
+from lmbatch.attention import ForwardBatch
+from lmbatch.attention.torch_ref import TorchBackend
 from lmbatch.config import ModelConfig
 from lmbatch.kv_pool import KVPool
 from lmbatch.model import Transformer

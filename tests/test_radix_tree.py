@@ -1,4 +1,4 @@
-"""Property tests for the radix prefix cache (scheduler/radix_tree.py) against a naive trie model.
+"""Property tests for the radix prefix cache (lmbatch/engine/radix_cache.py) against a naive trie model.
 
 The model is a dict {token prefix (tuple) -> slot id of its last token}: the set of cached prefixes
 (always prefix-closed) and the KV slot of every cached position. Next to it the model keeps, per
@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from lmbatch.engine.radix_cache import Node, RadixTree
 from lmbatch.kv_pool import KVPool
-from lmbatch.scheduler.radix_tree import Node, RadixTree
 
 POOL_SLOTS = 64
 MACHINE_SLOTS = 24  # small, so that inserts regularly run the pool dry and have to evict

@@ -126,7 +126,7 @@ def test_compare_hit_ratio_regression():
     assert not ok
     assert lines[1] == ("REGRESSION hit rate: candidate 0.8000 of optimal 0.8600 "
                         "(ratio 0.9302, base 1.0000) is below the 0.9900 required")
-    assert [l.startswith("REGRESSION") for l in lines] == [False, True, False]
+    assert [line.startswith("REGRESSION") for line in lines] == [False, True, False]
     # optimum 0 counts as ratio 1.0
     assert compare(make_summary(), make_summary(hit_rate=0.0, optimal_hit_rate=0.0))[0]
 
@@ -138,7 +138,7 @@ def test_compare_accuracy_regression():
     assert not ok
     assert lines[2] == ("REGRESSION accuracy: candidate 0.3040 vs base 0.3100 (-0.0060) "
                         "dropped by more than the 0.0050 allowed")
-    assert [l.startswith("REGRESSION") for l in lines] == [False, False, True]
+    assert [line.startswith("REGRESSION") for line in lines] == [False, False, True]
 
 
 def test_compare_custom_thresholds():

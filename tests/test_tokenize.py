@@ -374,7 +374,8 @@ def test_for_model_tokenizes_as_autotokenizer_even_where_it_rebuilds_the_file(tm
     texts = [context, context + " B", "x  12345 y\n\n\nz"]
     hf = AutoTokenizer.from_pretrained(tmp_path)
     want = [hf.encode(t, add_special_tokens=False) for t in texts]
-    raw = [e.ids for e in Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode_batch(texts, add_special_tokens=False)]
+    raw = [e.ids for e in Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode_batch(texts,
+                                                                                             add_special_tokens=False)]
     assert raw != want, "transformers no longer rebuilds this tokenizer: the test lost its point"
     enc = TextEncoder.for_model(tmp_path)
     assert enc.encode(texts) == want

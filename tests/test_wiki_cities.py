@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from lmbatch.programs import wiki_cities
 
 from lmbatch.errors import UserError
-from lmbatch.programs import wiki_cities
 
 
 def test_all_summaries_load() -> None:

@@ -20,19 +20,21 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, cast
 
 import torch
 
 from lmbatch.attention import ForwardBatch, default_backend, make_backend, to_device
 from lmbatch.config import ModelConfig
+from lmbatch.engine.radix_cache import Node, RadixTree
+from lmbatch.engine.sampling import sample
 from lmbatch.kv_pool import KVPool
 from lmbatch.model import Transformer
-from lmbatch.requests import (GenerateRequest, GenerateResult, RunStats, SamplingParams, ScoreRequest,
-                              ScoreResult)
-from lmbatch.sampling import sample
+from lmbatch.requests import GenerateRequest, GenerateResult, RunStats, SamplingParams, ScoreRequest, ScoreResult
 from lmbatch.scheduler.planner import Plan, PlanNode, plan_requests
-from lmbatch.scheduler.radix_tree import Node, RadixTree
+
+if TYPE_CHECKING:      # lmbatch.grammar imports xgrammar: loaded only where a grammar is used
+    from lmbatch.grammar import Constraint
 
 FULL_ROW = -1  # demand marker: keep the whole logits row (to sample from it)
 REFILL_DIVISOR = 8  # a full decode batch admits new requests once 1/8 of its requests have finished
@@ -61,7 +63,7 @@ class _Batch:
     qo_indptr: list[int] = field(default_factory=lambda: [0])
     kv_indptr: list[int] = field(default_factory=lambda: [0])
     logit_rows: list[int] = field(default_factory=list)
-    logit_keys: list[Key] = field(default_factory=list)
+    logit_keys: list[Key | None] = field(default_factory=list)    # None: rows nobody captures
     locks: list[Node] = field(default_factory=list)
     to_free: list[torch.Tensor] = field(default_factory=list)
 
@@ -69,7 +71,7 @@ class _Batch:
     def num_tokens(self) -> int:
         return self.qo_indptr[-1]
 
-    def add(self, ids, start: int, out_slots, kv_slots, wanted: list[tuple[int, Key]]) -> None:
+    def add(self, ids, start: int, out_slots, kv_slots, wanted: Sequence[tuple[int, Key | None]]) -> None:
         row0 = self.num_tokens
         n = len(ids)
         self.ids.extend(ids)
@@ -118,7 +120,7 @@ class _Running:
     slots: torch.Tensor             # prompt slots, then the reserved decode slots
     prompt_len: int
     params: SamplingParams
-    constraint: object = None       # lmbatch.grammar.Constraint
+    constraint: Constraint | None = None
     out: list[int] = field(default_factory=list)
     fed: int = 0                    # tokens of `out` whose KV is in the pool
     steps: int = 0                  # forward passes that sampled a token for it
@@ -144,7 +146,7 @@ class Engine:
         self.attn = make_backend(attention, self.pool, cfg.num_heads, cfg.head_dim)
         self.graphs = None
         if use_graphs:
-            from lmbatch.kernels.decode_graphs import DecodeGraphs
+            from lmbatch.engine.graphs import DecodeGraphs
             # a row per token: a step's rows after jump-forwards may outnumber its requests
             self.graphs = DecodeGraphs(model, self.pool, int(self.pool.reserve(1)), 2 * max_running)
             self.graphs.capture_all()
@@ -175,7 +177,7 @@ class Engine:
         Its KV goes to slots that are freed again."""
         if self.device.type != "cuda":
             return
-        slots = self.pool.alloc(tokens)
+        slots = cast(torch.Tensor, self.pool.alloc(tokens))     # before any run: the pool has room
         b = _Batch()
         b.add([0] * tokens, 0, slots, slots, [(tokens - 1, None)])
         logits = self.model(b.build().to(self.device), self.attn)
@@ -282,7 +284,7 @@ class Engine:
     def _own_positions(self, j: int) -> list[int]:
         """Positions where executed request j (and the requests merged into it) need logits."""
         if j not in self._positions:
-            out = set()
+            out: set[int] = set()
             for i in self.stats.members[j]:
                 r = self._requests[i]
                 out.update(self._score_positions(r) if isinstance(r, ScoreRequest) else [len(r.prompt) - 1])
@@ -320,12 +322,12 @@ class Engine:
                 self.stats.cached_tokens += m
             if m == n:
                 break
-            if node is not None:
-                self.tree.lock(node)
+            if node is not None:    # a node comes only from the tree
+                cast(RadixTree, self.tree).lock(node)
             chunk = min(n - m, self.max_tokens_per_batch - self._batch.num_tokens)
             new = self._alloc(chunk) if chunk > 0 else None
             if node is not None:
-                self.tree.unlock(node)
+                cast(RadixTree, self.tree).unlock(node)
             if new is None:
                 self._wait_for_room(f"request {i} ({n} tokens)")
                 continue
@@ -389,10 +391,10 @@ class Engine:
         # Keep one batch in flight: the host schedules the next batch while the device runs this one.
         # Unlocking now is safe: later batches run after this one on the same stream.
         self._drain()
-        if b.logit_keys:
-            self._inflight.append(self._start_capture(b.logit_keys, logits))
-        for node in b.locks:
-            self.tree.unlock(node)
+        if b.logit_keys:    # a prefill batch's keys (from _issue) are never None
+            self._inflight.append(self._start_capture(cast("list[Key]", b.logit_keys), logits))
+        for node in b.locks:    # locks are taken only with a tree
+            cast(RadixTree, self.tree).unlock(node)
         for slots in b.to_free:
             self.pool.free(slots)
         self._batch = _Batch()
@@ -438,7 +440,7 @@ class Engine:
             self._progress(i, self.stats)
 
     def _finish_score(self, i: int, req: ScoreRequest) -> None:
-        res = self._results[i]
+        res = cast(ScoreResult, self._results[i])
         greedy, total = True, 0.0
         positions = self._score_positions(req)
         for node, p, t in zip(self._nodes_at(i, positions), positions, req.continuation):
@@ -454,12 +456,12 @@ class Engine:
         reserve = max(req.params.max_new_tokens - 1, 0)
         while True:
             slots, node, _ = self._match(i, req.prompt)
-            if node is not None:
-                self.tree.lock(node)
+            if node is not None:    # a node comes only from the tree
+                cast(RadixTree, self.tree).lock(node)
             if self._make_free(self._queued_reserve + reserve):
                 break
             if node is not None:
-                self.tree.unlock(node)
+                cast(RadixTree, self.tree).unlock(node)
             self._wait_for_room(f"request {i} ({n} prompt + {reserve} new tokens)")
         if self.tree is None:
             slots = self._own_slots.pop(i)
@@ -487,7 +489,7 @@ class Engine:
             self._running.append(q.run)
 
     def _new_run(self, q: _Queued) -> _Running:
-        req = self._requests[q.index]
+        req = cast(GenerateRequest, self._requests[q.index])
         return _Running(q.index, q.node, q.slots, len(q.slots), req.params, req.constraint)
 
     def _make_room(self) -> None:
@@ -514,7 +516,7 @@ class Engine:
         logits = self._forward(live) if live else None
         self._release_finished()    # host work while the device computes the step
         if live:
-            self._sample(live, logits)
+            self._sample(live, cast(torch.Tensor, logits))
         done = [r for r in self._running if r.finish]
         if done:
             self._finished += done
@@ -544,8 +546,10 @@ class Engine:
         self._drain()               # their prompts' logits were launched already
         for q in queued:
             q.run = self._new_run(q)
-        rows = fresh + [q.run for q in queued]
-        logits = [self._captured[(self._node_at(r.index, r.prompt_len - 1), r.prompt_len - 1)].row for r in rows]
+        rows = fresh + cast("list[_Running]", [q.run for q in queued])
+        # a prompt's last position demands its FULL_ROW: its captured row is there
+        logits = cast("list[torch.Tensor]",
+                      [self._captured[(self._node_at(r.index, r.prompt_len - 1), r.prompt_len - 1)].row for r in rows])
         self._sample(rows, torch.stack(logits).to(self.device))
 
     def _forward(self, rows: list[_Running]) -> torch.Tensor:
@@ -585,18 +589,20 @@ class Engine:
         grammar = [k for k, r in enumerate(rows) if r.constraint is not None]
         ahead = self._mask_ahead(rows, grammar, logits) if grammar else []
         tokens = sample(logits, [r.params for r in rows], [r.steps for r in rows])
-        ok = accept_tokens([rows[k].constraint for k in grammar], [tokens[k] for k in grammar])
+        # the rows listed in `grammar` (and its subsets redo, must, chunk) have a constraint
+        ok = accept_tokens(cast("list[Constraint]", [rows[k].constraint for k in grammar]),
+                           [tokens[k] for k in grammar])
         redo = [k for k, a in zip(grammar, ok) if not a]
         for k, a in zip(grammar, ok):
             rows[k].rejected = not a
         if redo:
             from lmbatch.grammar import apply_mask, fill_masks
             bitmask = self._mask_rows(len(redo))[:len(redo)]
-            fill_masks([rows[k].constraint for k in redo], bitmask)
+            fill_masks(cast("list[Constraint]", [rows[k].constraint for k in redo]), bitmask)
             sub = logits[to_device(torch.tensor(redo), logits.device)]
             apply_mask(sub, bitmask)
             picked = sample(sub, [rows[k].params for k in redo], [rows[k].steps for k in redo])
-            accept_tokens([rows[k].constraint for k in redo], picked)
+            accept_tokens(cast("list[Constraint]", [rows[k].constraint for k in redo]), picked)
             for k, t in zip(redo, picked):
                 tokens[k] = t
         self.stats.masked_rows += len(ahead) + len(redo)
@@ -620,14 +626,14 @@ class Engine:
             return []
         bitmask = self._mask_rows(len(rows))
         if must:
-            fill_masks([rows[k].constraint for k in must], bitmask, must)
+            fill_masks(cast("list[Constraint]", [rows[k].constraint for k in must]), bitmask, must)
         ahead = list(must)
         if busy is not None:
             rest.sort(key=lambda k: not rows[k].rejected)
             i = 0
             while i < len(rest) and busy():
                 chunk = rest[i:i + AHEAD_ROWS]
-                fill_masks([rows[k].constraint for k in chunk], bitmask, chunk)
+                fill_masks(cast("list[Constraint]", [rows[k].constraint for k in chunk]), bitmask, chunk)
                 ahead += chunk
                 i += len(chunk)
         if ahead:
@@ -669,7 +675,7 @@ class Engine:
     def _jump(self, r: _Running) -> None:
         """Append the text the grammar forces, retokenized at the boundary, without decoding it; and
         end the output there if the grammar then admits nothing but its stop token."""
-        c = r.constraint
+        c = cast("Constraint", r.constraint)    # _append jumps only rows with a grammar
         forced = c.jump_forward()
         if forced:          # most steps force nothing: checked before any other work, for every grammar row
             from lmbatch.grammar import retokenize_jump
@@ -696,10 +702,10 @@ class Engine:
             present, _ = self.tree.insert(toks, r.slots[:fed])
             self.pool.free(r.slots[r.prompt_len:present])
             self.pool.free(r.slots[fed:])
-            self.tree.unlock(r.node)
+            self.tree.unlock(cast(Node, r.node))   # with a tree, _match always gives a node
         else:
             self.pool.free(r.slots)
-        res = self._results[r.index]
+        res = cast(GenerateResult, self._results[r.index])
         res.token_ids, res.finish_reason, res.decode_tokens = r.out, r.finish, len(r.out)
         res.steps, res.jumped_tokens = r.steps, r.jumped
         if r.constraint is not None:

@@ -8,10 +8,15 @@ write one scratch KV slot that the pool never hands out.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from lmbatch.attention import AttentionBackend, ForwardBatch, to_device
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 # steps of 8 rows up to 32, of 4 up to 64, then of 16, 32, 64: a step's rows grow past its requests by
 # the tokens that jump-forward appended (32 requests: ~41 rows), and a large model's step costs about
@@ -53,7 +58,7 @@ class DecodeGraphs:
         self.qo_indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.rows = torch.arange(n, dtype=torch.int64, device=dev)  # every graph input must outlive capture
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool_handle = None
+        self.pool_handle: _POOL_HANDLE | None = None
 
     def capture_all(self) -> None:
         """Capture every bucket now, largest first (the others reuse its memory), so that no run

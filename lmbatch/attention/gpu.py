@@ -1,9 +1,9 @@
-"""GPU attention backends behind lmbatch.attention's interface: FlashInfer (default on CUDA) and Triton."""
+"""GPU attention backends: FlashInfer (the default on CUDA) and our Triton kernel."""
 from __future__ import annotations
 
 import torch
 
-from lmbatch.attention import AttentionBackend, to_device
+from lmbatch.attention.base import AttentionBackend, to_device
 
 
 class _DeviceMeta(AttentionBackend):

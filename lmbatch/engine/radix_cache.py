@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 
@@ -96,7 +96,7 @@ class RadixTree:
         upper = Node(key=child.key[:n], value=child.value[:n], parent=child.parent,
                      lock_ref=child.lock_ref, last_access=child.last_access)
         upper.children[child.key[n]] = child
-        child.parent.children[child.key[0]] = upper
+        cast(Node, child.parent).children[child.key[0]] = upper     # a split edge is never the root
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
         return upper
 
@@ -126,7 +126,7 @@ class RadixTree:
             if node.lock_ref == 0:
                 self.locked_size += len(node.key)
             node.lock_ref += 1
-            node = node.parent
+            node = cast(Node, node.parent)      # not the root: it has a parent
 
     def unlock(self, node: Node) -> None:
         while node is not self.root:
@@ -134,7 +134,7 @@ class RadixTree:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self.locked_size -= len(node.key)
-            node = node.parent
+            node = cast(Node, node.parent)      # not the root: it has a parent
 
     def evict(self, num_tokens: int) -> int:
         """Evict LRU unlocked leaves until num_tokens slots are freed (or nothing is left). Returns freed."""

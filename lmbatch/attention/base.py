@@ -1,0 +1,94 @@
+"""Attention over the paged KV pool: the batch layout, the backends' interface and their registry.
+
+A batch is ragged (no padding): sequence b owns query rows qo_indptr[b]:qo_indptr[b+1] (its new
+tokens, which are the last tokens of the sequence) and reads KV slots kv_indices[kv_indptr[b]:kv_indptr[b+1]]
+(the whole sequence, new tokens included). This is FlashInfer's paged layout with page_size=1, so
+the GPU backends can take the same metadata.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from lmbatch.kv_pool import KVPool
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor     # [T] new tokens of all sequences, concatenated
+    positions: torch.Tensor     # [T] their positions in their sequences
+    out_slots: torch.Tensor     # [T] KV slot each new token is written to
+    qo_indptr: list[int]        # [B+1]
+    kv_indptr: list[int]        # [B+1]
+    kv_indices: torch.Tensor    # slots of every sequence, concatenated
+    logit_rows: torch.Tensor    # rows of the batch whose logits are wanted
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def to(self, device) -> "ForwardBatch":
+        move = lambda t: to_device(t, device)  # noqa: E731
+        return ForwardBatch(move(self.input_ids), move(self.positions), move(self.out_slots),
+                            self.qo_indptr, self.kv_indptr, move(self.kv_indices), move(self.logit_rows))
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """Host -> device without blocking the host: a copy from pageable memory would wait for all work
+    queued on the stream, which would serialize scheduling with the batch in flight."""
+    if torch.device(device).type != "cuda" or t.is_cuda:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class AttentionBackend(ABC):
+    """Interface: `plan` once per batch, then `forward` per layer (store new KV, attend)."""
+
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int):
+        self.pool, self.num_heads, self.head_dim = pool, num_heads, head_dim
+        self.scale = head_dim ** -0.5
+
+    def plan(self, batch: ForwardBatch) -> None:
+        self.batch = batch
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        slots = self.batch.out_slots
+        self.pool.k[layer, slots] = k
+        self.pool.v[layer, slots] = v
+
+    @abstractmethod
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention output of the batch's new tokens at `layer` ([T, heads, head_dim])."""
+
+
+# name -> (module, class): imported when first made (FlashInfer's import alone takes seconds)
+REGISTRY: dict[str, tuple[str, str]] = {
+    "torch": ("lmbatch.attention.torch_ref", "TorchBackend"),
+    "triton": ("lmbatch.attention.gpu", "TritonBackend"),
+    "flashinfer": ("lmbatch.attention.gpu", "FlashInferBackend"),
+}
+BACKENDS = tuple(REGISTRY)
+
+
+def default_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """FlashInfer on CUDA when installed, else our Triton kernels; the torch reference on CPU, and
+    for float32 on CUDA (FlashInfer has no float32 kernels, and Triton's dots would round float32
+    inputs to tf32, which is not the precision a float32 run asks for)."""
+    if device.type != "cuda" or dtype == torch.float32:
+        return "torch"
+    try:
+        import flashinfer  # noqa: F401
+        return "flashinfer"
+    except ImportError:
+        return "triton"
+
+
+def make_backend(name: str, pool: KVPool, num_heads: int, head_dim: int) -> AttentionBackend:
+    if name not in REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}")
+    module, cls = REGISTRY[name]
+    backend: AttentionBackend = getattr(importlib.import_module(module), cls)(pool, num_heads, head_dim)
+    return backend

@@ -1,0 +1,67 @@
+"""The reference attention backend in plain PyTorch (CPU, and float32 on CUDA)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lmbatch.attention.base import AttentionBackend
+
+
+def _flash_cpu(q, k, v, causal: bool):
+    """[1, heads, n, D] x [1, heads, L, D] -> (out, logsumexp) via PyTorch's CPU flash kernel."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal)[:2]
+    return out, lse
+
+
+class TorchBackend(AttentionBackend):
+    """Reference backend in plain PyTorch: one attention per sequence, KV gathered from the pool.
+
+    On CPU each sequence splits into its cached prefix (every new token sees all of it: no mask, so
+    the query heads of a KV group fold into rows and no KV is repeated) and its causal new part, and
+    the two are merged by their log-sum-exp, as cascade attention does.
+    """
+
+    def forward(self, layer, q, k, v):
+        # Store every new token's KV first: a sequence may read KV that another sequence of the
+        # same batch writes (a shared prefix inserted into the tree earlier in this batch).
+        self.store(layer, k, v)
+        b = self.batch
+        out = torch.empty_like(q)
+        for i in range(len(b.qo_indptr) - 1):
+            q0, q1 = b.qo_indptr[i], b.qo_indptr[i + 1]
+            slots = b.kv_indices[b.kv_indptr[i]:b.kv_indptr[i + 1]]
+            keys, values = self.pool.k[layer, slots], self.pool.v[layer, slots]
+            if q.device.type == "cpu":
+                out[q0:q1] = self._attend_cpu(q[q0:q1], keys, values)
+            else:
+                out[q0:q1] = self._attend_masked(q[q0:q1], keys, values)
+        return out
+
+    def _attend_masked(self, q, k, v):
+        n, L = q.shape[0], k.shape[0]
+        mask = torch.arange(L, device=q.device)[None, :] <= torch.arange(L - n, L, device=q.device)[:, None]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=mask, scale=self.scale, enable_gqa=True)
+        return o.transpose(0, 1)
+
+    def _attend_cpu(self, q, k, v):
+        n, H, D = q.shape
+        L, KVH = k.shape[0], k.shape[1]
+        G, P = H // KVH, L - n
+        if n == 1 or P > 0:  # the part every new token sees in full
+            seen = L if n == 1 else P
+            qf = q.view(n, KVH, G, D).permute(1, 2, 0, 3).reshape(1, KVH, G * n, D)
+            kf, vf = k[:seen].permute(1, 0, 2)[None], v[:seen].permute(1, 0, 2)[None]
+            o1, lse1 = _flash_cpu(qf.contiguous(), kf.contiguous(), vf.contiguous(), causal=False)
+            o1 = o1.view(KVH, G, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
+            if n == 1:
+                return o1
+            lse1 = lse1.view(KVH, G, n).permute(2, 0, 1).reshape(n, H)
+        kt = k[P:].repeat_interleave(G, dim=1).transpose(0, 1)[None]
+        vt = v[P:].repeat_interleave(G, dim=1).transpose(0, 1)[None]
+        o2, lse2 = _flash_cpu(q.transpose(0, 1)[None].contiguous(), kt.contiguous(), vt.contiguous(), causal=True)
+        o2, lse2 = o2[0].transpose(0, 1), lse2[0].transpose(0, 1)
+        if P == 0:
+            return o2
+        w1 = torch.sigmoid(lse1 - lse2)[..., None]   # exp(lse1) / (exp(lse1) + exp(lse2))
+        return (w1 * o1.float() + (1 - w1) * o2.float()).to(q.dtype)

@@ -1,0 +1,4 @@
+"""The engine: executes a batch of score and generate requests over one model with a radix KV cache."""
+from lmbatch.engine.engine import Engine
+
+__all__ = ["Engine"]
