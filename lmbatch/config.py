@@ -11,8 +11,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED = ("llama", "qwen2")
-
 
 @dataclass(frozen=True)
 class ModelConfig:
