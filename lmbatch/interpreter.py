@@ -324,7 +324,7 @@ class Interpreter:
             p.meta.pop("_constraint", None)
         ahead, self._ahead = self._ahead, None
         same = ahead is not None and len(ahead[0]) == len(wave) and all(map(operator.is_, ahead[0], wave))
-        plan = cast("tuple[list[Pending], Plan]", ahead)[1] if same else None    # same: ahead is not None
+        plan = ahead[1] if ahead is not None and same else None
         engine = cast("Engine", self.engine)     # set by execute(), the only caller
         results, st = engine.run(requests, schedule=self.schedule, seed=self.seed + self.waves, plan=plan)
         self._account(requests, owner, results, st)

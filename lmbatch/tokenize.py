@@ -134,9 +134,10 @@ class TextEncoder:
 
     def matches_hf(self) -> bool:
         """Whether this encoder's tokenizer is the transformers tokenizer's own (a cached one is
-        checked once the transformers tokenizer is made anyway, for the engine)."""
-        hf = self.hf
-        return hf is None or hf.backend_tokenizer.to_str() == self.spec
+        checked once the transformers tokenizer is made anyway, for the engine; one made from it is)."""
+        if self._load_hf is None:
+            return True
+        return self.hf.backend_tokenizer.to_str() == self.spec
 
     @classmethod
     def for_model(cls, model_dir: str | Path) -> "TextEncoder":
