@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def dummy_model(preset: str):
     """Our model of a preset's shape with dummy weights, bf16 on the GPU."""
-    from lmbatch.config import ModelConfig
-    from lmbatch.model import Transformer
-    from lmbatch.weights import init_dummy
+    from lmbatch.model.config import ModelConfig
+    from lmbatch.model.network import Transformer
+    from lmbatch.model.weights import init_dummy
 
     with torch.device("cuda"):
         model = Transformer(ModelConfig.from_dir(ROOT / "presets" / preset)).to(torch.bfloat16)

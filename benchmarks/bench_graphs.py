@@ -23,8 +23,8 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args()
 
+    from lmbatch.attention.kv_pool import KVPool
     from lmbatch.engine.graphs import DecodeGraphs
-    from lmbatch.kv_pool import KVPool
 
     model = dummy_model(args.preset)
     cfg = model.cfg

@@ -23,7 +23,7 @@ def main() -> None:
 
     from lmbatch.engine.engine import AHEAD_ROWS
     from lmbatch.grammar import GrammarCompiler, allocate_bitmask, fill_masks
-    from lmbatch.models import embedded_model_dir
+    from lmbatch.model.checkpoint import embedded_model_dir
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer")

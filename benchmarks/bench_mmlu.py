@@ -47,8 +47,8 @@ def main() -> None:
 
     from lmbatch.baseline import first_selects, score_choices
     from lmbatch.engine import Engine
-    from lmbatch.models import embedded_model_dir
-    from lmbatch.program import LoadArgs
+    from lmbatch.frontend.workload import LoadArgs
+    from lmbatch.model.checkpoint import embedded_model_dir
     from lmbatch.requests import ScoreRequest
 
     dev = torch.device(args.device)
@@ -140,9 +140,9 @@ def shared_models(model_dir, dummy: bool, dev, dtype):
     shape when `dummy`), copied into ours. Returns (hf model, our model, our config)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lmbatch.config import ModelConfig
-    from lmbatch.model import Transformer
-    from lmbatch.weights import load_weights
+    from lmbatch.model.config import ModelConfig
+    from lmbatch.model.network import Transformer
+    from lmbatch.model.weights import load_weights
 
     if dummy:
         torch.manual_seed(0)    # the same random weights in every run, so runs write the same text

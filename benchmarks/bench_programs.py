@@ -44,7 +44,7 @@ def _phases(lmbatch, name, instances) -> None:
     (`_forward` launches a step, of which `run` is the graph replay's; `_mask_ahead` fills masks
     until the step's logits are in, `sample` waits for what is left of it)."""
     from lmbatch.engine import Engine
-    from lmbatch.interpreter import Interpreter
+    from lmbatch.frontend.interpreter import Interpreter
     clock = time.perf_counter
     acc: dict[str, float] = {}
     marks: dict[str, float] = {}
@@ -193,10 +193,10 @@ def main() -> None:
 
     from lmbatch.baseline import first_selects, score_pairs
     from lmbatch.engine import Engine
-    from lmbatch.interpreter import Interpreter
-    from lmbatch.models import embedded_model_dir
-    from lmbatch.program import LoadArgs
-    from lmbatch.tasks import get_workload
+    from lmbatch.frontend.interpreter import Interpreter
+    from lmbatch.frontend.registry import get_workload
+    from lmbatch.frontend.workload import LoadArgs
+    from lmbatch.model.checkpoint import embedded_model_dir
 
     dev = torch.device(args.device)
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16

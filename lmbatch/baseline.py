@@ -19,7 +19,7 @@ class ChoiceInstance:
 def first_selects(program, instances, tokenizer, max_len: int = 1 << 30) -> list[ChoiceInstance]:
     """The token ids of each instance's first select, exactly as lmbatch runs it (its first pass)."""
     from lmbatch.frontend import Select
-    from lmbatch.interpreter import Interpreter
+    from lmbatch.frontend.interpreter import Interpreter
 
     interp = Interpreter(tokenizer, max_len=max_len)
     interp.start(program, instances)

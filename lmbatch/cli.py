@@ -69,7 +69,7 @@ def run(
 @app.command()
 def tasks() -> None:
     """List the built-in tasks."""
-    from lmbatch.tasks import get_workload, workload_names
+    from lmbatch.frontend.registry import get_workload, workload_names
 
     for name in workload_names():
         typer.echo(f"{name:10s} {get_workload(name).description}")

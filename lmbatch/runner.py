@@ -22,8 +22,8 @@ from typing import Any, NamedTuple
 
 import lmbatch
 from lmbatch.errors import UserError
-from lmbatch.program import LoadArgs, Workload
-from lmbatch.tasks import get_workload
+from lmbatch.frontend.registry import get_workload
+from lmbatch.frontend.workload import LoadArgs, Workload
 from lmbatch.timing import Phases, largest
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -158,7 +158,7 @@ class _Loader(threading.Thread):
     def run(self) -> None:
         t = time.perf_counter()
         try:
-            from lmbatch.config import ModelConfig
+            from lmbatch.model.config import ModelConfig
 
             device, dtype_name = _device(self.o)
             cfg = ModelConfig.from_dir(self.model_dir)
@@ -231,9 +231,9 @@ def _run(o: RunOptions, collect: bool) -> Path | dict[str, Any]:
     clock = Phases()
     w = get_workload(o.task)
     _check(o, w)
-    from lmbatch.config import ModelConfig
-    from lmbatch.models import resolve_model
-    from lmbatch.tokenize import TextEncoder, tokenizer_cache_file
+    from lmbatch.frontend.tokenize import TextEncoder, tokenizer_cache_file
+    from lmbatch.model.checkpoint import resolve_model
+    from lmbatch.model.config import ModelConfig
 
     with clock("model_files"):
         model_dir = resolve_model(o.model)      # the embedded model is converted on first use
@@ -285,7 +285,7 @@ def _run(o: RunOptions, collect: bool) -> Path | dict[str, Any]:
 
 def _prepare(o: RunOptions, w: Workload, encoder, shape, clock: Phases):
     """The task's instances and an interpreter holding every program's first-stage calls, tokenized."""
-    from lmbatch.interpreter import Interpreter
+    from lmbatch.frontend.interpreter import Interpreter
 
     with clock("data"):
         instances = w.instances(LoadArgs(encoder, o.shots, o.limit, o.subjects, o.seed))

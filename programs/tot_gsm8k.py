@@ -19,7 +19,7 @@ from lmbatch.programs.gsm8k import (
 )
 
 from lmbatch.frontend import gen, select
-from lmbatch.program import Instance, LoadArgs, Workload
+from lmbatch.frontend.workload import Instance, LoadArgs, Workload
 
 LEVELS = 3
 BRANCHES = 3

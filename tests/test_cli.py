@@ -174,7 +174,7 @@ def test_a_stale_tokenizer_cache_is_caught_and_the_run_tokenizes_again(tiny, tmp
     tokenizes again: the outputs are a clean run's."""
     import gc
 
-    from lmbatch.tokenize import TextEncoder, tokenizer_cache_file
+    from lmbatch.frontend.tokenize import TextEncoder, tokenizer_cache_file
 
     assert lmbatch(*run_args(tiny, tmp_path, "clean", "--save-token-ids")).exit_code == 0
     cached = tokenizer_cache_file(tiny)

@@ -9,12 +9,12 @@ from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 from lmbatch.cli import app
-from lmbatch.config import ModelConfig
 from lmbatch.engine import Engine
 from lmbatch.frontend import gen
-from lmbatch.interpreter import Interpreter
-from lmbatch.models import embedded_model_dir
-from lmbatch.program import Instance, LoadArgs
+from lmbatch.frontend.interpreter import Interpreter
+from lmbatch.frontend.workload import Instance, LoadArgs
+from lmbatch.model.checkpoint import embedded_model_dir
+from lmbatch.model.config import ModelConfig
 
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-[0-2]\d"

@@ -200,7 +200,7 @@ def test_first_tokens_of_queued_requests_take_one_sampling_round(llama, monkeypa
 def test_kv_pool_hands_out_each_slot_once(ops):
     """Allocations and frees in any order: allocated slots never overlap, every slot is either free
     or held, an allocation beyond the free count fails, and freeing more than was taken raises."""
-    from lmbatch.kv_pool import KVPool
+    from lmbatch.attention.kv_pool import KVPool
     pool = KVPool(16, 1, 1, 1, torch.float32, "cpu")
     scratch = set(pool.reserve(1).tolist())
     held: list[torch.Tensor] = []

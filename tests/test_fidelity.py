@@ -6,8 +6,8 @@ from transformers import AutoTokenizer
 
 from lmbatch.baseline import first_selects, load_hf, score_choices
 from lmbatch.engine import Engine
-from lmbatch.models import embedded_model_dir
-from lmbatch.program import LoadArgs
+from lmbatch.frontend.workload import LoadArgs
+from lmbatch.model.checkpoint import embedded_model_dir
 from lmbatch.requests import ScoreRequest
 
 

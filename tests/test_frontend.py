@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from lmbatch.cli import app
 from lmbatch.engine import Engine
 from lmbatch.frontend import gen, select
-from lmbatch.interpreter import Interpreter
-from lmbatch.program import Instance
+from lmbatch.frontend.interpreter import Interpreter
+from lmbatch.frontend.workload import Instance
 from lmbatch.requests import GenerateRequest, SamplingParams
 
 PREFIX = "You are a careful assistant. Answer every question briefly and precisely. " * 3
@@ -207,8 +207,8 @@ def test_a_first_wave_of_selects_planned_ahead_runs_that_plan(tiny_tok, monkeypa
     """`plan_ahead` (called while the model loads) plans a first wave of selects once; the engine
     runs that plan instead of making its own, with the same results. A first wave that is not all
     selects is left to the engine."""
-    from lmbatch import interpreter as interp_module
     from lmbatch.engine import engine as engine_module
+    from lmbatch.frontend import interpreter as interp_module
 
     def program(s, q):
         s += PREFIX + q + " Answer:"

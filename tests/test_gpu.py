@@ -11,8 +11,8 @@ from conftest import make_tiny_hf  # noqa: E402
 from test_engine import random_requests  # noqa: E402
 
 from lmbatch.attention import ForwardBatch, make_backend  # noqa: E402
+from lmbatch.attention.kv_pool import KVPool  # noqa: E402
 from lmbatch.engine import Engine  # noqa: E402
-from lmbatch.kv_pool import KVPool  # noqa: E402
 from lmbatch.requests import GenerateRequest, SamplingParams  # noqa: E402
 
 BACKENDS = ["triton", "flashinfer"]
@@ -114,7 +114,7 @@ def test_fused_ops_match_torch_path():
     import torch.nn.functional as F
     from lmbatch.kernels import fused
 
-    from lmbatch.model import apply_rope
+    from lmbatch.model.network import apply_rope
 
     g = torch.Generator("cuda").manual_seed(0)
     bf = dict(device="cuda", dtype=torch.bfloat16)

@@ -2,11 +2,11 @@
 import torch
 
 from lmbatch.attention import ForwardBatch
+from lmbatch.attention.kv_pool import KVPool
 from lmbatch.attention.torch_ref import TorchBackend
-from lmbatch.config import ModelConfig
-from lmbatch.kv_pool import KVPool
-from lmbatch.model import Transformer
-from lmbatch.weights import load_weights
+from lmbatch.model.config import ModelConfig
+from lmbatch.model.network import Transformer
+from lmbatch.model.weights import load_weights
 
 TOL = 1e-4
 

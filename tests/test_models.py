@@ -1,4 +1,4 @@
-"""Tests for lmbatch.models: the embedded model's conversion and resolve_model's error paths."""
+"""Tests for lmbatch.model.checkpoint: the embedded model's conversion and resolve_model's error paths."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from lmbatch.config import ModelConfig
 from lmbatch.errors import UserError
-from lmbatch.models import EMBEDDED_NAME, embedded_gguf, embedded_model_dir, resolve_model
+from lmbatch.model.checkpoint import EMBEDDED_NAME, embedded_gguf, embedded_model_dir, resolve_model
+from lmbatch.model.config import ModelConfig
 
 # MMLU-style prompt plus the awkward cases of a byte-level BPE: unicode, digits, runs of spaces and
 # newlines, code, and special tokens written in the text.
@@ -150,7 +150,7 @@ def test_dequantize_and_unpermute_match_reference(kind: str) -> None:
     from gguf.quants import dequantize as gguf_dequantize
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-    from lmbatch.gguf_convert import dequantize, hf_tensor
+    from lmbatch.model.gguf_convert import dequantize, hf_tensor
 
     qtype = GGMLQuantizationType[kind]
     block, block_bytes = GGML_QUANT_SIZES[qtype]
@@ -211,7 +211,7 @@ def test_unreachable_hub_id(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_embedded_package_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import lmbatch.models as models
+    import lmbatch.model.checkpoint as models
 
     monkeypatch.setenv("LMBATCH_CACHE", str(tmp_path))
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
@@ -228,7 +228,7 @@ def test_existing_conversion_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_conversion_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import lmbatch.models as models
+    import lmbatch.model.checkpoint as models
 
     monkeypatch.setenv("LMBATCH_CACHE", str(tmp_path))
     target = tmp_path / "models" / "SmolLM2-135M-Instruct"

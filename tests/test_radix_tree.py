@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from lmbatch.attention.kv_pool import KVPool
 from lmbatch.engine.radix_cache import Node, RadixTree
-from lmbatch.kv_pool import KVPool
 
 POOL_SLOTS = 64
 MACHINE_SLOTS = 24  # small, so that inserts regularly run the pool dry and have to evict

@@ -1,4 +1,4 @@
-"""`TextEncoder` (lmbatch/tokenize.py) gives exactly the ids of whole-text tokenization and of
+"""`TextEncoder` (lmbatch/frontend/tokenize.py) gives exactly the ids of whole-text tokenization and of
 lm-eval's `_encode_pair`: on every MMLU and HellaSwag 5-shot prompt, on random texts that stress its
 cut rules (the embedded GPT-2-style tokenizer and Qwen2 / Llama-3-style Split pre-tokenizers), and
 by falling back to whole texts for tokenizers the rules do not hold for."""
@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from lmbatch.models import embedded_model_dir
-from lmbatch.program import LoadArgs
-from lmbatch.tokenize import TextEncoder, _splittable, choice_texts, split_choices
+from lmbatch.frontend.tokenize import TextEncoder, _splittable, choice_texts, split_choices
+from lmbatch.frontend.workload import LoadArgs
+from lmbatch.model.checkpoint import embedded_model_dir
 
 # Qwen2's pre-tokenizer, exactly as in its tokenizer.json
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -388,7 +388,7 @@ def test_for_model_caches_what_autotokenizer_made(tmp_path, monkeypatch):
     folder's files makes another entry."""
     from transformers import Qwen2Config
 
-    from lmbatch.tokenize import tokenizer_cache_file
+    from lmbatch.frontend.tokenize import tokenizer_cache_file
 
     monkeypatch.setenv("LMBATCH_CACHE", str(tmp_path / "cache"))
     model = tmp_path / "m"

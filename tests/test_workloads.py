@@ -5,9 +5,9 @@ from transformers import AutoTokenizer
 
 from lmbatch.baseline import first_selects, load_hf, score_pairs
 from lmbatch.engine import Engine
-from lmbatch.interpreter import Interpreter
-from lmbatch.models import embedded_model_dir
-from lmbatch.program import LoadArgs
+from lmbatch.frontend.interpreter import Interpreter
+from lmbatch.frontend.workload import LoadArgs
+from lmbatch.model.checkpoint import embedded_model_dir
 
 
 def run(workload, args, kv=65536, wave_tokens=None):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmbatch.kv_pool import KVPool
+from lmbatch.attention.kv_pool import KVPool
 
 
 @dataclass

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Callable, Sequence, cast
 import torch
 
 from lmbatch.attention import ForwardBatch, default_backend, make_backend, to_device
-from lmbatch.config import ModelConfig
+from lmbatch.attention.kv_pool import KVPool
 from lmbatch.engine.radix_cache import Node, RadixTree
 from lmbatch.engine.sampling import sample
-from lmbatch.kv_pool import KVPool
-from lmbatch.model import Transformer
+from lmbatch.model.config import ModelConfig
+from lmbatch.model.network import Transformer
 from lmbatch.requests import GenerateRequest, GenerateResult, RunStats, SamplingParams, ScoreRequest, ScoreResult
 from lmbatch.scheduler.planner import Plan, PlanNode, plan_requests
 
@@ -162,7 +162,7 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path, *, device="cpu", dtype=torch.float32, load_format="auto", **kw) -> "Engine":
-        from lmbatch.weights import init_dummy, load_weights
+        from lmbatch.model.weights import init_dummy, load_weights
 
         cfg = ModelConfig.from_dir(path)
         with torch.device(device):

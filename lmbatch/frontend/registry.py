@@ -5,7 +5,7 @@ import importlib
 from pathlib import Path
 
 from lmbatch.errors import UserError
-from lmbatch.program import Workload, load_file
+from lmbatch.frontend.workload import Workload, load_file
 
 BUILTIN = {  # name -> module in programs/ that defines WORKLOAD
     "mmlu": "mmlu",

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from lmbatch.model import Transformer
+from lmbatch.model.network import Transformer
 
 # HF name suffix -> (our parameter suffix, index of the shard within a fused parameter, or None)
 _FUSED = {

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any, Callable, cast
 import greenlet
 
 from lmbatch.errors import UserError
-from lmbatch.frontend import Gen, Pending, Select, State
-from lmbatch.program import Instance
+from lmbatch.frontend.dsl import Gen, Pending, Select, State
+from lmbatch.frontend.tokenize import TextEncoder
+from lmbatch.frontend.workload import Instance
 from lmbatch.requests import GenerateRequest, RunStats, SamplingParams, ScoreRequest
 from lmbatch.scheduler.planner import Plan, plan_requests, posthoc_unique, summarize
-from lmbatch.tokenize import TextEncoder
 
 if TYPE_CHECKING:      # the engine (and torch) load on the runner's model thread, not here
     from lmbatch.engine import Engine

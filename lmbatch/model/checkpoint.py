@@ -65,10 +65,10 @@ def embedded_model_dir() -> Path:
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
     """Dequantize a GGUF into a float32 safetensors HF folder at out, then check the result.
 
-    Done by lmbatch.gguf_convert with numpy and tokenizers (~2 s) rather than by loading the GGUF
+    Done by lmbatch.model.gguf_convert with numpy and tokenizers (~2 s) rather than by loading the GGUF
     into a transformers model and saving it (~23 s): same files, weights bitwise equal.
     """
-    from lmbatch.gguf_convert import convert_gguf
+    from lmbatch.model.gguf_convert import convert_gguf
 
     convert_gguf(gguf_path, out)
     _check_converted(out)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmbatch.attention import AttentionBackend, ForwardBatch
-from lmbatch.config import ModelConfig
+from lmbatch.model.config import ModelConfig
 
 
 @functools.cache

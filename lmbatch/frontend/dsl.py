@@ -13,7 +13,7 @@
 `gen` and `select` do not wait: each is queued with the state's text as its prompt and a
 placeholder stands for its result in the state. A program waits only where it needs a value
 (`s[name]`, `s.text`, or a call whose prompt still holds a pending result). The interpreter
-(`lmbatch.interpreter`) runs the queued calls of all waiting programs together, then resumes them.
+(`lmbatch.frontend.interpreter`) runs the queued calls of all waiting programs together, then resumes them.
 """
 from __future__ import annotations
 
