@@ -21,7 +21,7 @@ def main() -> None:
     import xgrammar as xgr
     from lmbatch.programs.wiki_cities import SCHEMA
 
-    from lmbatch.engine.engine import AHEAD_ROWS
+    from lmbatch.engine.sampler import AHEAD_ROWS
     from lmbatch.grammar import GrammarCompiler, allocate_bitmask, fill_masks
     from lmbatch.model.checkpoint import embedded_model_dir
 

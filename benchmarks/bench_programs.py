@@ -44,11 +44,15 @@ def _phases(lmbatch, name, instances) -> None:
     (`_forward` launches a step, of which `run` is the graph replay's; `_mask_ahead` fills masks
     until the step's logits are in, `sample` waits for what is left of it)."""
     from lmbatch.engine import Engine
+    from lmbatch.engine.decode import Decode
+    from lmbatch.engine.model_runner import ModelRunner
+    from lmbatch.engine.prefill import Prefill
+    from lmbatch.engine.sampler import Sampler
     from lmbatch.frontend.interpreter import Interpreter
     clock = time.perf_counter
     acc: dict[str, float] = {}
     marks: dict[str, float] = {}
-    run, decode_all, step, execute = Engine.run, Engine._decode_all, Engine._step, Interpreter.execute
+    run, decode_all, step, execute = Engine.run, Decode.run_all, Decode.step, Interpreter.execute
 
     def add(key, dt):
         acc[key] = acc.get(key, 0.0) + dt
@@ -67,28 +71,29 @@ def _phases(lmbatch, name, instances) -> None:
         add("decode", clock() - t)
 
     def t_step(self):
-        t, tail = clock(), not self._queue and len(self._running) < self.max_running
+        t, tail = clock(), not self.queue and len(self.running) < self.max_running
         n = step(self)
         add("tail" if tail else "full", clock() - t)
         add("tail_steps" if tail else "full_steps", 1)
         return n
 
-    import lmbatch.engine as engine_mod
+    import lmbatch.engine.sampler as sampler_mod
     import lmbatch.grammar as grammar_mod
     from lmbatch.engine.graphs import DecodeGraphs
 
-    sample_rows = Engine._sample
+    sample_rows = Sampler.pick
 
     def t_sample(self, rows, logits):   # a step's first tokens (from prompt logits) apart from the rest
         t = clock()
-        sample_rows(self, rows, logits)
+        picked = sample_rows(self, rows, logits)
         add("first_tokens" if rows[0].steps == 1 else "sampling", clock() - t)
-    patched = [(Engine, "run", t_run), (Engine, "_decode_all", t_decode_all), (Engine, "_step", t_step),
-               (Interpreter, "execute", _timed(acc, "execute", execute)), (Engine, "_sample", t_sample)]
+        return picked
+    patched = [(Engine, "run", t_run), (Decode, "run_all", t_decode_all), (Decode, "step", t_step),
+               (Interpreter, "execute", _timed(acc, "execute", execute)), (Sampler, "pick", t_sample)]
     patched += [(o, a, _timed(acc, a, getattr(o, a))) for o, a in
-                [(Engine, "_release"), (Engine, "_jump"), (Engine, "_forward"), (Engine, "_admit_queued"),
-                 (Engine, "_flush"), (Engine, "_mask_ahead"), (DecodeGraphs, "run"), (grammar_mod, "accept_tokens"),
-                 (grammar_mod, "retokenize_jump"), (engine_mod, "sample")]]
+                [(Decode, "_release"), (Sampler, "_jump"), (ModelRunner, "decode"), (Decode, "admit"),
+                 (Prefill, "flush"), (Sampler, "_mask_ahead"), (DecodeGraphs, "run"), (grammar_mod, "accept_tokens"),
+                 (grammar_mod, "retokenize_jump"), (sampler_mod, "sample")]]
     originals = [(o, a, getattr(o, a)) for o, a, _ in patched]
     for o, a, fn in patched:
         setattr(o, a, fn)
@@ -104,8 +109,11 @@ def _phases(lmbatch, name, instances) -> None:
 def _step_trace(lmbatch, name, instances) -> None:
     """Where a run's time goes (--profile, CUDA only): seconds in the engine's main host calls, rows
     and synchronized wall time of every decode step, the longest outputs, then the GPU kernels."""
-    from lmbatch.engine import Engine
-    steps, forward = [], Engine._forward
+    from lmbatch.engine.decode import Decode
+    from lmbatch.engine.model_runner import ModelRunner
+    from lmbatch.engine.prefill import Prefill
+    from lmbatch.engine.sampler import Sampler
+    steps, forward = [], ModelRunner.decode
 
     def traced(self, rows):
         tokens = sum(len(r.out) - r.fed for r in rows)
@@ -115,23 +123,23 @@ def _step_trace(lmbatch, name, instances) -> None:
         torch.cuda.synchronize()
         steps.append((len(rows), tokens, time.perf_counter() - t))
         return out
-    Engine._forward = traced
-    flushes, flush = [], Engine._flush
+    ModelRunner.decode = traced
+    flushes, flush = [], Prefill.flush
 
     def traced_flush(self):
-        n = self._batch.num_tokens
+        n = self.batch.num_tokens
         torch.cuda.synchronize()
         t = time.perf_counter()
         flush(self)
         torch.cuda.synchronize()
         if n:
             flushes.append((n, time.perf_counter() - t))
-    Engine._flush = traced_flush
-    import lmbatch.engine as engine_mod
+    Prefill.flush = traced_flush
+    import lmbatch.engine.sampler as sampler_mod
     import lmbatch.grammar as grammar_mod
     spent: dict[str, float] = {}
-    patched = [(grammar_mod, "fill_masks"), (grammar_mod, "accept_tokens"), (engine_mod, "sample"),
-               (Engine, "_jump"), (Engine, "_flush"), (Engine, "_release"), (Engine, "_sample")]
+    patched = [(grammar_mod, "fill_masks"), (grammar_mod, "accept_tokens"), (sampler_mod, "sample"),
+               (Sampler, "_jump"), (Prefill, "flush"), (Decode, "_release"), (Sampler, "pick")]
     originals = [getattr(o, a) for o, a in patched]
 
     for (o, a), fn in zip(patched, originals):
@@ -141,7 +149,7 @@ def _step_trace(lmbatch, name, instances) -> None:
     total = time.perf_counter() - t
     for (o, a), fn in zip(patched, originals):
         setattr(o, a, fn)
-    Engine._forward, Engine._flush = forward, flush
+    ModelRunner.decode, Prefill.flush = forward, flush
     print(f"--- {name}: seconds in " + ", ".join(f"{k} {v:.3f}" for k, v in spent.items()))
     n = len(steps)
     fwd = sum(s[2] for s in steps)
@@ -184,7 +192,7 @@ def main() -> None:
                     help="rounds of timed runs, each running every variant once (percall: the first only); "
                          "medians are reported")
     ap.add_argument("--masks", default="overlap", choices=["overlap", "lazy", "eager"],
-                    help="when grammar rows fill their token masks (lmbatch.engine.engine.MASK_MODES)")
+                    help="when grammar rows fill their token masks (lmbatch.engine.sampler.MASK_MODES)")
     ap.add_argument("--profile", action="store_true", help="print where the host time of each variant goes")
     ap.add_argument("--phases", action="store_true", help="print each variant's wall time by phase (no extra syncs)")
     args = ap.parse_args()

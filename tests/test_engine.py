@@ -177,22 +177,24 @@ def test_first_tokens_of_queued_requests_take_one_sampling_round(llama, monkeypa
     running, are sampled in one round (one device sync), not one round per step that admits a request.
     So the rounds are the decode forwards plus one (plus one per further `per_round` queued requests:
     2 running + 7 queued take 3 rounds of 3), and the tokens those of a batch with a row each."""
-    import lmbatch.engine.engine
-    monkeypatch.setattr(lmbatch.engine.engine, "FIRST_TOKEN_ROWS", per_round)
+    import lmbatch.engine.decode
+    from lmbatch.engine.model_runner import ModelRunner
+    from lmbatch.engine.sampler import Sampler
+    monkeypatch.setattr(lmbatch.engine.decode, "FIRST_TOKEN_ROWS", per_round)
     path, _ = llama
     reqs = [GenerateRequest([2, 7, 1, i], SamplingParams(max_new_tokens=3 + i % 4, ignore_eos=True))
             for i in range(9)]
     free, _ = engine(path).generate(reqs)
-    calls = {"_sample": 0, "_forward": 0}
-    for name in calls:
-        def counted(self, *a, _name=name, _fn=getattr(Engine, name)):
+    calls = {"pick": 0, "decode": 0}     # sampling rounds, decode forwards
+    for cls, name in ((Sampler, "pick"), (ModelRunner, "decode")):
+        def counted(self, *a, _name=name, _fn=getattr(cls, name)):
             calls[_name] += 1
             return _fn(self, *a)
-        monkeypatch.setattr(Engine, name, counted)
+        monkeypatch.setattr(cls, name, counted)
     two, _ = engine(path, max_running=2).generate(reqs, schedule="fcfs")
     assert [r.token_ids for r in two] == [r.token_ids for r in free]
-    assert calls["_forward"] >= sum(len(r.token_ids) - 1 for r in free) // 2
-    assert calls["_sample"] == calls["_forward"] + extra, calls
+    assert calls["decode"] >= sum(len(r.token_ids) - 1 for r in free) // 2
+    assert calls["pick"] == calls["decode"] + extra, calls
 
 
 @settings(max_examples=40, deadline=None)

@@ -61,6 +61,37 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     write_tokenizer(meta, out)
 
 
+class _Reader:
+    """Values of a GGUF file's header, read in order from `pos`."""
+
+    def __init__(self, buf: bytes, pos: int):
+        self.buf, self.pos = buf, pos
+
+    def take(self, dtype: str, count: int = 1) -> np.ndarray:
+        values = np.frombuffer(self.buf, dtype, count, self.pos)
+        self.pos += values.nbytes
+        return values
+
+    def count(self) -> int:  # a uint64 (sizes, counts); struct is much quicker than numpy for one value
+        self.pos += 8
+        return struct.unpack_from("<Q", self.buf, self.pos - 8)[0]
+
+    def string(self) -> str:
+        size = self.count()
+        self.pos += size
+        return self.buf[self.pos - size : self.pos].decode("utf-8")
+
+    def value(self, kind: int) -> Any:
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item, size = int(self.take("<u4")[0]), self.count()
+            if item in _VALUE_DTYPES:
+                return self.take(_VALUE_DTYPES[item], size).tolist()
+            return [self.value(item) for _ in range(size)]
+        return self.take(_VALUE_DTYPES[kind])[0].item()
+
+
 def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, np.ndarray]]]:
     """Metadata and raw tensors (ggml type, bytes shaped as the HF weight's rows) of a GGUF v2/v3 file.
 
@@ -68,54 +99,25 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, np.ndarr
     the ~100k-entry vocabulary and merges arrays, about 2 s here, where this takes about 0.1 s.
     """
     buf = path.read_bytes()
-    pos = 0
-
-    def take(dtype: str, count: int = 1) -> np.ndarray:
-        nonlocal pos
-        values = np.frombuffer(buf, dtype, count, pos)
-        pos += values.nbytes
-        return values
-
-    def count() -> int:  # a uint64 (sizes, counts); struct is much quicker than numpy for one value
-        nonlocal pos
-        pos += 8
-        return struct.unpack_from("<Q", buf, pos - 8)[0]
-
-    def string() -> str:
-        nonlocal pos
-        size = count()
-        pos += size
-        return buf[pos - size : pos].decode("utf-8")
-
-    def value(kind: int) -> Any:
-        if kind == _STRING:
-            return string()
-        if kind == _ARRAY:
-            item, size = int(take("<u4")[0]), count()
-            if item in _VALUE_DTYPES:
-                return take(_VALUE_DTYPES[item], size).tolist()
-            return [value(item) for _ in range(size)]
-        return take(_VALUE_DTYPES[kind])[0].item()
-
     magic, version = buf[:4], struct.unpack_from("<I", buf, 4)[0]
     if magic != b"GGUF" or version not in (2, 3):
         raise ValueError(f"{path} is not a little-endian GGUF v2/v3 file")
-    pos = 8
-    n_tensors, n_values = count(), count()
+    r = _Reader(buf, 8)
+    n_tensors, n_values = r.count(), r.count()
     meta = {}
     for _ in range(n_values):
-        key = string()
-        meta[key] = value(int(take("<u4")[0]))
+        key = r.string()
+        meta[key] = r.value(int(r.take("<u4")[0]))
     infos = []
     for _ in range(n_tensors):
-        name = string()
-        dims = take("<u8", int(take("<u4")[0])).tolist()
-        kind, offset = int(take("<u4")[0]), count()
+        name = r.string()
+        dims = r.take("<u8", int(r.take("<u4")[0])).tolist()
+        kind, offset = int(r.take("<u4")[0]), r.count()
         infos.append((name, dims, kind, offset))
     from gguf import GGML_QUANT_SIZES  # (elements, bytes) per block of each ggml type
 
     align = meta.get("general.alignment", 32)
-    start = -(-pos // align) * align
+    start = -(-r.pos // align) * align
     tensors = {}
     for name, dims, kind, offset in infos:
         block, block_bytes = cast("dict[int, tuple[int, int]]", GGML_QUANT_SIZES)[kind]  # IntEnum keys: ints work

@@ -1,0 +1,117 @@
+"""The model on its device: the KV pool, the attention backend, the decode CUDA graphs, and the two
+kinds of forward pass the engine runs (a ragged batch of prompt chunks; one decode step).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence, cast
+
+import torch
+
+from lmbatch.attention import ForwardBatch, default_backend, make_backend
+from lmbatch.attention.kv_pool import KVPool
+from lmbatch.model.network import Transformer
+
+if TYPE_CHECKING:
+    from lmbatch.engine.graphs import DecodeGraphs
+    from lmbatch.engine.state import Key, Running
+
+
+@dataclass
+class TokenBatch:
+    """A ragged batch being built: each sequence's new tokens, their KV slots, and the rows (tokens)
+    whose logits are computed, with the plan position each of them is captured for."""
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    out_slots: list[torch.Tensor] = field(default_factory=list)
+    kv: list[torch.Tensor] = field(default_factory=list)
+    qo_indptr: list[int] = field(default_factory=lambda: [0])
+    kv_indptr: list[int] = field(default_factory=lambda: [0])
+    logit_rows: list[int] = field(default_factory=list)
+    logit_keys: list[Key | None] = field(default_factory=list)    # None: rows nobody captures
+
+    @property
+    def num_tokens(self) -> int:
+        return self.qo_indptr[-1]
+
+    def add(self, ids, start: int, out_slots, kv_slots, wanted: Sequence[tuple[int, Key | None]]) -> None:
+        row0 = self.num_tokens
+        n = len(ids)
+        self.ids.extend(ids)
+        self.positions.extend(range(start, start + n))
+        self.out_slots.append(out_slots)
+        self.kv.append(kv_slots)
+        self.qo_indptr.append(row0 + n)
+        self.kv_indptr.append(self.kv_indptr[-1] + len(kv_slots))
+        for pos, key in wanted:
+            self.logit_rows.append(row0 + pos - start)
+            self.logit_keys.append(key)
+
+    def build(self) -> ForwardBatch:
+        return ForwardBatch(torch.tensor(self.ids), torch.tensor(self.positions), torch.cat(self.out_slots),
+                            self.qo_indptr, self.kv_indptr, torch.cat(self.kv),
+                            torch.as_tensor(self.logit_rows, dtype=torch.int64))
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, *, kv_cache_tokens: int, attention: str | None, cuda_graphs: bool,
+                 max_running: int):
+        cfg = model.cfg
+        self.model = model
+        self.device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        attention = attention or default_backend(self.device, dtype)
+        # decode steps replay CUDA graphs (not for the torch reference backend, which stays eager);
+        # one extra slot is their scratch for padded rows
+        use_graphs = cuda_graphs and self.device.type == "cuda" and attention != "torch"
+        self.pool = KVPool(kv_cache_tokens + use_graphs, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype,
+                           self.device)
+        self.attn = make_backend(attention, self.pool, cfg.num_heads, cfg.head_dim)
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            from lmbatch.engine.graphs import DecodeGraphs
+            # a row per token: a step's rows after jump-forwards may outnumber its requests
+            self.graphs = DecodeGraphs(model, self.pool, int(self.pool.reserve(1)), 2 * max_running)
+            self.graphs.capture_all()
+
+    def forward(self, batch: TokenBatch) -> torch.Tensor:
+        """Logits at the batch's logit rows (launched; the device may still be computing them)."""
+        return self.model(batch.build().to(self.device), self.attn)
+
+    def decode(self, rows: list[Running]) -> torch.Tensor:
+        """Run each row's tokens that are not in the KV pool yet (one after a sampled token, several
+        after a jump-forward); logits at each row's last token. On CUDA every token is one row of
+        the decode graphs: a row's tokens sit at consecutive positions, and every layer stores all
+        rows' KV before attending, so each token attends to those before it in the same step."""
+        if self.graphs is not None:
+            toks, positions, seqs, last = [], [], [], []
+            for r in rows:
+                start = r.prompt_len + r.fed
+                slots = r.slots.numpy()
+                for j, t in enumerate(r.out[r.fed:]):
+                    toks.append(t)
+                    positions.append(start + j)
+                    seqs.append(slots[:start + j + 1])
+                last.append(len(toks) - 1)
+                r.fed = len(r.out)
+            return self.graphs.run(toks, positions, seqs, last)
+        b = TokenBatch()
+        for r in rows:
+            start, end = r.prompt_len + r.fed, r.prompt_len + len(r.out)
+            b.add(r.out[r.fed:], start, r.slots[start:end], r.slots[:end], [(end - 1, None)])
+            r.fed = len(r.out)
+        return self.forward(b)
+
+    @torch.inference_mode()
+    def warm_up(self, tokens: int = 16) -> None:
+        """Run one small prefill batch and its logit reduction, so that kernel compilation and
+        library loading happen now (on the loader's thread) rather than in the first real batch.
+        Its KV goes to slots that are freed again."""
+        if self.device.type != "cuda":
+            return
+        slots = cast(torch.Tensor, self.pool.alloc(tokens))     # before any run: the pool has room
+        b = TokenBatch()
+        b.add([0] * tokens, 0, slots, slots, [(tokens - 1, None)])
+        logits = self.forward(b)
+        torch.log_softmax(logits, dim=-1).argmax(dim=-1).cpu()
+        self.pool.free(slots)

@@ -1,0 +1,168 @@
+"""The next token of each running request: sampling within its grammar, jump-forward over the text
+its grammar forces, and whether the request is done.
+
+Masking only removes candidates and the sampling noise is fixed per (seed, step, token), so a
+grammar row's pick is the same whether its mask is applied before sampling or only after its grammar
+rejected the unconstrained pick. When a grammar row's token mask is filled (`masks`): "overlap"
+before sampling while the device computes the logits (else only if the grammar rejects the row's
+unconstrained pick), "lazy" only on rejection, "eager" always before sampling. The three pick the
+same tokens.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, cast
+
+import torch
+
+from lmbatch.attention import to_device
+from lmbatch.engine.sampling import sample
+from lmbatch.engine.state import Running
+from lmbatch.model.config import ModelConfig
+
+if TYPE_CHECKING:      # lmbatch.grammar imports xgrammar: loaded only where a grammar is used
+    from lmbatch.grammar import Constraint
+
+MASK_MODES = ("overlap", "lazy", "eager")
+AHEAD_ROWS = 4      # masks filled between two looks at the device (one by one: a batched fill overshoots)
+
+
+class Picked(NamedTuple):
+    masked: int         # grammar rows that filled a token mask
+    resampled: int      # of those, rows masked after their pick was rejected (a second round)
+
+
+def _constraints(rows: list[Running], ks: list[int]) -> list[Constraint]:
+    return cast("list[Constraint]", [rows[k].constraint for k in ks])
+
+
+class Sampler:
+    def __init__(self, cfg: ModelConfig, device: torch.device, *, tokenizer: Any = None, masks: str = "overlap",
+                 jump_forward: bool = True, max_rows: int = 256):
+        if masks not in MASK_MODES:
+            raise ValueError(f"masks must be one of {MASK_MODES}, not {masks!r}")
+        self.cfg, self.device, self.tokenizer = cfg, device, tokenizer
+        self.masks, self.jump_forward, self.max_rows = masks, jump_forward, max_rows
+        self._mask_buf: torch.Tensor | None = None
+        self._retok_memo: dict = {}     # retokenized jump boundaries (the tokenizer never changes)
+
+    def pick(self, rows: list[Running], logits: torch.Tensor) -> Picked:
+        """Pick each row's next token (within its grammar, if it has one) and append it.
+
+        Rows masked ahead (`_mask_ahead`) sample once; every other grammar row first takes its
+        unconstrained pick, and only the rejected ones fill a mask and pick again (a second round on
+        the device)."""
+        from lmbatch.grammar import accept_tokens
+        grammar = [k for k, r in enumerate(rows) if r.constraint is not None]
+        ahead = self._mask_ahead(rows, grammar, logits) if grammar else []
+        tokens = sample(logits, [r.params for r in rows], [r.steps for r in rows])
+        ok = accept_tokens(_constraints(rows, grammar), [tokens[k] for k in grammar])
+        redo = [k for k, a in zip(grammar, ok) if not a]
+        for k, a in zip(grammar, ok):
+            rows[k].rejected = not a
+        if redo:
+            from lmbatch.grammar import apply_mask, fill_masks
+            bitmask = self._mask_rows(len(redo))[:len(redo)]
+            fill_masks(_constraints(rows, redo), bitmask)
+            sub = logits[to_device(torch.tensor(redo), logits.device)]
+            apply_mask(sub, bitmask)
+            picked = sample(sub, [rows[k].params for k in redo], [rows[k].steps for k in redo])
+            accept_tokens(_constraints(rows, redo), picked)
+            for k, t in zip(redo, picked):
+                tokens[k] = t
+        for r, t in zip(rows, tokens):
+            r.steps += 1
+            self._append(r, t)
+        return Picked(len(ahead) + len(redo), len(redo))
+
+    def _mask_ahead(self, rows: list[Running], grammar: list[int], logits: torch.Tensor) -> list[int]:
+        """Fill and apply the token masks of grammar rows before their first pick; returns those rows.
+
+        Always the rows whose top-p nucleus depends on the mask, and every row with `masks="eager"`.
+        With `masks="overlap"`, also as many rows as the host fills while the device is still
+        computing `logits` (time it would otherwise spend waiting), those whose pick was rejected at
+        their last step first: they skip the second round their rejection would cost."""
+        from lmbatch.grammar import apply_mask, fill_masks
+        must = [k for k in grammar if self.masks == "eager" or rows[k].params.top_p < 1.0]
+        rest = [k for k in grammar if self.masks == "overlap" and rows[k].params.top_p >= 1.0]
+        busy = _device_busy(logits) if rest else None
+        if not must and busy is None:
+            return []
+        bitmask = self._mask_rows(len(rows))
+        if must:
+            fill_masks(_constraints(rows, must), bitmask, must)
+        ahead = list(must)
+        if busy is not None:
+            rest.sort(key=lambda k: not rows[k].rejected)
+            i = 0
+            while i < len(rest) and busy():
+                chunk = rest[i:i + AHEAD_ROWS]
+                fill_masks(_constraints(rows, chunk), bitmask, chunk)
+                ahead += chunk
+                i += len(chunk)
+        if ahead:
+            apply_mask(logits, bitmask[:len(rows)], rows=ahead)
+        return ahead
+
+    def _mask_rows(self, n: int) -> torch.Tensor:
+        """A CPU bitmask of at least n rows, reused across steps (pinned: it goes to the device
+        without a blocking copy; it is written only after a sampling sync has waited for the last one)."""
+        from lmbatch.grammar import allocate_bitmask
+        if self._mask_buf is None or len(self._mask_buf) < n:
+            buf = allocate_bitmask(max(n, 2 * self.max_rows), self.cfg.vocab_size)
+            self._mask_buf = buf.pin_memory() if self.device.type == "cuda" else buf
+        return self._mask_buf
+
+    def _append(self, r: Running, token: int) -> None:
+        """Add a sampled token (its grammar has accepted it) and see whether the request is done."""
+        r.out.append(token)
+        p = r.params
+        if not p.ignore_eos and token in self.cfg.eos_token_ids:
+            r.finish = "eos"
+        elif r.constraint is not None and token in r.constraint.stops and r.constraint.is_terminated():
+            r.finish = "eos"                                            # the grammar's own stop token
+        elif p.stop and self.tokenizer is not None and any(s in self.tokenizer.decode(r.out) for s in p.stop):
+            r.finish = "stop"
+        elif len(r.out) >= p.max_new_tokens:
+            r.finish = "length"
+        elif r.constraint is not None and self.jump_forward:
+            self._jump(r)
+
+    def _jump(self, r: Running) -> None:
+        """Append the text the grammar forces, retokenized at the boundary, without decoding it; and
+        end the output there if the grammar then admits nothing but its stop token."""
+        c = cast("Constraint", r.constraint)    # _append jumps only rows with a grammar
+        forced = c.jump_forward()
+        if forced:          # most steps force nothing: checked before any other work, for every grammar row
+            from lmbatch.grammar import retokenize_jump
+
+            new, n = retokenize_jump(self.tokenizer, c, r.out, forced, memo=self._retok_memo)
+            if new or n:
+                r.fed = min(r.fed, len(r.out) - n)
+                r.out = r.out[:len(r.out) - n] + new
+                r.jumped += len(new)
+                if len(r.out) >= r.params.max_new_tokens:
+                    r.out, r.finish = r.out[:r.params.max_new_tokens], "length"
+                    return
+        stop = c.forced_stop()
+        if stop is not None and c.accept(stop):     # the stop token would be the only pick
+            r.out.append(stop)
+            r.jumped += 1
+            r.finish = "eos"
+
+    def text(self, r: Running) -> str | None:
+        """The output's text: without the stop token it ended on, cut before the stop string it ended at."""
+        if self.tokenizer is None:
+            return None
+        text = self.tokenizer.decode(r.out[:-1] if r.finish == "eos" else r.out)
+        if r.finish == "stop":
+            text = text[:min(text.find(s) for s in r.params.stop if s in text)]
+        return text
+
+
+def _device_busy(logits: torch.Tensor) -> Callable[[], bool] | None:
+    """A probe: is the device still computing `logits`? None where the host cannot overlap it."""
+    if logits.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return lambda: not event.query()
