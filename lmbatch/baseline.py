@@ -19,6 +19,7 @@ class ChoiceInstance:
 def first_selects(program, instances, tokenizer, max_len: int = 1 << 30) -> list[ChoiceInstance]:
     """The token ids of each instance's first select, exactly as lmbatch runs it (its first pass)."""
     from lmbatch.frontend import Select
+    from lmbatch.frontend.calls import select_ids
     from lmbatch.frontend.interpreter import Interpreter
 
     interp = Interpreter(tokenizer, max_len=max_len)
@@ -26,7 +27,7 @@ def first_selects(program, instances, tokenizer, max_len: int = 1 << 30) -> list
     first: dict[int, ChoiceInstance] = {}
     for p in interp.ready:
         if isinstance(p.op, Select):
-            first.setdefault(p.owner.index, ChoiceInstance(*p.meta["_ids"]))
+            first.setdefault(p.owner.index, ChoiceInstance(*select_ids(p)))
     return [first[k] for k in range(len(instances))]
 
 

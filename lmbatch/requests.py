@@ -43,39 +43,42 @@ class GenerateRequest:
 
 
 @dataclass
-class Counters:
-    """Per executed request. Score requests merged into another's execution (same prompt) keep zeros."""
+class TokenCounts:
+    """Token counts: of one request's result, one program, one stage of a run, or a whole run."""
     prompt_tokens: int = 0
     cached_tokens: int = 0          # prompt tokens whose KV came from the cache
-    computed_tokens: int = 0        # prompt tokens run through the model for this request
+    computed_tokens: int = 0        # prompt tokens run through the model
+    decode_tokens: int = 0          # tokens generated (none for a score request)
+
+    def add(self, other: TokenCounts) -> None:
+        self.prompt_tokens += other.prompt_tokens
+        self.cached_tokens += other.cached_tokens
+        self.computed_tokens += other.computed_tokens
+        self.decode_tokens += other.decode_tokens
 
 
 @dataclass
-class ScoreResult(Counters):
+class ScoreResult(TokenCounts):
+    """Score requests merged into another's execution (same prompt) keep zero counts."""
     logprob: float = 0.0            # sum of the continuation's token logprobs
     num_tokens: int = 0
     is_greedy: bool = False         # every continuation token is the argmax
 
 
 @dataclass
-class GenerateResult(Counters):
+class GenerateResult(TokenCounts):
     token_ids: list[int] = field(default_factory=list)
     text: str | None = None
     finish_reason: str = ""         # "length", "eos" or "stop"
-    decode_tokens: int = 0
     steps: int = 0                  # forward passes that sampled its tokens (fewer with jump-forward)
     jumped_tokens: int = 0          # tokens appended by jump-forward, not decoded
     grammar_complete: bool | None = None   # constrained: the grammar matched to its end
 
 
 @dataclass
-class RunStats:
+class RunStats(TokenCounts):
     requests: int = 0               # requests asked for
     executed: int = 0               # distinct executed requests (equal score prompts merged)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    computed_tokens: int = 0
-    decode_tokens: int = 0
     unique_tokens: int = 0          # sum of edge lengths of the batch's radix tree
     optimal_hit_rate: float = 0.0   # Theorem 3.1
     engine_optimal_hit_rate: float = 0.0
@@ -87,6 +90,17 @@ class RunStats:
     members: dict[int, list[int]] = field(default_factory=dict)    # executed request -> requests it served
     plan_s: float = 0.0             # building the radix tree and the order (and logit demands)
     execute_s: float = 0.0          # everything after planning
+
+    def add_run(self, other: RunStats) -> None:
+        """Add another run's counts (one engine batch into the interpreter's totals). Its timings,
+        order, members and optima are its own: not added."""
+        self.add(other)
+        self.requests += other.requests
+        self.executed += other.executed
+        self.forward_batches += other.forward_batches
+        self.evicted_tokens += other.evicted_tokens
+        self.masked_rows += other.masked_rows
+        self.resampled_rows += other.resampled_rows
 
     @property
     def hit_rate(self) -> float:

@@ -97,15 +97,16 @@ def test_when_masks_are_filled_changes_no_output(tiny_tok, temperature, monkeypa
     makes that the masked pick too) and computes a mask only otherwise ("lazy"); "overlap" masks some
     rows ahead, while the device is busy (here: a probe that says busy for one look per step, time
     for 4 masks), and the rest lazily. Same tokens as masking every row at every step ("eager"), with fewer masks."""
-    from lmbatch.programs.wiki_cities import SCHEMA
-
+    from lmbatch.data.wiki_cities import SCHEMA
     from lmbatch.grammar import GrammarCompiler
     from lmbatch.requests import GenerateRequest, SamplingParams
 
-    def one_look(self, logits):
+    import lmbatch.engine.sampler
+
+    def one_look(logits):
         looks = iter([True])
         return lambda: next(looks, False)
-    monkeypatch.setattr(Engine, "_device_busy", one_look)
+    monkeypatch.setattr(lmbatch.engine.sampler, "_device_busy", one_look)
     tok = AutoTokenizer.from_pretrained(str(tiny_tok))
     gc = GrammarCompiler(tok, vocab_size=ModelConfig.from_dir(tiny_tok).vocab_size)
     out = {}

@@ -18,7 +18,12 @@ placeholder stands for its result in the state. A program waits only where it ne
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+
+if TYPE_CHECKING:
+    from lmbatch.frontend.workload import Instance
+    from lmbatch.grammar import Constraint  # imports xgrammar: loaded on the first constraint
+    from lmbatch.requests import TokenCounts
 
 
 class _Plus:
@@ -81,17 +86,34 @@ def select(name: str, choices: list[str] | tuple[str, ...]) -> Select:
     return Select(name, tuple(choices))
 
 
+class CallOwner(Protocol):
+    """What a call knows of the program that issued it (the interpreter's `ProgramRun`)."""
+    index: int                      # the program's number in the batch
+    instance: Instance
+    started: bool                   # some call of it has been in a wave
+    tokens: TokenCounts             # what its calls have put through the model
+
+
+SelectIds: TypeAlias = tuple[list[int], list[list[int]]]   # a select's context and its choices' continuations
+CallIds: TypeAlias = list[int] | SelectIds                  # a gen's prompt, or a select's SelectIds
+
+
 @dataclass(eq=False)
 class Pending:
     """A queued call and, once run, its result."""
     op: Gen | Select
     prompt: str
-    owner: Any                      # the interpreter's record of the program that issued it
+    owner: CallOwner                # the interpreter's record of the program that issued it
     stage: int                      # how many times the program had waited when it issued this call
     seq: int                        # the call's number within its program
     done: bool = False
     value: str = ""                 # the text the result adds to the state
-    meta: dict = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)    # what `s.meta(name)` shows
+    # the interpreter's own, while the call waits to run:
+    ids: CallIds | None = None      # token ids, once tokenized and checked
+    bad: str | None = None          # why its constraint cannot compile
+    constraint: Constraint | None = None    # its grammar's matcher (a constrained gen)
+    forced: str = ""                # text its grammar forces at the start (jump-forward): joins the prompt
 
 
 class Runner(Protocol):

@@ -1,0 +1,163 @@
+"""A call's way through the interpreter: its token ids (checked against the model's context, with
+its grammar compiled for a constrained gen), the engine requests it becomes, and its result."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
+
+from lmbatch.errors import UserError
+from lmbatch.frontend.dsl import CallIds, Gen, Pending, Select, SelectIds
+from lmbatch.frontend.tokenize import TextEncoder
+from lmbatch.requests import GenerateRequest, GenerateResult, SamplingParams, ScoreRequest, ScoreResult
+
+if TYPE_CHECKING:
+    from lmbatch.grammar import GrammarCompiler  # imports xgrammar: loaded on the first constraint
+
+EngineRequest = ScoreRequest | GenerateRequest
+
+
+def gen_ids(p: Pending) -> list[int]:
+    """A prepared gen's prompt ids."""
+    if not isinstance(p.ids, list):
+        raise ValueError(f"call {p.op.name!r} has no prompt ids")
+    return p.ids
+
+
+def select_ids(p: Pending) -> SelectIds:
+    """A prepared select's context and continuations."""
+    if not isinstance(p.ids, tuple):
+        raise ValueError(f"call {p.op.name!r} has no choice ids")
+    return p.ids
+
+
+def call_tokens(p: Pending) -> int:
+    """Tokens a prepared call needs: prompt + new tokens, or context + longest choice."""
+    if isinstance(p.op, Select):
+        ctx, conts = select_ids(p)
+        return len(ctx) + max(len(c) for c in conts)
+    return len(gen_ids(p)) + p.op.max_tokens
+
+
+class CallPreparer:
+    """Token ids of queued calls (each distinct text segment tokenized once), checked against the
+    model's context; the grammars of constrained gens, compiled once per run unless grammar_cache
+    is off."""
+
+    def __init__(self, encoder: TextEncoder, *, max_len: int, truncate_left: bool, vocab_size: int | None,
+                 jump_forward: bool, grammar_cache: bool):
+        self.encoder, self.max_len, self.truncate_left = encoder, max_len, truncate_left
+        self.vocab_size, self.jump_forward, self.grammar_cache = vocab_size, jump_forward, grammar_cache
+        self.grammars: GrammarCompiler | None = None    # made on the first constraint
+        self.truncated = 0              # selects whose context lost its oldest tokens
+        self.tokenize_s = 0.0           # tokenizing calls' prompts, over every wave
+
+    def prepare(self, pending: list[Pending], fail: Callable[[Pending, str], None]) -> None:
+        """Set each call's `ids`; a call that cannot run is passed to `fail` with the reason."""
+        t0 = time.perf_counter()
+        try:
+            self._prepare(pending, fail)
+        finally:
+            self.tokenize_s += time.perf_counter() - t0
+
+    def _prepare(self, pending: list[Pending], fail: Callable[[Pending, str], None]) -> None:
+        gens, selects = [], []
+        for p in pending:
+            if isinstance(p.op, Select):
+                selects.append(p)
+                continue
+            if p.op.regex is not None or p.op.json_schema is not None:
+                try:
+                    self._constrain(p)
+                except ValueError as e:
+                    p.bad = str(e)
+            gens.append(p)
+        ids: dict[int, CallIds] = {}
+        pairs = [(p.prompt, cast(Select, p.op).choices) for p in selects]
+        for p, pair in zip(selects, self.encoder.encode_choices(pairs)):
+            ids[id(p)] = pair
+        for p, one in zip(gens, self.encoder.encode([p.prompt + p.forced for p in gens])):
+            ids[id(p)] = one
+        for p in pending:
+            try:
+                if p.bad is not None:
+                    bad, p.bad = p.bad, None
+                    raise UserError(f"instance {p.owner.instance.id}: gen {p.op.name!r}: {bad}")
+                p.ids = self._check(p, ids[id(p)])
+            except (UserError, ValueError) as e:
+                fail(p, str(e))
+
+    def _constrain(self, p: Pending) -> None:
+        """Compile the call's grammar and give it its own matcher; with jump-forward, the text the
+        grammar forces at the start joins the prompt."""
+        try:
+            from lmbatch.grammar import GrammarCompiler
+        except ImportError as e:
+            raise ValueError(f"constrained gen needs xgrammar ({e}): pip install --no-deps xgrammar==0.2.8") from None
+        if self.grammars is None:
+            self.grammars = GrammarCompiler(self.encoder.hf, self.vocab_size, cache=self.grammar_cache)
+        op = cast(Gen, p.op)       # only gen calls are constrained
+        c = self.grammars.constraint(op.regex, op.json_schema)
+        forced = c.jump_forward() if self.jump_forward else ""
+        if forced:
+            c.accept_string(forced)
+        p.constraint, p.forced = c, forced
+        p.meta["forced"] = forced       # shown by s.meta(name), as it always was
+
+    def _check(self, p: Pending, ids: CallIds) -> CallIds:
+        inst = p.owner.instance.id
+        if isinstance(p.op, Select):
+            ctx, conts = cast(SelectIds, ids)
+            over = len(ctx) + max(len(c) for c in conts) - self.max_len
+            if over > 0:
+                if not self.truncate_left:
+                    raise UserError(f"instance {inst}: select {p.op.name!r} needs {over + self.max_len} tokens, more "
+                                    f"than the model's {self.max_len}-token context; pass --truncate-left to drop "
+                                    "its oldest tokens (as lm-eval does)")
+                ctx = ctx[over:]
+                self.truncated += 1
+            return ctx, conts
+        if not ids:
+            raise UserError(f"instance {inst}: gen {p.op.name!r} has an empty prompt")
+        if len(ids) + p.op.max_tokens > self.max_len:
+            raise UserError(f"instance {inst}: gen {p.op.name!r} needs {len(ids)} prompt + {p.op.max_tokens} "
+                            f"new tokens, more than the model's {self.max_len}-token context")
+        return ids
+
+
+def engine_requests(calls: list[Pending], seed: int) -> tuple[list[EngineRequest], list[Pending]]:
+    """The engine requests of prepared calls (a select has one per choice), and the call of each."""
+    requests: list[EngineRequest] = []
+    owner: list[Pending] = []
+    for p in calls:
+        if isinstance(p.op, Select):
+            ctx, conts = select_ids(p)
+            for c in conts:
+                requests.append(ScoreRequest(ctx, c))
+                owner.append(p)
+        else:
+            op = p.op
+            call_seed = hash((seed, p.owner.index, p.seq)) & 0x7FFFFFFF
+            params = SamplingParams(op.max_tokens, op.temperature, op.top_p, call_seed, op.stop)
+            requests.append(GenerateRequest(gen_ids(p), params, p.constraint))
+            owner.append(p)
+    return requests, owner
+
+
+def resolve(p: Pending, results: Sequence[Any]) -> None:
+    """Set a call's value and meta from its engine results (one per choice of a select)."""
+    if isinstance(p.op, Select):
+        scores = cast(Sequence[ScoreResult], results)
+        logprobs = [r.logprob for r in scores]
+        best = max(range(len(logprobs)), key=logprobs.__getitem__)
+        p.value = p.op.choices[best]
+        p.meta.update(index=best, logprobs=logprobs, is_greedy=[r.is_greedy for r in scores],
+                      num_tokens=[r.num_tokens for r in scores])
+    else:
+        r = cast(GenerateResult, results[0])
+        p.value = p.forced + cast(str, r.text)
+        p.meta.update(finish_reason=r.finish_reason, prompt_tokens=len(gen_ids(p)), output_tokens=len(r.token_ids),
+                      steps=r.steps, jumped_tokens=r.jumped_tokens)
+        if r.grammar_complete is not None:     # a constrained gen cut short is marked, never accepted
+            p.meta["incomplete"] = not r.grammar_complete
+    p.ids = None
+    p.done = True

@@ -1,0 +1,58 @@
+"""`ProgramRun`: the interpreter's record of one instance's program while it runs in its greenlet."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import greenlet
+
+from lmbatch.errors import UserError
+from lmbatch.frontend.dsl import Gen, Pending, Select, State
+from lmbatch.frontend.workload import Instance
+from lmbatch.requests import TokenCounts
+
+
+class CallQueue(Protocol):
+    """Where a program's calls go (the `Interpreter`): its queue, and the greenlet that runs waves."""
+    ready: list[Pending]
+    hub: greenlet.greenlet
+
+
+@dataclass(eq=False)
+class ProgramRun:
+    """One instance's program while it runs."""
+    index: int
+    instance: Instance
+    interp: CallQueue
+    state: State | None = None
+    glet: greenlet.greenlet | None = None
+    stage: int = 0
+    calls: list[Pending] = field(default_factory=list)
+    error: str | None = None
+    user_error: UserError | None = None
+    tokens: TokenCounts = field(default_factory=TokenCounts)
+    started: bool = False           # some call of it has been in a wave
+
+    @property
+    def footprint(self) -> int:
+        """Tokens this program has put into the cache (prefill and decode)."""
+        return self.tokens.computed_tokens + self.tokens.decode_tokens
+
+    def submit(self, op: Gen | Select, prompt: str) -> Pending:
+        p = Pending(op, prompt, self, self.stage, len(self.calls))
+        self.calls.append(p)
+        self.interp.ready.append(p)
+        return p
+
+    def wait(self, pending: list[Pending]) -> None:
+        if not pending:
+            return
+        if greenlet.getcurrent() is not self.glet:
+            raise RuntimeError("a program's results were read before they were computed")
+        while not all(p.done for p in pending):
+            self.interp.hub.switch()
+        self.stage += 1
+
+    @property
+    def finished(self) -> bool:
+        return self.glet is None or self.glet.dead

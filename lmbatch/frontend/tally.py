@@ -1,0 +1,71 @@
+"""The interpreter's counts: run totals, per stage and per program, one row per executed request,
+and the post-hoc optimum of the prompts actually executed."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from lmbatch.frontend.calls import EngineRequest
+from lmbatch.frontend.dsl import Gen, Pending, Select
+from lmbatch.requests import GenerateResult, RunStats, ScoreResult, TokenCounts
+from lmbatch.scheduler.planner import posthoc_unique, summarize
+
+
+@dataclass
+class StageCounts(TokenCounts):
+    calls: int = 0
+    requests: int = 0               # engine requests (a select has one per choice)
+
+    def as_dict(self) -> dict[str, int]:
+        """summary.json's record of a stage."""
+        return dict(calls=self.calls, requests=self.requests, prompt_tokens=self.prompt_tokens,
+                    cached_tokens=self.cached_tokens, computed_tokens=self.computed_tokens,
+                    decode_tokens=self.decode_tokens)
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.stats = RunStats()
+        self.stages: dict[int, StageCounts] = {}
+        self.request_rows: list[dict] = []
+        self.prompt_tree_optimal_hit_rate = 0.0
+        self._prompts: list[list[int]] = []            # executed prompts, for the post-hoc optimum
+        self._generated: list[tuple[list[int], int]] = []  # (prompt + fed output, prompt length)
+
+    def account(self, requests: list[EngineRequest], owner: list[Pending],
+                results: Sequence[ScoreResult | GenerateResult], st: RunStats, wave: int) -> None:
+        """Count one wave's engine batch: `owner[j]` is the call of `requests[j]`."""
+        self.stats.add_run(st)
+        self.stats.plan_s += st.plan_s
+        for p in dict.fromkeys(owner):
+            self.stages.setdefault(p.stage, StageCounts()).calls += 1
+        first: dict[int, int] = {}
+        for k, p in enumerate(owner):
+            first.setdefault(id(p), k)
+        for j in st.order:
+            p, r = owner[j], results[j]
+            stage = self.stages[p.stage]
+            stage.requests += len(st.members[j])
+            stage.add(r)
+            p.owner.tokens.add(r)
+            prompt = requests[j].prompt
+            self._prompts.append(prompt)
+            if isinstance(r, GenerateResult) and isinstance(p.op, Gen):
+                self._generated.append((prompt + r.token_ids[:-1], len(prompt)))
+            select = isinstance(p.op, Select)
+            self.request_rows.append(dict(
+                order=len(self.request_rows), wave=wave, instance_id=p.owner.instance.id, stage=p.stage,
+                call=p.op.name, kind="select" if select else "gen",
+                choices=[m - first[id(p)] for m in st.members[j]] if select else [], prompt_tokens=r.prompt_tokens,
+                cached_tokens=r.cached_tokens, computed_tokens=r.computed_tokens, decode_tokens=r.decode_tokens,
+                token_ids=prompt))
+
+    def finish(self) -> None:
+        """The post-hoc optimum: from the tree of every prompt actually executed, where tokens that
+        generation already put in the cache count as free (their KV exists without any prefill)."""
+        s = self.stats
+        plain = summarize(self._prompts).unique_tokens     # the prompts' own tree (Theorem 3.1)
+        s.unique_tokens = posthoc_unique(self._prompts, self._generated) if self._generated else plain
+        s.optimal_hit_rate = 1 - s.unique_tokens / s.prompt_tokens if s.prompt_tokens else 0.0
+        s.engine_optimal_hit_rate = s.optimal_hit_rate
+        self.prompt_tree_optimal_hit_rate = 1 - plain / s.prompt_tokens if s.prompt_tokens else 0.0
