@@ -56,7 +56,7 @@ def main() -> None:
     tok_dir = args.tokenizer or str(embedded_model_dir())
     model_dir = ROOT / "presets" / args.preset if args.preset else embedded_model_dir()
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    subjects = mmlu.SUBJECTS[: args.subjects] if args.subjects else None
+    subjects = mmlu.subject_names()[: args.subjects] if args.subjects else None
     t0 = time.perf_counter()
     # the token ids exactly as `lmbatch run mmlu` makes them: the program's first pass
     instances = first_selects(mmlu.program, mmlu.instances(LoadArgs(tok, args.shots, args.limit, subjects)), tok)

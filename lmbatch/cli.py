@@ -1,14 +1,17 @@
 """Command line: `lmbatch run`, `lmbatch tasks`, `lmbatch report`."""
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import sys
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple, get_type_hints
 
 import typer
 
 from lmbatch.errors import UserError
+from lmbatch.runner import RunOptions
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Offline batch evaluation of LM programs, executed in DFS order over a radix tree.")
@@ -19,51 +22,56 @@ def _fail(e: UserError) -> None:
     raise typer.Exit(2)
 
 
-@app.command()
-def run(
-    task: str = typer.Argument(..., help="Task name (see `lmbatch tasks`) or a program file path/to/file.py."),
-    shots: int = typer.Option(0, help="Few-shot examples per prompt."),
-    model: Optional[str] = typer.Option(None, help="Local HF folder or hub id; default: the embedded "
-                                                   "SmolLM2-135M-Instruct."),
-    limit: Optional[int] = typer.Option(None, help="First N instances (per subject for mmlu, as lm-eval's --limit)."),
-    subjects: Optional[List[str]] = typer.Option(None, "--subjects", help="Only these MMLU subjects (repeatable)."),
-    device: str = typer.Option("auto", help="auto (CUDA when a GPU is visible, else CPU), cpu or cuda."),
-    dtype: Optional[str] = typer.Option(None, help="float32 (CPU default), bfloat16 (CUDA default) or float16."),
-    max_tokens_per_batch: Optional[int] = typer.Option(
-        None, help="Token budget of one forward batch (default: 4096 on CPU; on CUDA up to 16384, fitted to the "
-                   "model and free memory)."),
-    kv_cache_tokens: Optional[int] = typer.Option(None, help="KV pool size in tokens (default: 4 GiB on CPU; on CUDA "
-                                                             "half the free memory, at most 131072 tokens)."),
-    schedule: str = typer.Option("dfs", help="dfs (radix-tree order), fcfs or random: the last two for ablations."),
-    no_cache: bool = typer.Option(False, "--no-cache", help="Disable prefix caching (ablation)."),
-    seed: int = typer.Option(0, help="Seed for shots drawing, sampling and --schedule random."),
-    out: Path = typer.Option(Path("results"), help="Parent directory of run directories."),
-    run_id: Optional[str] = typer.Option(None, help="Run directory name (default: task-shots-model-time)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing run directory."),
-    truncate_left: bool = typer.Option(False, "--truncate-left", help="Drop the oldest tokens of prompts longer than "
-                                                                      "the model's context."),
-    save_token_ids: bool = typer.Option(False, "--save-token-ids",
-                                        help="Store each request's token ids in requests.parquet."),
-    quiet: bool = typer.Option(False, "--quiet", help="No progress bar or closing line."),
-    no_jump_forward: bool = typer.Option(False, "--no-jump-forward",
-                                         help="Decode grammar-forced text token by token (ablation)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Load, tokenize and plan only; print the plan's figures "
-                                 "as JSON (no weights loaded, nothing written)."),
-) -> None:
+def _param_name(f: dataclasses.Field) -> tuple[str, bool]:
+    """The `lmbatch run` parameter of a RunOptions field: its name, and whether it holds the field's
+    opposite (the flag --no-<field> of a true-by-default field, as jump_forward's)."""
+    if f.metadata.get("flag") == "--no-" + f.name.replace("_", "-"):
+        return "no_" + f.name, True
+    return f.name, False
+
+
+def _run_parameters() -> list[inspect.Parameter]:
+    """`lmbatch run`'s parameters, one per `RunOptions` field (each option is declared once, in runner.py),
+    in field order. A bool is a single flag: typer would otherwise add a --no-... twin."""
+    hints = get_type_hints(RunOptions)
+    params = []
+    for f in dataclasses.fields(RunOptions):
+        name, negated = _param_name(f)
+        if f.metadata.get("argument"):
+            info: Any = typer.Argument(..., help=f.metadata["help"])
+        else:
+            flag = f.metadata.get("flag") or ("--" + f.name.replace("_", "-") if hints[f.name] is bool else None)
+            info = typer.Option(not f.default if negated else f.default, *[flag] if flag else [],
+                                help=f.metadata["help"])
+        params.append(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=info,
+                                        annotation=hints[f.name]))
+    return params
+
+
+def _options(values: dict[str, Any]) -> RunOptions:
+    """`RunOptions` from the values of the parameters `_run_parameters` made."""
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(RunOptions):
+        name, negated = _param_name(f)
+        value = values[name]
+        kwargs[f.name] = not value if negated else (value or None) if isinstance(value, list) else value
+    return RunOptions(**kwargs)
+
+
+def run(**values: Any) -> None:
     """Run a task's every instance through the engine; write results/<run_id>/."""
-    from lmbatch.runner import RunOptions
     from lmbatch.runner import run as do_run
 
-    opts = RunOptions(task=task, shots=shots, model=model, limit=limit, subjects=subjects or None, device=device,
-                      dtype=dtype, max_tokens_per_batch=max_tokens_per_batch, kv_cache_tokens=kv_cache_tokens,
-                      schedule=schedule, no_cache=no_cache, seed=seed, out=out, run_id=run_id, overwrite=overwrite,
-                      truncate_left=truncate_left, save_token_ids=save_token_ids, quiet=quiet,
-                      jump_forward=not no_jump_forward, dry_run=dry_run)
+    opts = _options(values)
     try:
         result = do_run(opts)
     except UserError as e:
         _fail(e)
-    typer.echo(json.dumps(result, indent=2) if dry_run else str(result))
+    typer.echo(json.dumps(result, indent=2) if opts.dry_run else str(result))
+
+
+setattr(run, "__signature__", inspect.Signature(_run_parameters()))
+app.command()(run)
 
 
 @app.command()

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -31,28 +31,43 @@ DEVICES = ("auto", "cpu", "cuda")
 CPU_BATCH_TOKENS = 4096
 
 
+def _option(default: Any, help: str, flag: str | None = None) -> Any:
+    """A RunOptions field with its `lmbatch run` help. `flag` is the option's spelling where it is not
+    --field-name; a true-by-default bool field with the flag --no-field-name is set false by giving it."""
+    return field(default=default, metadata={"help": help, "flag": flag})
+
+
 @dataclass
 class RunOptions:
-    task: str
-    shots: int = 0
-    model: str | None = None
-    limit: int | None = None
-    subjects: list[str] | None = None
-    device: str = "auto"
-    dtype: str | None = None
-    max_tokens_per_batch: int | None = None     # None: fitted to the device (see _batch_tokens)
-    kv_cache_tokens: int | None = None
-    schedule: str = "dfs"
-    no_cache: bool = False
-    seed: int = 0
-    out: Path = Path("results")
-    run_id: str | None = None
-    overwrite: bool = False
-    truncate_left: bool = False
-    save_token_ids: bool = False
-    quiet: bool = False
-    jump_forward: bool = True
-    dry_run: bool = False
+    """The options of one `lmbatch run`, each declared once, here: `lmbatch.cli` makes the command's
+    parameters from these fields, in this order, with their defaults and the help in their metadata.
+    `_check` and `_device` validate them."""
+
+    task: str = field(metadata={"help": "Task name (see `lmbatch tasks`) or a program file path/to/file.py.",
+                                "argument": True})
+    shots: int = _option(0, "Few-shot examples per prompt.")
+    model: str | None = _option(None, "Local HF folder or hub id; default: the embedded SmolLM2-135M-Instruct.")
+    limit: int | None = _option(None, "First N instances (per subject for mmlu, as lm-eval's --limit).")
+    subjects: list[str] | None = _option(None, "Only these MMLU subjects (repeatable).")
+    device: str = _option("auto", "auto (CUDA when a GPU is visible, else CPU), cpu or cuda.")
+    dtype: str | None = _option(None, "float32 (CPU default), bfloat16 (CUDA default) or float16.")
+    max_tokens_per_batch: int | None = _option(     # None: fitted to the device (see _batch_tokens)
+        None, "Token budget of one forward batch (default: 4096 on CPU; on CUDA up to 16384, fitted to the model "
+              "and free memory).")
+    kv_cache_tokens: int | None = _option(None, "KV pool size in tokens (default: 4 GiB on CPU; on CUDA half the "
+                                                "free memory, at most 131072 tokens).")
+    schedule: str = _option("dfs", "dfs (radix-tree order), fcfs or random: the last two for ablations.")
+    no_cache: bool = _option(False, "Disable prefix caching (ablation).")
+    seed: int = _option(0, "Seed for shots drawing, sampling and --schedule random.")
+    out: Path = _option(Path("results"), "Parent directory of run directories.")
+    run_id: str | None = _option(None, "Run directory name (default: task-shots-model-time).")
+    overwrite: bool = _option(False, "Replace an existing run directory.")
+    truncate_left: bool = _option(False, "Drop the oldest tokens of prompts longer than the model's context.")
+    save_token_ids: bool = _option(False, "Store each request's token ids in requests.parquet.")
+    quiet: bool = _option(False, "No progress bar or closing line.")
+    jump_forward: bool = _option(True, "Decode grammar-forced text token by token (ablation).", "--no-jump-forward")
+    dry_run: bool = _option(False, "Load, tokenize and plan only; print the plan's figures as JSON (no weights "
+                                   "loaded, nothing written).")
 
 
 def _git_commit() -> str | None:
@@ -70,8 +85,15 @@ def _check(o: RunOptions, w: Workload) -> None:
         raise UserError(f"--shots {o.shots} is out of range: {w.name} takes 0 to {w.max_shots} few-shot examples")
     if o.shots < 0:
         raise UserError("--shots must be at least 0")
-    if o.subjects and not w.subjects:
-        raise UserError(f"--subjects applies to mmlu only, not to {w.name}")
+    if o.shots > 0 and w.shot_pool is not None and o.shots >= (pool := w.shot_pool()):
+        raise UserError(f"--shots {o.shots} needs more than the {pool} {w.shot_pool_name}")
+    if o.subjects:
+        if w.subjects is None:
+            raise UserError(f"--subjects applies to mmlu only, not to {w.name}")
+        valid = w.subjects()
+        for subject in o.subjects:
+            if subject not in valid:
+                raise UserError(f"unknown MMLU subject {subject!r}; valid: {', '.join(valid)}")
     if o.limit is not None and o.limit < 1:
         raise UserError("--limit must be at least 1")
     if o.device not in DEVICES:
@@ -431,7 +453,7 @@ def _summary(o: RunOptions, w: Workload, run_id: str, model_dir: Path, device: s
         "hit_rate": stats.hit_rate,
         "optimal_hit_rate": stats.optimal_hit_rate,
         "prompt_tree_optimal_hit_rate": interp.prompt_tree_optimal_hit_rate,
-        "stages": {str(k): asdict(v) for k, v in sorted(interp.stages.items())},
+        "stages": {str(k): v.as_dict() for k, v in sorted(interp.stages.items())},
         "evicted_tokens": stats.evicted_tokens,
         "forward_batches": stats.forward_batches,
         # phases from the process's start; "load" is what the run waited for the model, and

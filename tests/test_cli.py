@@ -101,6 +101,42 @@ def test_bad_option_values(tmp_path):
     _error(lmbatch("run", "mmlu", "--subjects", "astrology", "--out", tmp_path), "astrology")
 
 
+def test_shots_limit_and_subjects_are_checked_once_before_any_work(tmp_path):
+    """runner._check is the one check of --shots, --limit and --subjects: the data modules trust it."""
+    _error(lmbatch("run", "hellaswag", "--shots", 10042, "--out", tmp_path),
+           "--shots 10042 needs more than the 10042 HellaSwag validation docs")
+    _error(lmbatch("run", "hellaswag", "--shots", -1, "--out", tmp_path), "--shots must be at least 0")
+    _error(lmbatch("run", "mmlu", "--subjects", "abstract_algebra", "--subjects", "astrology", "--out", tmp_path),
+           "unknown MMLU subject 'astrology'; valid: abstract_algebra, ", "world_religions")
+    _error(lmbatch("run", "json", "--subjects", "anatomy", "--out", tmp_path), "--subjects applies to mmlu only")
+    for task in ("mmlu", "hellaswag", "tot-gsm8k", "json"):
+        _error(lmbatch("run", task, "--limit", -1, "--out", tmp_path), "--limit must be at least 1")
+
+
+def test_run_options_are_the_fields_of_RunOptions():
+    """Each `lmbatch run` option is declared once, as a RunOptions field: flag, default and help come from it."""
+    import dataclasses
+
+    import typer.main
+
+    from lmbatch.runner import RunOptions
+
+    params = {p.name: p for p in typer.main.get_command(app).commands["run"].params}
+    assert [p for p in params if p != "help"] == [
+        "no_jump_forward" if f.name == "jump_forward" else f.name for f in dataclasses.fields(RunOptions)]
+    for f in dataclasses.fields(RunOptions):
+        p = params["no_jump_forward" if f.name == "jump_forward" else f.name]
+        assert p.help == f.metadata["help"] and p.help
+        assert p.default == (None if f.name == "task" else False if f.name == "jump_forward" else f.default)
+    assert params["no_jump_forward"].opts == ["--no-jump-forward"] and params["no_jump_forward"].is_flag
+    assert params["no_cache"].opts == ["--no-cache"] and params["no_cache"].is_flag
+    assert not params["no_cache"].secondary_opts and not params["dry_run"].secondary_opts
+    assert params["subjects"].multiple and params["max_tokens_per_batch"].opts == ["--max-tokens-per-batch"]
+    assert params["shots"].default == 0 and params["device"].default == "auto" and params["schedule"].default == "dfs"
+    help_text = lmbatch("run", "--help").output
+    assert "--no-jump-forward" in help_text and "--kv-cache-tokens" in help_text and "[default: dfs]" in help_text
+
+
 def test_report_and_compare_exit_codes(tiny, tmp_path):
     for name, extra in (("base", []), ("nocache", ["--no-cache"])):
         assert lmbatch(*run_args(tiny, tmp_path, name, *extra)).exit_code == 0

@@ -97,11 +97,10 @@ def test_when_masks_are_filled_changes_no_output(tiny_tok, temperature, monkeypa
     makes that the masked pick too) and computes a mask only otherwise ("lazy"); "overlap" masks some
     rows ahead, while the device is busy (here: a probe that says busy for one look per step, time
     for 4 masks), and the rest lazily. Same tokens as masking every row at every step ("eager"), with fewer masks."""
+    import lmbatch.engine.sampler
     from lmbatch.data.wiki_cities import SCHEMA
     from lmbatch.grammar import GrammarCompiler
     from lmbatch.requests import GenerateRequest, SamplingParams
-
-    import lmbatch.engine.sampler
 
     def one_look(logits):
         looks = iter([True])

@@ -161,9 +161,9 @@ def test_jump_forward_rows_in_decode_graphs_match_eager(tmp_path, dtype):
 
     from conftest import make_tiny_with_tokenizer
     from lmbatch.programs.json_cities import valid
-    from lmbatch.programs.wiki_cities import SCHEMA
     from transformers import AutoTokenizer
 
+    from lmbatch.data.wiki_cities import SCHEMA
     from lmbatch.grammar import GrammarCompiler
 
     path = make_tiny_with_tokenizer(tmp_path)
@@ -225,9 +225,9 @@ def test_mask_modes_pick_the_same_tokens_on_cuda(tmp_path, temperature):
     through the same pinned buffer and non-blocking copy) or only after a rejected pick ("lazy"):
     the same tokens, on the device's real timing."""
     from conftest import make_tiny_with_tokenizer
-    from lmbatch.programs.wiki_cities import SCHEMA
     from transformers import AutoTokenizer
 
+    from lmbatch.data.wiki_cities import SCHEMA
     from lmbatch.grammar import GrammarCompiler
 
     path = make_tiny_with_tokenizer(tmp_path)
@@ -248,9 +248,9 @@ def test_mask_modes_pick_the_same_tokens_on_cuda(tmp_path, temperature):
 
 
 def test_apply_mask_cuda_matches_cpu(tiny_tok) -> None:
-    from lmbatch.programs.wiki_cities import SCHEMA
     from transformers import AutoTokenizer
 
+    from lmbatch.data.wiki_cities import SCHEMA
     from lmbatch.grammar import GrammarCompiler, allocate_bitmask, apply_mask
 
     PAD = 64  # an embedding padded past the vocabulary

