@@ -210,12 +210,12 @@ def _build_engine(o: RunOptions, model_dir: Path, device: str, dtype_name: str, 
                   batch_tokens: int):
     import torch
 
-    from lmbatch.engine import Engine
+    from lmbatch.engine import Engine, EngineOptions
 
-    engine = Engine.from_pretrained(model_dir, device=device, dtype=getattr(torch, dtype_name),
-                                    tokenizer=encoder.hf, kv_cache_tokens=kv_tokens,
-                                    max_tokens_per_batch=batch_tokens, cache=not o.no_cache,
-                                    jump_forward=o.jump_forward)
+    options = EngineOptions(kv_cache_tokens=kv_tokens, max_tokens_per_batch=batch_tokens, cache=not o.no_cache,
+                            jump_forward=o.jump_forward)
+    engine = Engine.from_pretrained(model_dir, options, device=device, dtype=getattr(torch, dtype_name),
+                                    tokenizer=encoder.hf)
     engine.warm_up()
     return engine
 

@@ -4,8 +4,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from lmbatch.requests import ScoreRequest
+
 # GPU tests (marked gpu) need CUDA: on a machine without it they are not collected at all.
-collect_ignore = [] if torch.cuda.is_available() else ["test_gpu.py"]
+collect_ignore = [] if torch.cuda.is_available() else ["gpu"]
 
 
 def pytest_report_header(config):
@@ -98,3 +100,24 @@ def make_tiny_with_tokenizer(path, max_positions: int = 2048, seed: int = 0):
 @pytest.fixture(scope="session")
 def tiny_tok(tmp_path_factory):
     return make_tiny_with_tokenizer(tmp_path_factory.mktemp("tiny_tok"))
+
+
+def random_requests(rng: random.Random, n: int, vocab: int = 128) -> list[ScoreRequest]:
+    """Shared and unshared prefixes, duplicates, and prompts that are prefixes of others."""
+    stems = [[rng.randrange(vocab) for _ in range(rng.randint(1, 30))] for _ in range(3)]
+    reqs = []
+    while len(reqs) < n:
+        kind = rng.random()
+        if kind < 0.15 and reqs:
+            reqs.append(rng.choice(reqs))                                    # duplicate
+            continue
+        if kind < 0.3 and reqs:
+            base = rng.choice(reqs).tokens
+            toks = base[: rng.randint(2, len(base))] if len(base) >= 2 else base + [1]  # prefix of another
+        else:
+            toks = rng.choice(stems) + [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+        if len(toks) < 2:
+            toks = toks + [rng.randrange(vocab)]
+        cut = rng.randint(1, len(toks) - 1)
+        reqs.append(ScoreRequest(toks[:cut], toks[cut:]))
+    return reqs

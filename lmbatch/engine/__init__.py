@@ -1,4 +1,4 @@
 """The engine: executes a batch of score and generate requests over one model with a radix KV cache."""
-from lmbatch.engine.engine import Engine
+from lmbatch.engine.engine import Engine, EngineOptions
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "EngineOptions"]

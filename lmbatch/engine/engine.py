@@ -65,14 +65,16 @@ class Engine:
                                jump_forward=o.jump_forward, max_rows=o.max_running)
 
     @classmethod
-    def from_pretrained(cls, path, *, device="cpu", dtype=torch.float32, load_format="auto", **kw) -> "Engine":
+    def from_pretrained(cls, path, options: EngineOptions | None = None, *, device="cpu", dtype=torch.float32,
+                        load_format="auto", tokenizer: Any = None, **overrides: Any) -> "Engine":
+        """An engine over the checkpoint folder `path` (random weights with load_format="dummy")."""
         from lmbatch.model.weights import init_dummy, load_weights
 
         cfg = ModelConfig.from_dir(path)
         with torch.device(device):
             model = Transformer(cfg).to(dtype)
         init_dummy(model) if load_format == "dummy" else load_weights(model, path)
-        return cls(model.eval(), **kw)
+        return cls(model.eval(), options, tokenizer=tokenizer, **overrides)
 
     def warm_up(self, tokens: int = 16) -> None:
         """Compile kernels and load libraries now, not in the first real batch (see ModelRunner.warm_up)."""

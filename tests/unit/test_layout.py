@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # where each part of the lmbatch namespace lives (pyproject.toml's package-dir)
 SOURCES = {"lmbatch": ROOT / "lmbatch", "lmbatch.programs": ROOT / "programs",
            "lmbatch.kernels": ROOT / "kernels", "lmbatch.scheduler": ROOT / "scheduler"}

@@ -191,7 +191,7 @@ def test_a_later_call_that_cannot_run_fails_only_its_instance(tiny_tok):
 def test_the_readme_example_program_runs(tiny_tok, tmp_path):
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     example = (root / "examples" / "capitals.py").read_text()
     assert example in (root / "README.md").read_text()          # the README shows exactly this file
     r = CliRunner().invoke(app, ["run", str(root / "examples" / "capitals.py"), "--model", str(tiny_tok),

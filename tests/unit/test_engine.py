@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+from conftest import random_requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lmbatch.scheduler.planner import make_plan
@@ -24,28 +25,6 @@ def hf_score(hf, req: ScoreRequest) -> tuple[float, bool]:
     rows = lp[c - 1 : len(req.tokens) - 1]
     target = torch.tensor(req.continuation)
     return float(rows.gather(1, target[:, None]).sum()), bool((rows.argmax(-1) == target).all())
-
-
-def random_requests(rng: random.Random, n: int, vocab: int = 128) -> list[ScoreRequest]:
-    """Shared and unshared prefixes, duplicates, and prompts that are prefixes of others."""
-    stems = [[rng.randrange(vocab) for _ in range(rng.randint(1, 30))] for _ in range(3)]
-    reqs = []
-    while len(reqs) < n:
-        kind = rng.random()
-        if kind < 0.15 and reqs:
-            reqs.append(rng.choice(reqs))                                    # duplicate
-            continue
-        if kind < 0.3 and reqs:
-            base = rng.choice(reqs).tokens
-            toks = base[: rng.randint(2, len(base))] if len(base) >= 2 else base + [1]  # prefix of another
-        else:
-            toks = rng.choice(stems) + [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
-        if len(toks) < 2:
-            toks = toks + [rng.randrange(vocab)]
-        cut = rng.randint(1, len(toks) - 1)
-        reqs.append(ScoreRequest(toks[:cut], toks[cut:]))
-    return reqs
-
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):

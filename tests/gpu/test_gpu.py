@@ -7,8 +7,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-from conftest import make_tiny_hf  # noqa: E402
-from test_engine import random_requests  # noqa: E402
+from conftest import make_tiny_hf, random_requests  # noqa: E402
 
 from lmbatch.attention import ForwardBatch, make_backend  # noqa: E402
 from lmbatch.attention.kv_pool import KVPool  # noqa: E402
