@@ -4,7 +4,7 @@ Why not transformers' own GGUF loading (`from_pretrained(gguf_file=...)` then `s
 builds a whole model and a slow tokenizer on the way, about 23 s for the embedded 135M model on a small
 CPU, where the job is a few array operations: parse the header, dequantize each tensor, undo
 llama.cpp's Q/K row order, and write the weights, the config and the tokenizer. The result is the same
-folder, weights bitwise equal: tests/test_models.py compares it with the transformers route.
+folder, weights bitwise equal: tests/unit/test_models.py compares it with the transformers route.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def test_every_gold_is_a_normalized_integer() -> None:
 def test_limit() -> None:
     assert [q.index for q in gsm8k.load_questions(3)] == [0, 1, 2]
     assert gsm8k.load_questions(0) == []
-    # the runner rejects --limit below 1 before any work (tests/test_cli.py)
+    # the runner rejects --limit below 1 before any work (tests/e2e/test_cli.py)
 
 
 @pytest.mark.parametrize("s, want", [

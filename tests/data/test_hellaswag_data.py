@@ -97,7 +97,7 @@ def test_deterministic(docs) -> None:
 
 
 def test_largest_shot_pool(docs) -> None:
-    # the runner rejects --shots N_DOCS and more (and --shots -1, --limit -1) before any work (tests/test_cli.py)
+    # the runner rejects --shots N_DOCS and more (and --shots -1, --limit -1) before any work (tests/e2e/test_cli.py)
     assert hellaswag.WORKLOAD.shot_pool() == N_DOCS
     assert hellaswag.WORKLOAD.shot_pool_name == "HellaSwag validation docs"
     assert len(hellaswag.shot_indices(N_DOCS, N_DOCS - 1)) == N_DOCS

@@ -26,7 +26,7 @@ def test_subjects_and_counts() -> None:
     assert all(0 <= q.answer < 4 and len(q.choices) == 4 for q in qs)
     for s in data.SUBJECTS:
         assert len(data.dev_shots(s)) == 5
-    # the runner checks --shots and --subjects against these before any work (tests/test_cli.py)
+    # the runner checks --shots and --subjects against these before any work (tests/e2e/test_cli.py)
     assert mmlu.WORKLOAD.max_shots == 5 and mmlu.WORKLOAD.subjects() == data.SUBJECTS
 
 

@@ -25,7 +25,7 @@ def test_city_selection_is_pinned() -> None:
     # a city named in the description is not enough: the description must be about one
     assert not {"Moat", "Paris Commune", "Brooklyn Bridge", "Metropolitan Museum of Art"} & set(titles)
     assert wiki_cities.load_cities(3) == cities[:3]
-    # the runner rejects --limit below 1 before any work (tests/test_cli.py)
+    # the runner rejects --limit below 1 before any work (tests/e2e/test_cli.py)
 
 
 @pytest.mark.parametrize("description, city", [
