@@ -69,7 +69,7 @@ def test_kernels_import_nothing_from_lmbatch():
 
 def test_lower_layers_do_not_import_higher_ones():
     layers = [("lmbatch.requests", "lmbatch.errors"), ("lmbatch.kernels",), ("lmbatch.attention", "lmbatch.model"),
-              ("lmbatch.scheduler",), ("lmbatch.engine",), ("lmbatch.frontend", "lmbatch.data"),
+              ("lmbatch.scheduler",), ("lmbatch.engine",), ("lmbatch.frontend",), ("lmbatch.data",),
               ("lmbatch.programs",),
               ("lmbatch.runner", "lmbatch.cli", "lmbatch.baseline", "lmbatch.report", "lmbatch.outputs")]
 
