@@ -20,10 +20,10 @@ PREFIXES = ['{"name":"Os', '{"name":"Oslo","country":"Nor', '{"name":"Oslo","cou
 def main() -> None:
     import xgrammar as xgr
 
-    from lmbatch.data.wiki_cities import SCHEMA
     from lmbatch.engine.sampler import AHEAD_ROWS
     from lmbatch.grammar import GrammarCompiler, allocate_bitmask, fill_masks
     from lmbatch.model.checkpoint import embedded_model_dir
+    from lmbatch.programs.json_cities import SCHEMA
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer")

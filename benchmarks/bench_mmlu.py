@@ -42,13 +42,13 @@ def main() -> None:
     ap.add_argument("--torch-profile", action="store_true", help="device time by kernel, on the first 4000 requests")
     args = ap.parse_args()
 
-    from lmbatch.programs import mmlu
     from transformers import AutoTokenizer
 
     from lmbatch.baseline import first_selects, score_choices
     from lmbatch.engine import Engine
     from lmbatch.frontend.workload import LoadArgs
     from lmbatch.model.checkpoint import embedded_model_dir
+    from lmbatch.programs import mmlu
     from lmbatch.requests import ScoreRequest
 
     dev = torch.device(args.device)

@@ -7,9 +7,9 @@ import random
 
 import numpy as np
 import pytest
-from lmbatch.programs import hellaswag
 
 from lmbatch.data import hellaswag as data
+from lmbatch.programs import hellaswag
 
 N_DOCS = 10042
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import re
 
 import pytest
-from lmbatch.programs import mmlu  # noqa: E402
 
 from lmbatch.data import mmlu as data
 from lmbatch.data import package_dir
 from lmbatch.errors import UserError
+from lmbatch.programs import mmlu  # noqa: E402
 
 
 def test_package_dir_missing() -> None:

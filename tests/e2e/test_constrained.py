@@ -4,7 +4,6 @@ outputs are marked incomplete, invalid constraints fail before model work."""
 import re
 
 import pytest
-from lmbatch.programs import json_cities
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
@@ -15,6 +14,7 @@ from lmbatch.frontend.interpreter import Interpreter
 from lmbatch.frontend.workload import Instance, LoadArgs
 from lmbatch.model.checkpoint import embedded_model_dir
 from lmbatch.model.config import ModelConfig
+from lmbatch.programs import json_cities
 
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-[0-2]\d"
@@ -98,8 +98,8 @@ def test_when_masks_are_filled_changes_no_output(tiny_tok, temperature, monkeypa
     rows ahead, while the device is busy (here: a probe that says busy for one look per step, time
     for 4 masks), and the rest lazily. Same tokens as masking every row at every step ("eager"), with fewer masks."""
     import lmbatch.engine.sampler
-    from lmbatch.data.wiki_cities import SCHEMA
     from lmbatch.grammar import GrammarCompiler
+    from lmbatch.programs.json_cities import SCHEMA
     from lmbatch.requests import GenerateRequest, SamplingParams
 
     def one_look(logits):

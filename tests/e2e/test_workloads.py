@@ -1,6 +1,5 @@
 """HellaSwag and tree-of-thought GSM8K end to end on the embedded model (SmolLM2-135M, float32)."""
 import pytest
-from lmbatch.programs import hellaswag, tot_gsm8k
 from transformers import AutoTokenizer
 
 from lmbatch.baseline import first_selects, load_hf, score_pairs
@@ -8,6 +7,7 @@ from lmbatch.engine import Engine
 from lmbatch.frontend.interpreter import Interpreter
 from lmbatch.frontend.workload import LoadArgs
 from lmbatch.model.checkpoint import embedded_model_dir
+from lmbatch.programs import hellaswag, tot_gsm8k
 
 
 def run(workload, args, kv=65536, wave_tokens=None):

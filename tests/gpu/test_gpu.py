@@ -111,8 +111,8 @@ def test_eviction_under_small_pool(tiny, name):
 
 def test_fused_ops_match_torch_path():
     import torch.nn.functional as F
-    from lmbatch.kernels import fused
 
+    from lmbatch.kernels import fused
     from lmbatch.model.network import apply_rope
 
     g = torch.Generator("cuda").manual_seed(0)
@@ -159,11 +159,10 @@ def test_jump_forward_rows_in_decode_graphs_match_eager(tmp_path, dtype):
     import json
 
     from conftest import make_tiny_with_tokenizer
-    from lmbatch.programs.json_cities import valid
     from transformers import AutoTokenizer
 
-    from lmbatch.data.wiki_cities import SCHEMA
     from lmbatch.grammar import GrammarCompiler
+    from lmbatch.programs.json_cities import SCHEMA, valid
 
     path = make_tiny_with_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(str(path))
@@ -226,8 +225,8 @@ def test_mask_modes_pick_the_same_tokens_on_cuda(tmp_path, temperature):
     from conftest import make_tiny_with_tokenizer
     from transformers import AutoTokenizer
 
-    from lmbatch.data.wiki_cities import SCHEMA
     from lmbatch.grammar import GrammarCompiler
+    from lmbatch.programs.json_cities import SCHEMA
 
     path = make_tiny_with_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(str(path))
@@ -249,8 +248,8 @@ def test_mask_modes_pick_the_same_tokens_on_cuda(tmp_path, temperature):
 def test_apply_mask_cuda_matches_cpu(tiny_tok) -> None:
     from transformers import AutoTokenizer
 
-    from lmbatch.data.wiki_cities import SCHEMA
     from lmbatch.grammar import GrammarCompiler, allocate_bitmask, apply_mask
+    from lmbatch.programs.json_cities import SCHEMA
 
     PAD = 64  # an embedding padded past the vocabulary
     gc = GrammarCompiler(AutoTokenizer.from_pretrained(str(tiny_tok)))

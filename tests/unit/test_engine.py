@@ -7,10 +7,10 @@ import torch
 from conftest import random_requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lmbatch.scheduler.planner import make_plan
 
 from lmbatch.engine import Engine
 from lmbatch.requests import GenerateRequest, GenerateResult, SamplingParams, ScoreRequest
+from lmbatch.scheduler.planner import make_plan
 
 
 def engine(path, **kw):

@@ -7,8 +7,6 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lmbatch.programs.mmlu import encode_choices
-from lmbatch.scheduler.planner import posthoc_unique
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
@@ -17,7 +15,9 @@ from lmbatch.engine import Engine
 from lmbatch.frontend import gen, select
 from lmbatch.frontend.interpreter import Interpreter
 from lmbatch.frontend.workload import Instance
+from lmbatch.programs.mmlu import encode_choices
 from lmbatch.requests import GenerateRequest, SamplingParams
+from lmbatch.scheduler.planner import posthoc_unique
 
 PREFIX = "You are a careful assistant. Answer every question briefly and precisely. " * 3
 

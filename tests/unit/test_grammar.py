@@ -258,7 +258,7 @@ def test_constraints_keep_text_well_formed_utf8(tok) -> None:
     overlong forms (E0 80 80, F0 80 80 80). Each decodes to several U+FFFD, so a 40-character string
     overran its bound (seen in a GPU run). A constraint rejects such a byte and masks it out; well-
     formed 3- and 4-byte characters pass, and rollback restores the state."""
-    from lmbatch.data.wiki_cities import SCHEMA as CITY
+    from lmbatch.programs.json_cities import SCHEMA as CITY
 
     gc = GrammarCompiler(tok, vocab_size=len(tok))
 

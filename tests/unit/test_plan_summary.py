@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from lmbatch.scheduler.planner import make_plan, sorted_lcps, summarize
 
 tokens = st.lists(st.integers(0, 2), min_size=1, max_size=6)
