@@ -265,7 +265,10 @@ def _run(o: RunOptions, collect: bool) -> Path | dict[str, Any]:
         raise UserError(f"output directory {final} exists; pass --overwrite to replace it or --run-id to name another")
     with clock("model_files"):
         encoder = TextEncoder.for_model(model_dir)
-        shape = ModelConfig.shape_from_json(model_dir)
+        try:
+            shape = ModelConfig.shape_from_json(model_dir)
+        except ValueError as e:     # a supported model_type with a variant we do not run (e.g. its RoPE)
+            raise UserError(f"model at {model_dir}: {e}") from None
     loader = None if o.dry_run else _Loader(o, model_dir, encoder)
     instances, interp = _prepare(o, w, encoder, shape, clock)
     if loader is None:

@@ -2,7 +2,17 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Olmo2Config,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from lmbatch.requests import ScoreRequest
 
@@ -25,6 +35,16 @@ TINY_CONFIGS = {
                                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                           "original_max_position_embeddings": 64}),
     "qwen2": lambda: Qwen2Config(**TINY, rope_theta=1000000.0, tie_word_embeddings=True),
+    # head_dim apart from hidden / heads; q/k RMSNorm per head
+    "qwen3": lambda: Qwen3Config(**TINY, head_dim=24, tie_word_embeddings=False),
+    # routed experts on layer 0, a dense MLP on layer 1 (mlp_only_layers); top-k weights not renormalized
+    "qwen3_moe": lambda: Qwen3MoeConfig(**TINY, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1]),
+    "mixtral": lambda: MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2),
+    # a window shorter than the parity tests' sequences (20 to 50 tokens)
+    "mistral": lambda: MistralConfig(**TINY, sliding_window=12),
+    "phi3": lambda: Phi3Config(**TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "olmo2": lambda: Olmo2Config(**TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 
 

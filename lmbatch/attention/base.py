@@ -53,6 +53,7 @@ class AttentionBackend(ABC):
 
     def plan(self, batch: ForwardBatch) -> None:
         self.batch = batch
+        self.max_kv_len = max((b - a for a, b in zip(batch.kv_indptr, batch.kv_indptr[1:])), default=0)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         slots = self.batch.out_slots
@@ -60,8 +61,19 @@ class AttentionBackend(ABC):
         self.pool.v[layer, slots] = v
 
     @abstractmethod
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Attention output of the batch's new tokens at `layer` ([T, heads, head_dim])."""
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
+        """Attention output of the batch's new tokens at `layer` ([T, heads, head_dim]). With a
+        `window`, a token sees only the last `window` positions up to its own (sliding-window layers)."""
+
+    def full_view(self, window: int | None, layer: int) -> None:
+        """For backends without sliding windows: fine while no sequence is longer than the window
+        (then the window hides nothing); else a one-line error rather than a wrong result."""
+        if window is not None and self.max_kv_len > window:
+            from lmbatch.errors import UserError
+            raise UserError(f"layer {layer} attends over a sliding window of {window} tokens and a sequence here "
+                            f"has {self.max_kv_len}: the {type(self).__name__} does not implement sliding windows "
+                            "yet; run it with --device cpu")
 
 
 # name -> (module, class): imported when first made (FlashInfer's import alone takes seconds)

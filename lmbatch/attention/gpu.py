@@ -25,9 +25,10 @@ class TritonBackend(_DeviceMeta):
         self.qo_dev = to_device(self.qo_indptr, dev)
         self.kv_dev = to_device(self.kv_indptr, dev)
 
-    def forward(self, layer, q, k, v):
+    def forward(self, layer, q, k, v, window=None):
         from lmbatch.kernels.extend_attention import extend_attention
 
+        self.full_view(window, layer)
         self.store(layer, k, v)
         return extend_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices, self.qo_dev,
                                 self.kv_dev, self.max_q_len, self.scale)
@@ -51,7 +52,8 @@ class FlashInferBackend(_DeviceMeta):
                           self.num_heads, self.pool.k.shape[2], self.head_dim, 1, causal=True,
                           sm_scale=self.scale, q_data_type=self.pool.k.dtype, kv_data_type=self.pool.k.dtype)
 
-    def forward(self, layer, q, k, v):
+    def forward(self, layer, q, k, v, window=None):
+        self.full_view(window, layer)
         self.store(layer, k, v)
         kv = (self.pool.k[layer].unsqueeze(1), self.pool.v[layer].unsqueeze(1))
         q = q.contiguous()

@@ -21,7 +21,7 @@ class TorchBackend(AttentionBackend):
     the two are merged by their log-sum-exp, as cascade attention does.
     """
 
-    def forward(self, layer, q, k, v):
+    def forward(self, layer, q, k, v, window=None):
         # Store every new token's KV first: a sequence may read KV that another sequence of the
         # same batch writes (a shared prefix inserted into the tree earlier in this batch).
         self.store(layer, k, v)
@@ -31,15 +31,18 @@ class TorchBackend(AttentionBackend):
             q0, q1 = b.qo_indptr[i], b.qo_indptr[i + 1]
             slots = b.kv_indices[b.kv_indptr[i]:b.kv_indptr[i + 1]]
             keys, values = self.pool.k[layer, slots], self.pool.v[layer, slots]
-            if q.device.type == "cpu":
+            if q.device.type == "cpu" and (window is None or len(slots) <= window):
                 out[q0:q1] = self._attend_cpu(q[q0:q1], keys, values)
             else:
-                out[q0:q1] = self._attend_masked(q[q0:q1], keys, values)
+                out[q0:q1] = self._attend_masked(q[q0:q1], keys, values, window)
         return out
 
-    def _attend_masked(self, q, k, v):
+    def _attend_masked(self, q, k, v, window: int | None = None):
         n, L = q.shape[0], k.shape[0]
-        mask = torch.arange(L, device=q.device)[None, :] <= torch.arange(L - n, L, device=q.device)[:, None]
+        keys, queries = torch.arange(L, device=q.device)[None, :], torch.arange(L - n, L, device=q.device)[:, None]
+        mask = keys <= queries
+        if window is not None:      # as transformers' sliding window: key > query - window
+            mask &= keys > queries - window
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                            attn_mask=mask, scale=self.scale, enable_gqa=True)
         return o.transpose(0, 1)

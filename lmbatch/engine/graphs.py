@@ -35,7 +35,7 @@ class _GraphAttention(AttentionBackend):
     def plan(self, batch):
         self.batch = batch
 
-    def forward(self, layer, q, k, v):
+    def forward(self, layer, q, k, v, window=None):     # windows: checked by DecodeGraphs.run before a replay
         from lmbatch.kernels.extend_attention import extend_attention
 
         self.store(layer, k, v)
@@ -46,6 +46,7 @@ class _GraphAttention(AttentionBackend):
 class DecodeGraphs:
     def __init__(self, model, pool, scratch_slot: int, max_batch: int):
         self.model, self.pool, self.scratch = model, pool, scratch_slot
+        self.min_window = min((w for w in model.cfg.layer_windows if w), default=None)
         dev = pool.k.device
         self.buckets = [b for b in BUCKETS if b <= max(max_batch, 1)]
         n = self.buckets[-1]
@@ -91,6 +92,10 @@ class DecodeGraphs:
         stores its KV before any attends). Returns float32 logits [len(rows), vocab] of the rows asked
         for (default: all), a copy. Past the largest bucket, rows run in order in several replays."""
         rows = list(range(len(tokens))) if rows is None else rows
+        if self.min_window is not None and max(len(s) for s in seqs) > self.min_window:
+            from lmbatch.errors import UserError
+            raise UserError(f"a sequence outgrew the model's sliding window ({self.min_window} tokens): the decode "
+                            "graphs do not implement sliding windows yet; run it with --device cpu")
         cap = self.buckets[-1]
         parts = []
         for lo in range(0, len(tokens), cap):

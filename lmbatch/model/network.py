@@ -1,8 +1,15 @@
-"""Decoder-only transformer (Llama / Qwen2 families) over the paged KV pool, read top to bottom.
+"""Decoder-only transformer over the paged KV pool, read top to bottom: Llama and the families whose
+deltas `ModelConfig` names (config.ARCHITECTURES): q/k norms, norms after attention and MLP, sliding
+windows, routed experts.
 
-The residual stream is passed beside the hidden state (h, residual), so that on CUDA the residual add
-fuses into the next RMSNorm; the small ops run as fused Triton kernels there (lmbatch.kernels.fused)
-and as plain PyTorch elsewhere, rounding at the same points.
+The residual stream is passed beside the hidden state (h, residual): the stream is their sum, and on
+CUDA the add fuses into the next RMSNorm; the small ops run as fused Triton kernels there
+(lmbatch.kernels.fused) and as plain PyTorch elsewhere, rounding at the same points.
+
+Sliding-window layers attend to the last `window` positions only, but the KV pool keeps every
+position's K and V and the radix cache shares them as for any layer: a position's K and V depend
+only on the tokens up to it, so a reused prefix holds exactly what recomputing it would, and the
+window is applied at attention time, by position.
 """
 from __future__ import annotations
 
@@ -69,18 +76,29 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.window = cfg.layer_windows[layer] if cfg.layer_windows else None
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:      # over each head (qwen3) or over the whole projection (olmo2)
+            per_head = cfg.qk_norm == "head"
+            self.q_norm = RMSNorm(self.hd if per_head else self.nh * self.hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd if per_head else self.nkv * self.hd, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, attn: AttentionBackend):
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        if self.qk_norm == "proj":
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        elif self.qk_norm == "head":
+            q = self.q_norm(q.reshape(T * self.nh, self.hd))
+            k = self.k_norm(k.reshape(T * self.nkv, self.hd))
         q, k, v = q.view(T, self.nh, self.hd), k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd)
         if (kern := _use_fused(x)) is not None:
             kern.rope_(q, k, cos, sin)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attn.forward(self.layer, q, k, v)
+        o = attn.forward(self.layer, q, k, v, window=self.window)
         return self.o_proj(o.reshape(T, self.nh * self.hd))
 
 
@@ -94,13 +112,44 @@ class MLP(nn.Module):
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
+class MoE(nn.Module):
+    """Routed experts: a softmax router picks each token's top-k experts, whose SwiGLU MLPs' outputs are
+    summed with the routing weights (renormalized over the top k where the config says so). Each
+    expert runs once, on the tokens routed to it."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.renorm = cfg.experts_per_token, cfg.norm_topk_prob
+        self.weights_in_model_dtype = cfg.router_weights_in_model_dtype
+        E, H, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = nn.Linear(H, E, bias=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * i, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, i))
+
+    def forward(self, x):
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renorm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.weights_in_model_dtype:
+            weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in experts.unique().tolist():
+            token, slot = torch.where(experts == e)
+            h = F.linear(silu_mul(F.linear(x[token], self.gate_up_proj[e])), self.down_proj[e])
+            out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
+        return out
+
+
 class Block(nn.Module):
+    """Norm, attention, add; norm, MLP, add (pre-norm, as Llama). The stream is residual + x."""
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.sparse_layers and cfg.sparse_layers[layer] else MLP(cfg)
 
     def forward(self, x, residual, cos, sin, attn):
         if residual is None:
@@ -112,12 +161,29 @@ class Block(nn.Module):
         return self.mlp(h), residual
 
 
+class PostNormBlock(nn.Module):
+    """Attention, norm, add; MLP, norm, add (OLMo 2: the norms act on each branch's output)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, residual, cos, sin, attn):
+        stream = x if residual is None else residual + x
+        stream = stream + self.post_attention_layernorm(self.self_attn(stream, cos, sin, attn))
+        return self.post_feedforward_layernorm(self.mlp(stream)), stream
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        block = PostNormBlock if cfg.norm_layout == "post" else Block
+        self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # not a buffer: .to(bf16) must not round it

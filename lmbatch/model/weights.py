@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -17,6 +18,27 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
+
+
+# one expert's weight: Qwen3-MoE's names, then Mixtral's (w1 gate, w3 up, w2 down)
+_EXPERT = re.compile(r"(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_EXPERT_PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": None, "w2": None}
+_RENAMED = {"block_sparse_moe.gate.": "mlp.gate.",                  # Mixtral's router
+            "mlp.experts.gate_up_proj": "mlp.gate_up_proj",         # experts already stacked ([E, ...])
+            "mlp.experts.down_proj": "mlp.down_proj"}
+
+
+def _expert_slot(model: Transformer, name: str) -> tuple[str, int, slice] | None:
+    """(our stacked parameter, expert, rows of it) for one expert's weight, else None."""
+    m = _EXPERT.fullmatch(name)
+    if m is None:
+        return None
+    layer, expert, part = m.group(1), int(m.group(2)), _EXPERT_PART[m.group(3)]
+    if part is None:
+        return f"{layer}.mlp.down_proj", expert, slice(None)
+    i = model.cfg.moe_intermediate_size
+    return f"{layer}.mlp.gate_up_proj", expert, slice(part * i, (part + 1) * i)
 
 
 def _shard_files(path: Path) -> list[Path]:
@@ -58,6 +80,13 @@ def load_weights(model: Transformer, source) -> None:
         ours = name.removeprefix("model.")
         if "rotary_emb" in ours or (ours == "lm_head.weight" and model.lm_head is None):
             continue
+        for theirs, mine in _RENAMED.items():
+            ours = ours.replace(theirs, mine)
+        if (slot := _expert_slot(model, ours)) is not None:
+            key, expert, rows = slot
+            params[key][expert, rows].copy_(tensor)
+            pending.discard(key)
+            continue
         module, kind = ours.rsplit(".", 1)
         for hf_sfx, (our_sfx, shard) in _FUSED.items():
             if module.endswith(hf_sfx):
@@ -80,7 +109,7 @@ def init_dummy(model: Transformer, seed: int = 0) -> None:
     device = next(model.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith("layernorm.weight") or name == "norm.weight":
+        if name.endswith("norm.weight"):
             p.fill_(1.0)
         else:
             p.copy_(torch.randn(p.shape, generator=g, device=device) * 0.02)

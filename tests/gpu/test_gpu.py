@@ -12,7 +12,7 @@ from conftest import make_tiny_hf, random_requests  # noqa: E402
 from lmbatch.attention import ForwardBatch, make_backend  # noqa: E402
 from lmbatch.attention.kv_pool import KVPool  # noqa: E402
 from lmbatch.engine import Engine  # noqa: E402
-from lmbatch.requests import GenerateRequest, SamplingParams  # noqa: E402
+from lmbatch.requests import GenerateRequest, SamplingParams, ScoreRequest  # noqa: E402
 
 BACKENDS = ["triton", "flashinfer"]
 
@@ -59,10 +59,20 @@ def test_backend_matches_reference(name, shape):
     assert ((got - ref).norm() / ref.norm()) < 1e-2
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+# every native architecture but the windowed ones (mistral): the GPU backends do not implement sliding
+# windows yet, and refuse a sequence longer than the window (test_gpu_backends_refuse_long_windows)
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "olmo2"])
 def tiny(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     # head_dim 64: FlashInfer compiles head dims 64, 128 and 256 only
+    hf = make_tiny_hf(request.param, path, hidden_size=256, head_dim=64).to("cuda", torch.bfloat16)
+    return path, hf
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "phi3", "olmo2"])
+def tiny_dense(request, tmp_path_factory):
+    """The dense architectures: decode steps of routed experts run eagerly (no CUDA graphs yet)."""
+    path = tmp_path_factory.mktemp(request.param)
     hf = make_tiny_hf(request.param, path, hidden_size=256, head_dim=64).to("cuda", torch.bfloat16)
     return path, hf
 
@@ -139,9 +149,9 @@ def test_fused_ops_match_torch_path():
 
 
 @pytest.mark.parametrize("n", [1, 3, 8, 13])
-def test_decode_with_cuda_graphs_matches_eager(tiny, n):
+def test_decode_with_cuda_graphs_matches_eager(tiny_dense, n):
     """Same greedy continuations with the decode steps replayed from CUDA graphs (padded to a bucket)."""
-    path, _ = tiny
+    path, _ = tiny_dense
     reqs = [GenerateRequest([5, 9, 2, i, 7] * (1 + i % 3), SamplingParams(max_new_tokens=12, ignore_eos=True))
             for i in range(n)]
     eager, _ = _engine(path, "triton", cuda_graphs=False).generate(reqs)
@@ -188,11 +198,11 @@ def test_jump_forward_rows_in_decode_graphs_match_eager(tmp_path, dtype):
 
 
 @pytest.mark.parametrize("max_running", [1, 8])
-def test_decode_graph_rows_of_one_sequence_match_an_extend(tiny, max_running):
+def test_decode_graph_rows_of_one_sequence_match_an_extend(tiny_dense, max_running):
     """Several consecutive tokens of a sequence as separate graph rows (each its own query, all
     storing KV before any attends; past the largest bucket in several replays) give the logits of
     one eager extend of those tokens."""
-    path, _ = tiny
+    path, _ = tiny_dense
     eng = _engine(path, "triton", max_running=max_running)
     prompt, new = [5, 9, 2, 7, 3, 8, 1, 4], [6, 2, 9, 9, 5]
     slots = eng.pool.alloc(len(prompt) + len(new))
@@ -264,3 +274,14 @@ def test_apply_mask_cuda_matches_cpu(tiny_tok) -> None:
         apply_mask(cuda, mask, rows=[0, 2])  # the CPU bitmask is moved to the logits' device
         assert torch.equal(cuda.cpu(), cpu)
         assert torch.isinf(cpu[0]).sum() > 0 and not torch.isinf(cpu[1]).any()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_gpu_backends_refuse_long_windows(tmp_path, name):
+    """A sequence longer than a sliding window fails with a one-line UserError, never a wrong score."""
+    from lmbatch.errors import UserError
+    make_tiny_hf("mistral", tmp_path, hidden_size=256, head_dim=64)
+    short = [ScoreRequest([3, 4, 5], [6])]
+    assert _engine(tmp_path, name).score(short)[0][0].num_tokens == 1     # shorter than the window: runs
+    with pytest.raises(UserError, match="sliding window of 12 tokens"):
+        _engine(tmp_path, name).score([ScoreRequest(list(range(3, 40)), [6])])

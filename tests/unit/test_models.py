@@ -176,7 +176,7 @@ def test_folder_without_config(tmp_path: Path) -> None:
 
 def test_folder_with_unsupported_model_type(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
-    with pytest.raises(UserError, match="is a bert; lmbatch supports llama and qwen2 causal LMs"):
+    with pytest.raises(UserError, match="is a bert; lmbatch supports these causal LMs: llama, qwen2, qwen3"):
         resolve_model(str(tmp_path))
 
 
