@@ -53,7 +53,6 @@ class AttentionBackend(ABC):
 
     def plan(self, batch: ForwardBatch) -> None:
         self.batch = batch
-        self.max_kv_len = max((b - a for a, b in zip(batch.kv_indptr, batch.kv_indptr[1:])), default=0)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         slots = self.batch.out_slots
@@ -69,10 +68,14 @@ class AttentionBackend(ABC):
     def full_view(self, window: int | None, layer: int) -> None:
         """For backends without sliding windows: fine while no sequence is longer than the window
         (then the window hides nothing); else a one-line error rather than a wrong result."""
-        if window is not None and self.max_kv_len > window:
+        if window is None:
+            return
+        indptr = self.batch.kv_indptr
+        longest = max((b - a for a, b in zip(indptr, indptr[1:])), default=0)
+        if longest > window:
             from lmbatch.errors import UserError
             raise UserError(f"layer {layer} attends over a sliding window of {window} tokens and a sequence here "
-                            f"has {self.max_kv_len}: the {type(self).__name__} does not implement sliding windows "
+                            f"has {longest}: the {type(self).__name__} does not implement sliding windows "
                             "yet; run it with --device cpu")
 
 

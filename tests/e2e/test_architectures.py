@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 import pytest
-import torch
-from conftest import TINY_CONFIGS, make_small_tokenizer
+from conftest import TINY_CONFIGS, make_small_tokenizer, make_tiny_hf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
@@ -22,19 +21,10 @@ SHOTS, LIMIT = 2, 3
 
 
 def _checkpoint(kind: str, path) -> AutoModelForCausalLM:
-    vocab = len(make_small_tokenizer(path))
-    cfg = TINY_CONFIGS[kind]()
-    cfg.vocab_size, cfg.max_position_embeddings = vocab, 2048
-    cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = 1, 2, 0
-    if getattr(cfg, "sliding_window", None):
-        cfg.sliding_window = 48
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
-    model.eval().save_pretrained(path)
-    return model
+    """The tiny parity config of `kind` over the small tokenizer, its window (if any) 48 tokens."""
+    window = {"sliding_window": 48} if getattr(TINY_CONFIGS[kind](), "sliding_window", None) else {}
+    return make_tiny_hf(kind, path, vocab_size=len(make_small_tokenizer(path)), max_position_embeddings=2048,
+                        bos_token_id=1, eos_token_id=2, pad_token_id=0, **window)
 
 
 def test_every_architecture_has_a_tiny_config():
@@ -52,7 +42,8 @@ def test_lmbatch_run_scores_as_transformers(kind, tmp_path):
     ours = pq.read_table(out / "r" / "instances.parquet").column("logprobs").to_pylist()
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "model"))
     insts = hellaswag.WORKLOAD.instances(LoadArgs(tok, shots=SHOTS, limit=LIMIT))
-    base = score_pairs(hf, first_selects(hellaswag.program, insts, tok), full_logits=False)
-    assert max(len(c.context) for c in first_selects(hellaswag.program, insts, tok)) > 48 * 4
+    selects = first_selects(hellaswag.program, insts, tok)
+    assert max(len(c.context) for c in selects) > 48 * 4
+    base = score_pairs(hf, selects, full_logits=False)
     worst = max(abs(a - b) for o, lps in zip(ours, base.logprobs) for a, b in zip(o, lps))
     assert worst < 1e-4, worst
