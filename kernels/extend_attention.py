@@ -4,6 +4,10 @@ Each program handles one sequence, one query head and a block of BLOCK_M of the 
 tokens (the last q_len of its kv_len tokens). It walks the sequence's slot table in blocks of
 BLOCK_N, gathers K/V rows from the pool, and keeps an online softmax (running max and sum), so a
 cached prefix and the causal new part are one loop. Decode is the case q_len == 1.
+
+With a WINDOW (> 0) a query at position p sees keys p - WINDOW + 1 .. p only (transformers' sliding
+window), and the walk starts at the first key the block's first row sees; with a SOFTCAP (> 0) each
+scaled score s becomes SOFTCAP * tanh(s / SOFTCAP) before masking (Gemma 2).
 """
 from __future__ import annotations
 
@@ -13,9 +17,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _extend_kernel(Q, K, V, O, kv_indices, qo_indptr, kv_indptr, scale,
+def _extend_kernel(Q, K, V, O, kv_indices, qo_indptr, kv_indptr, scale, window,
                    stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     seq, head, mblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(qo_indptr + seq)
@@ -39,14 +43,21 @@ def _extend_kernel(Q, K, V, O, kv_indices, qo_indptr, kv_indptr, scale,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_end = tl.minimum(kv_len, prefix + (mblock + 1) * BLOCK_M)  # keys the block's last row sees
-    for n0 in range(0, kv_end, BLOCK_N):
+    kv_begin = 0
+    if window > 0:                                           # keys the block's first row sees
+        kv_begin = tl.maximum(prefix + mblock * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(kv_begin, kv_end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < kv_end
         slots = tl.load(kv_indices + kv_start + cols, mask=col_ok, other=0).to(tl.int64)
         kv_off = slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
         k = tl.load(K + kv_off, mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        if SOFTCAP > 0:
+            s = SOFTCAP * (2.0 * tl.sigmoid(2.0 * s / SOFTCAP) - 1.0)     # SOFTCAP * tanh(s / SOFTCAP)
         visible = (cols[None, :] <= qpos[:, None]) & col_ok[None, :]
+        if window > 0:
+            visible = visible & (cols[None, :] > qpos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -62,15 +73,16 @@ def _extend_kernel(Q, K, V, O, kv_indices, qo_indptr, kv_indptr, scale,
 
 
 def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indices: torch.Tensor,
-                     qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, max_q_len: int, scale: float) -> torch.Tensor:
+                     qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, max_q_len: int, scale: float,
+                     window: int | None = None, softcap: float = 0.0) -> torch.Tensor:
     """q: [T, H, D]; k_pool/v_pool: [slots, KVH, D]; indptrs int32 on the device. Returns [T, H, D]."""
     T, H, D = q.shape
     group = H // k_pool.shape[1]
     out = torch.empty_like(q)
     block_m = 64 if max_q_len > 16 else 16
     grid = (qo_indptr.numel() - 1, H, triton.cdiv(max_q_len, block_m))
-    _extend_kernel[grid](q, k_pool, v_pool, out, kv_indices, qo_indptr, kv_indptr, scale,
+    _extend_kernel[grid](q, k_pool, v_pool, out, kv_indices, qo_indptr, kv_indptr, scale, window or 0,
                          q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0), out.stride(1),
-                         GROUP=group, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
+                         SOFTCAP=float(softcap), GROUP=group, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
                          BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=2)
     return out

@@ -1,6 +1,7 @@
 """Fused small ops for the GPU forward pass (Triton). Each rounds where the plain PyTorch bf16 ops
 round, so results match the reference path: residual add, RMSNorm (normalize in float32, round,
-then scale by the weight), SiLU(gate) * up, and rotate-half RoPE on q and k in place."""
+then scale by the weight; or, with an offset as Gemma's, scale by offset + weight in float32 and round
+once), SiLU(gate) * up or GELU-tanh(gate) * up, and rotate-half RoPE on q and k in place."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +10,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _add_rmsnorm_kernel(X, R, W, Y, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rmsnorm_kernel(X, R, W, Y, N, eps, HAS_RES: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -19,37 +20,47 @@ def _add_rmsnorm_kernel(X, R, W, Y, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.con
         tl.store(R + row * N + cols, x, mask=ok)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    normed = (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Y + row * N + cols, (w * normed).to(Y.dtype.element_ty), mask=ok)
+    if OFFSET != 0.0:
+        y = (xf * rstd) * (OFFSET + w)
+    else:
+        y = w * (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
+    tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=ok)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+            offset: float = 0.0) -> torch.Tensor:
     """RMSNorm of x (or, with residual, of residual += x, updated in place). x: [T, N] contiguous."""
     T, N = x.shape
     y = torch.empty_like(x)
     _add_rmsnorm_kernel[(T,)](x, residual if residual is not None else x, weight, y, N, eps,
-                              HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(N), num_warps=8)
+                              HAS_RES=residual is not None, OFFSET=float(offset), BLOCK=triton.next_power_of_2(N),
+                              num_warps=8)
     return y
 
 
 @triton.jit
-def _silu_mul_kernel(GU, Y, I, BLOCK: tl.constexpr):
+def _act_mul_kernel(GU, Y, I, GELU: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < I
     g = tl.load(GU + row * 2 * I + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(GU + row * 2 * I + I + cols, mask=ok, other=0.0).to(tl.float32)
-    a = (g * tl.sigmoid(g)).to(Y.dtype.element_ty).to(tl.float32)
+    if GELU:    # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(z) = 2 sigmoid(2z) - 1
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = (g * tl.sigmoid(2.0 * z)).to(Y.dtype.element_ty).to(tl.float32)
+    else:
+        a = (g * tl.sigmoid(g)).to(Y.dtype.element_ty).to(tl.float32)
     tl.store(Y + row * I + cols, (a * u).to(Y.dtype.element_ty), mask=ok)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
+def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """[T, 2I] (gate | up) -> act(gate) * up, [T, I]; act: "silu" or "gelu_tanh"."""
     T, I2 = gate_up.shape
     I = I2 // 2
     y = torch.empty(T, I, dtype=gate_up.dtype, device=gate_up.device)
-    _silu_mul_kernel[(T, triton.cdiv(I, 1024))](gate_up, y, I, BLOCK=1024, num_warps=4)
+    _act_mul_kernel[(T, triton.cdiv(I, 1024))](gate_up, y, I, GELU=activation == "gelu_tanh", BLOCK=1024,
+                                               num_warps=4)
     return y
 
 

@@ -84,7 +84,11 @@ def score_pairs(model, instances: list[ChoiceInstance], batch_tokens: int = 8192
             targets += cont
             owner += [(k, c)] * len(cont)
         picked_rows = hidden[rows, cols]
-        lp = torch.log_softmax((picked_rows if full_logits else model.lm_head(picked_rows)).float(), -1)
+        if not full_logits:     # the model's own head: its LM head, then Gemma's final soft-cap where set
+            picked_rows = model.lm_head(picked_rows)
+            if cap := getattr(model.config, "final_logit_softcapping", None):
+                picked_rows = torch.tanh(picked_rows / cap) * cap
+        lp = torch.log_softmax(picked_rows.float(), -1)
         picked = lp[torch.arange(len(targets), device=device), torch.tensor(targets, device=device)].tolist()
         for (k, c), v in zip(owner, picked):
             out[k][c] += v

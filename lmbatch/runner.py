@@ -249,11 +249,9 @@ def run(o: RunOptions) -> Path | dict[str, Any]:
             gc.enable()
 
 
-def _run(o: RunOptions, collect: bool) -> Path | dict[str, Any]:
-    clock = Phases()
-    w = get_workload(o.task)
-    _check(o, w)
-    from lmbatch.frontend.tokenize import TextEncoder, tokenizer_cache_file
+def _model_files(o: RunOptions, w: Workload, clock: Phases):
+    """(model folder, run directory, text encoder, model shape), checked."""
+    from lmbatch.frontend.tokenize import TextEncoder
     from lmbatch.model.checkpoint import resolve_model
     from lmbatch.model.config import ModelConfig
 
@@ -268,7 +266,29 @@ def _run(o: RunOptions, collect: bool) -> Path | dict[str, Any]:
         try:
             shape = ModelConfig.shape_from_json(model_dir)
         except ValueError as e:     # a supported model_type with a variant we do not run (e.g. its RoPE)
-            raise UserError(f"model at {model_dir}: {e}") from None
+            raise UserError(f"model at {model_dir}: {_first_line(e)}") from None
+        except AttributeError as e:  # no attention shape (e.g. a state-space model)
+            raise UserError(f"model at {model_dir} has no attention shape lmbatch's KV cache can hold ({e}): "
+                            "lmbatch runs decoder-only attention models") from None
+    return model_dir, final, encoder, shape
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _runtime(cfg) -> str:
+    """Which forward pass ran: "native qwen3" (network.py) or "transformers fallback gpt_neox"."""
+    return f"{'native' if cfg.runtime == 'native' else cfg.runtime + ' fallback'} {cfg.model_type}"
+
+
+def _run(o: RunOptions, collect: bool) -> Path | dict[str, Any]:
+    clock = Phases()
+    w = get_workload(o.task)
+    _check(o, w)
+    from lmbatch.frontend.tokenize import TextEncoder, tokenizer_cache_file
+
+    model_dir, final, encoder, shape = _model_files(o, w, clock)
     loader = None if o.dry_run else _Loader(o, model_dir, encoder)
     instances, interp = _prepare(o, w, encoder, shape, clock)
     if loader is None:
@@ -292,7 +312,7 @@ def _run(o: RunOptions, collect: bool) -> Path | dict[str, Any]:
     with clock("write"):
         rows = _instance_rows(w, runs)
         summary = _summary(o, w, final.name, model_dir, device, dtype_name, rows, interp, clock.total(),
-                           loaded.batch_tokens, loaded.kv_tokens, loader.seconds)
+                           loaded.batch_tokens, loaded.kv_tokens, loader.seconds, engine.cfg)
         _write(final, o, rows, interp, summary)
     summary["time_s"].update(clock.total())       # again, with the write's own time; replaced atomically
     tmp = final / ".summary.json.tmp"
@@ -304,7 +324,8 @@ def _run(o: RunOptions, collect: bool) -> Path | dict[str, Any]:
         t = summary["time_s"]
         print(f"{len(rows)} instances  {acc}hit rate {summary['hit_rate']:.4f} (optimum "
               f"{summary['optimal_hit_rate']:.4f})  wall {t['total']:.1f}s ({largest(t)})"
-              + (f"  {failed} FAILED (see the error column)" if failed else "") + f"  -> {final}", file=sys.stderr)
+              + (f"  {failed} FAILED (see the error column)" if failed else "")
+              + f"  {_runtime(engine.cfg)}  -> {final}", file=sys.stderr)
     return final
 
 
@@ -316,8 +337,9 @@ def _prepare(o: RunOptions, w: Workload, encoder, shape, clock: Phases):
         instances = w.instances(LoadArgs(encoder, o.shots, o.limit, o.subjects, o.seed))
         if not instances:
             raise UserError(f"{w.name} has no instances to run")
-        interp = Interpreter(encoder, max_len=shape.max_position_embeddings, schedule=o.schedule, seed=o.seed,
-                             truncate_left=o.truncate_left,
+        # a context length of 0: the config names none (ALiBi models run through transformers, e.g. BLOOM)
+        interp = Interpreter(encoder, max_len=shape.max_position_embeddings or 1 << 30, schedule=o.schedule,
+                             seed=o.seed, truncate_left=o.truncate_left,
                              progress=_progress_bar(len(instances), o.quiet or o.dry_run),
                              vocab_size=shape.vocab_size, jump_forward=o.jump_forward)
         interp.start(w.program, instances)       # every first-stage call, before any model work
@@ -338,12 +360,12 @@ def _write(final: Path, o: RunOptions, rows: list[dict], interp, summary: dict) 
 
 
 def estimate_flops(cfg, unique_tokens: int, attended_keys: int, logit_rows: int) -> float:
-    """Model FLOPs of the planned prefill: the linear layers for every computed token, attention
-    (QK and AV) over each computed token's keys, and the LM head at the positions that need logits."""
-    d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_token = cfg.num_layers * (d * (q + 2 * kv) + q * d + 3 * d * cfg.intermediate_size)
+    """Model FLOPs of the planned prefill: the linear layers for every computed token (of an MoE layer
+    the experts it is routed to), attention (QK and AV) over each computed token's keys, and the LM head
+    at the positions that need logits."""
+    d, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
     attention = cfg.num_layers * 4 * q * attended_keys
-    return 2.0 * per_token * unique_tokens + attention + 2.0 * d * cfg.vocab_size * logit_rows
+    return 2.0 * cfg.active_linear_params() * unique_tokens + attention + 2.0 * d * cfg.vocab_size * logit_rows
 
 
 def _dry_run(o: RunOptions, w: Workload, model_dir: Path, cfg, instances, interp, clock: Phases) -> dict[str, Any]:
@@ -422,7 +444,7 @@ def _mean(values) -> float | None:
 
 def _summary(o: RunOptions, w: Workload, run_id: str, model_dir: Path, device: str, dtype_name: str,
              rows: list[dict], interp, time_s: dict[str, float], batch_tokens: int, kv_tokens: int,
-             load_background: float | None) -> dict[str, Any]:
+             load_background: float | None, cfg) -> dict[str, Any]:
     stats = interp.stats
     ok = [r for r in rows if r["error"] is None]
     names = sorted({k for r in ok for k in r["metrics"]})
@@ -441,6 +463,8 @@ def _summary(o: RunOptions, w: Workload, run_id: str, model_dir: Path, device: s
         "model": str(model_dir),
         "device": device,
         "dtype": dtype_name,
+        "model_type": cfg.model_type,
+        "model_runtime": cfg.runtime,       # "native": our network; "transformers": the fallback
         "max_tokens_per_batch": batch_tokens,
         "kv_cache_tokens": kv_tokens,
         "options": options,

@@ -4,6 +4,8 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -45,6 +47,15 @@ TINY_CONFIGS = {
     "mistral": lambda: MistralConfig(**TINY, sliding_window=12),
     "phi3": lambda: Phi3Config(**TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "olmo2": lambda: Olmo2Config(**TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # sliding (layer 0) and global (layer 1) layers; caps small enough to bite on random weights
+    "gemma2": lambda: Gemma2Config(**TINY, head_dim=16, sliding_window=12, query_pre_attn_scalar=24,
+                                   attn_logit_softcapping=2.0, final_logit_softcapping=5.0),
+    # a RoPE base of its own for sliding layers, linear scaling on global ones
+    "gemma3_text": lambda: Gemma3TextConfig(
+        **TINY, head_dim=16, sliding_window=12, query_pre_attn_scalar=24, final_logit_softcapping=5.0,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}),
 }
 
 

@@ -45,11 +45,16 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 
 
 class AttentionBackend(ABC):
-    """Interface: `plan` once per batch, then `forward` per layer (store new KV, attend)."""
+    """Interface: `plan` once per batch, then `forward` per layer (store new KV, attend).
 
-    def __init__(self, pool: KVPool, num_heads: int, head_dim: int):
+    `scale` multiplies q.k (default head_dim ** -0.5); with a `softcap` (Gemma 2) each scaled score s
+    becomes softcap * tanh(s / softcap) before the mask and softmax, as transformers does."""
+
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int, scale: float | None = None,
+                 softcap: float = 0.0):
         self.pool, self.num_heads, self.head_dim = pool, num_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.softcap = softcap
 
     def plan(self, batch: ForwardBatch) -> None:
         self.batch = batch
@@ -64,19 +69,6 @@ class AttentionBackend(ABC):
                 window: int | None = None) -> torch.Tensor:
         """Attention output of the batch's new tokens at `layer` ([T, heads, head_dim]). With a
         `window`, a token sees only the last `window` positions up to its own (sliding-window layers)."""
-
-    def full_view(self, window: int | None, layer: int) -> None:
-        """For backends without sliding windows: fine while no sequence is longer than the window
-        (then the window hides nothing); else a one-line error rather than a wrong result."""
-        if window is None:
-            return
-        indptr = self.batch.kv_indptr
-        longest = max((b - a for a, b in zip(indptr, indptr[1:])), default=0)
-        if longest > window:
-            from lmbatch.errors import UserError
-            raise UserError(f"layer {layer} attends over a sliding window of {window} tokens and a sequence here "
-                            f"has {longest}: the {type(self).__name__} does not implement sliding windows "
-                            "yet; run it with --device cpu")
 
 
 # name -> (module, class): imported when first made (FlashInfer's import alone takes seconds)
@@ -101,9 +93,11 @@ def default_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) -
         return "triton"
 
 
-def make_backend(name: str, pool: KVPool, num_heads: int, head_dim: int) -> AttentionBackend:
+def make_backend(name: str, pool: KVPool, num_heads: int, head_dim: int, scale: float | None = None,
+                 softcap: float = 0.0) -> AttentionBackend:
     if name not in REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}")
     module, cls = REGISTRY[name]
-    backend: AttentionBackend = getattr(importlib.import_module(module), cls)(pool, num_heads, head_dim)
+    backend: AttentionBackend = getattr(importlib.import_module(module), cls)(pool, num_heads, head_dim, scale,
+                                                                              softcap)
     return backend

@@ -7,9 +7,10 @@ import torch.nn.functional as F
 from lmbatch.attention.base import AttentionBackend
 
 
-def _flash_cpu(q, k, v, causal: bool):
+def _flash_cpu(q, k, v, causal: bool, scale: float):
     """[1, heads, n, D] x [1, heads, L, D] -> (out, logsumexp) via PyTorch's CPU flash kernel."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal)[:2]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal,
+                                                                          scale=scale)[:2]
     return out, lse
 
 
@@ -31,7 +32,7 @@ class TorchBackend(AttentionBackend):
             q0, q1 = b.qo_indptr[i], b.qo_indptr[i + 1]
             slots = b.kv_indices[b.kv_indptr[i]:b.kv_indptr[i + 1]]
             keys, values = self.pool.k[layer, slots], self.pool.v[layer, slots]
-            if q.device.type == "cpu" and (window is None or len(slots) <= window):
+            if q.device.type == "cpu" and not self.softcap and (window is None or len(slots) <= window):
                 out[q0:q1] = self._attend_cpu(q[q0:q1], keys, values)
             else:
                 out[q0:q1] = self._attend_masked(q[q0:q1], keys, values, window)
@@ -43,6 +44,12 @@ class TorchBackend(AttentionBackend):
         mask = keys <= queries
         if window is not None:      # as transformers' sliding window: key > query - window
             mask &= keys > queries - window
+        if self.softcap:            # scores soft-capped before the mask, softmax in float32 (as transformers)
+            G = q.shape[1] // k.shape[1]
+            kt, vt = k.repeat_interleave(G, dim=1).transpose(0, 1), v.repeat_interleave(G, dim=1).transpose(0, 1)
+            s = torch.tanh(q.transpose(0, 1) @ kt.transpose(1, 2) * self.scale / self.softcap) * self.softcap
+            p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+            return (p @ vt).transpose(0, 1)
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                            attn_mask=mask, scale=self.scale, enable_gqa=True)
         return o.transpose(0, 1)
@@ -55,14 +62,15 @@ class TorchBackend(AttentionBackend):
             seen = L if n == 1 else P
             qf = q.view(n, KVH, G, D).permute(1, 2, 0, 3).reshape(1, KVH, G * n, D)
             kf, vf = k[:seen].permute(1, 0, 2)[None], v[:seen].permute(1, 0, 2)[None]
-            o1, lse1 = _flash_cpu(qf.contiguous(), kf.contiguous(), vf.contiguous(), causal=False)
+            o1, lse1 = _flash_cpu(qf.contiguous(), kf.contiguous(), vf.contiguous(), False, self.scale)
             o1 = o1.view(KVH, G, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
             if n == 1:
                 return o1
             lse1 = lse1.view(KVH, G, n).permute(2, 0, 1).reshape(n, H)
         kt = k[P:].repeat_interleave(G, dim=1).transpose(0, 1)[None]
         vt = v[P:].repeat_interleave(G, dim=1).transpose(0, 1)[None]
-        o2, lse2 = _flash_cpu(q.transpose(0, 1)[None].contiguous(), kt.contiguous(), vt.contiguous(), causal=True)
+        o2, lse2 = _flash_cpu(q.transpose(0, 1)[None].contiguous(), kt.contiguous(), vt.contiguous(), True,
+                              self.scale)
         o2, lse2 = o2[0].transpose(0, 1), lse2[0].transpose(0, 1)
         if P == 0:
             return o2

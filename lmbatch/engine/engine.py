@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import torch
 
@@ -32,6 +32,9 @@ from lmbatch.model.config import ModelConfig
 from lmbatch.model.network import Transformer
 from lmbatch.requests import GenerateRequest, GenerateResult, RunStats, ScoreRequest, ScoreResult
 from lmbatch.scheduler.planner import Plan, plan_requests
+
+if TYPE_CHECKING:
+    from lmbatch.engine.model_runner import LanguageModel
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class EngineOptions:
 
 
 class Engine:
-    def __init__(self, model: Transformer, options: EngineOptions | None = None, *, tokenizer: Any = None,
+    def __init__(self, model: LanguageModel, options: EngineOptions | None = None, *, tokenizer: Any = None,
                  **overrides: Any):
         """`overrides`: EngineOptions fields, e.g. `Engine(model, kv_cache_tokens=4096)`."""
         o = self.options = replace(options or EngineOptions(), **overrides)
@@ -67,13 +70,18 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path, options: EngineOptions | None = None, *, device="cpu", dtype=torch.float32,
                         load_format="auto", tokenizer: Any = None, **overrides: Any) -> "Engine":
-        """An engine over the checkpoint folder `path` (random weights with load_format="dummy")."""
+        """An engine over the checkpoint folder `path` (random weights with load_format="dummy"): our
+        network for the model_types it implements, else transformers' model (model/fallback.py)."""
         from lmbatch.model.weights import init_dummy, load_weights
 
         cfg = ModelConfig.from_dir(path)
-        with torch.device(device):
-            model = Transformer(cfg).to(dtype)
-        init_dummy(model) if load_format == "dummy" else load_weights(model, path)
+        model: LanguageModel
+        if cfg.runtime == "transformers":
+            from lmbatch.model.fallback import HFCausalLM
+            model = HFCausalLM.load(path, device, dtype, random_weights=load_format == "dummy")
+        else:
+            model = Transformer.empty(cfg, device, dtype)
+            init_dummy(model) if load_format == "dummy" else load_weights(model, path)
         return cls(model.eval(), options, tokenizer=tokenizer, **overrides)
 
     def warm_up(self, tokens: int = 16) -> None:

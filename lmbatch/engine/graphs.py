@@ -28,25 +28,24 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 36, 40, 44, 48, 52, 56, 60, 64, 80, 96, 112, 
 class _GraphAttention(AttentionBackend):
     """Triton decode attention over static device buffers (no host work inside the graph)."""
 
-    def __init__(self, pool, num_heads, head_dim, qo_indptr, kv_indptr, kv_indices):
-        super().__init__(pool, num_heads, head_dim)
+    def __init__(self, pool, num_heads, head_dim, scale, softcap, qo_indptr, kv_indptr, kv_indices):
+        super().__init__(pool, num_heads, head_dim, scale, softcap)
         self.qo, self.kv, self.kv_indices = qo_indptr, kv_indptr, kv_indices
 
     def plan(self, batch):
         self.batch = batch
 
-    def forward(self, layer, q, k, v, window=None):     # windows: checked by DecodeGraphs.run before a replay
+    def forward(self, layer, q, k, v, window=None):
         from lmbatch.kernels.extend_attention import extend_attention
 
         self.store(layer, k, v)
         return extend_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices, self.qo, self.kv, 1,
-                                self.scale)
+                                self.scale, window, self.softcap)
 
 
 class DecodeGraphs:
     def __init__(self, model, pool, scratch_slot: int, max_batch: int):
         self.model, self.pool, self.scratch = model, pool, scratch_slot
-        self.min_window = min((w for w in model.cfg.layer_windows if w), default=None)
         dev = pool.k.device
         self.buckets = [b for b in BUCKETS if b <= max(max_batch, 1)]
         n = self.buckets[-1]
@@ -70,7 +69,8 @@ class DecodeGraphs:
 
     def _capture(self, b: int):
         cfg = self.model.cfg
-        attn = _GraphAttention(self.pool, cfg.num_heads, cfg.head_dim, self.qo_indptr[:b + 1],
+        attn = _GraphAttention(self.pool, cfg.num_heads, cfg.head_dim, cfg.attn_scale, cfg.attn_softcap,
+                               self.qo_indptr[:b + 1],
                                self.kv_indptr[:b + 1], self.kv_indices)
         batch = ForwardBatch(self.ids[:b], self.pos[:b], self.out_slots[:b], [], [], self.kv_indices, self.rows[:b])
         self.kv_indptr[:b + 1] = torch.arange(b + 1, dtype=torch.int32, device=self.ids.device)
@@ -92,10 +92,6 @@ class DecodeGraphs:
         stores its KV before any attends). Returns float32 logits [len(rows), vocab] of the rows asked
         for (default: all), a copy. Past the largest bucket, rows run in order in several replays."""
         rows = list(range(len(tokens))) if rows is None else rows
-        if self.min_window is not None and max(len(s) for s in seqs) > self.min_window:
-            from lmbatch.errors import UserError
-            raise UserError(f"a sequence outgrew the model's sliding window ({self.min_window} tokens): the decode "
-                            "graphs do not implement sliding windows yet; run it with --device cpu")
         cap = self.buckets[-1]
         parts = []
         for lo in range(0, len(tokens), cap):

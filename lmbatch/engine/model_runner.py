@@ -15,6 +15,10 @@ from lmbatch.model.network import Transformer
 if TYPE_CHECKING:
     from lmbatch.engine.graphs import DecodeGraphs
     from lmbatch.engine.state import Key, Running
+    from lmbatch.model.fallback import HFCausalLM
+
+    # our network, or a causal LM transformers runs behind the same forward (cfg.runtime "transformers")
+    LanguageModel = Transformer | HFCausalLM
 
 
 @dataclass
@@ -54,25 +58,27 @@ class TokenBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, *, kv_cache_tokens: int, attention: str | None, cuda_graphs: bool,
+    def __init__(self, model: LanguageModel, *, kv_cache_tokens: int, attention: str | None, cuda_graphs: bool,
                  max_running: int):
         cfg = model.cfg
         self.model = model
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
-        attention = attention or default_backend(self.device, dtype)
+        native = cfg.runtime == "native"
+        # the transformers fallback attends by itself: of the backend it uses only the pool and plan
+        attention = (attention or default_backend(self.device, dtype)) if native else "torch"
         # decode steps replay CUDA graphs (not for the torch reference backend, which stays eager, nor
-        # for routed experts: their torch path picks each step's experts on the host); one extra slot
-        # is the graphs' scratch for padded rows
-        use_graphs = cuda_graphs and self.device.type == "cuda" and attention != "torch" and not cfg.num_experts
+        # for the fallback); one extra slot is the graphs' scratch for padded rows
+        use_graphs = cuda_graphs and native and self.device.type == "cuda" and attention != "torch"
         self.pool = KVPool(kv_cache_tokens + use_graphs, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype,
                            self.device)
-        self.attn = make_backend(attention, self.pool, cfg.num_heads, cfg.head_dim)
+        self.attn = make_backend(attention, self.pool, cfg.num_heads, cfg.head_dim, cfg.attn_scale,
+                                 cfg.attn_softcap)
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
             from lmbatch.engine.graphs import DecodeGraphs
             # a row per token: a step's rows after jump-forwards may outnumber its requests
-            self.graphs = DecodeGraphs(model, self.pool, int(self.pool.reserve(1)), 2 * max_running)
+            self.graphs = DecodeGraphs(cast(Transformer, model), self.pool, int(self.pool.reserve(1)), 2 * max_running)
             self.graphs.capture_all()
 
     def forward(self, batch: TokenBatch) -> torch.Tensor:

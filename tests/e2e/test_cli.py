@@ -38,6 +38,7 @@ def test_run_writes_complete_outputs(tiny, tmp_path):
     assert s["tokens"]["computed"] == s["tokens"]["unique"]
     assert set(s["accuracy_by_subject"]) == {"anatomy", "virology"}
     assert s["options"]["shots"] == 2 and s["dtype"] == "float32"
+    assert (s["model_runtime"], s["model_type"]) == ("native", "llama")
     inst = pq.read_table(d / "instances.parquet").to_pylist()
     assert [row["id"] for row in inst] == ["anatomy/0", "virology/0"]
     assert all(len(row["logprobs"]) == 4 and row["prediction"] == max(range(4), key=row["logprobs"].__getitem__)

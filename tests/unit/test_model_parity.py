@@ -1,5 +1,9 @@
 """Our forward pass over the paged KV pool against transformers' own model, float32."""
+import dataclasses
+
+import pytest
 import torch
+from conftest import make_tiny_hf
 
 from lmbatch.attention import ForwardBatch
 from lmbatch.attention.kv_pool import KVPool
@@ -16,7 +20,7 @@ def _ours(path):
     model = Transformer(cfg)
     load_weights(model, path)
     pool = KVPool(256, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
-    return model.eval(), TorchBackend(pool, cfg.num_heads, cfg.head_dim), pool
+    return model.eval(), TorchBackend(pool, cfg.num_heads, cfg.head_dim, cfg.attn_scale, cfg.attn_softcap), pool
 
 
 def _step(model, attn, ids, start, slots):
@@ -65,3 +69,24 @@ def test_eight_decode_steps(tiny_model):
         logits = _step(model, attn, ids[-1:], len(ids) - 1, slots)
         diff = (logits[-1] - _hf_logits(hf, ids)[-1]).abs().max()
         assert diff < TOL, diff
+
+
+@pytest.mark.parametrize("kind,change", [
+    ("mistral", {"layer_windows": ()}),
+    ("gemma2", {"layer_windows": ()}), ("gemma2", {"attn_softcap": 0.0}), ("gemma2", {"final_softcap": 0.0}),
+    ("gemma2", {"norm_offset": 0.0}), ("gemma2", {"embed_scale": 1.0}), ("gemma2", {"attn_scale": None}),
+    ("gemma2", {"activation": "silu"}),
+    ("gemma3_text", {"local_rope_theta": None}), ("gemma3_text", {"rope_scaling": {}}),
+])
+def test_each_delta_matters(kind, change, tmp_path):
+    """The parity tests can fail: dropping any one of an architecture's deltas from its config breaks
+    agreement with transformers on a 40-token prompt (longer than the windows)."""
+    hf = make_tiny_hf(kind, tmp_path)
+    cfg = dataclasses.replace(ModelConfig.from_dir(tmp_path), **change)
+    model = Transformer(cfg)
+    load_weights(model, tmp_path)
+    pool = KVPool(64, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    attn = TorchBackend(pool, cfg.num_heads, cfg.head_dim, cfg.attn_scale, cfg.attn_softcap)
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    diff = (_step(model.eval(), attn, ids, 0, torch.arange(40)) - _hf_logits(hf, ids)).abs().max()
+    assert diff > 100 * TOL, diff

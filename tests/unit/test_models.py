@@ -176,14 +176,14 @@ def test_folder_without_config(tmp_path: Path) -> None:
 
 def test_folder_with_unsupported_model_type(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
-    with pytest.raises(UserError, match="is a bert; lmbatch supports these causal LMs: llama, qwen2, qwen3"):
+    with pytest.raises(UserError, match=r"is a BertModel \(bert\): lmbatch runs causal LMs: natively llama, qwen2"):
         resolve_model(str(tmp_path))
 
 
 def test_folder_with_non_causal_architecture(tmp_path: Path) -> None:
     config = {"model_type": "qwen2", "architectures": ["Qwen2ForSequenceClassification"]}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError, match="is a Qwen2ForSequenceClassification; lmbatch supports"):
+    with pytest.raises(UserError, match=r"is a Qwen2ForSequenceClassification \(qwen2\): lmbatch runs causal LMs"):
         resolve_model(str(tmp_path))
 
 
@@ -251,3 +251,14 @@ def test_conversion_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert embedded_model_dir() == target
     assert json.loads((target / "config.json").read_text()) == {"winner": True}
     assert list((tmp_path / "models").iterdir()) == [target]
+
+
+@pytest.mark.parametrize("preset,billions", [("qwen3-8b", 8.19), ("qwen3-30b-a3b", 3.35), ("qwen2.5-1.5b", 1.54)])
+def test_active_parameters_of_presets(preset: str, billions: float) -> None:
+    """Linear weights a token runs through (MoE: the routed experts only) plus embeddings and LM head
+    give the published parameter counts (Qwen3-30B-A3B: 3.3B activated)."""
+    from lmbatch.model.config import ModelConfig
+
+    cfg = ModelConfig.shape_from_json(Path(__file__).resolve().parents[2] / "presets" / preset)
+    embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    assert abs((cfg.active_linear_params() + embeddings) / 1e9 - billions) < 0.02 * billions
