@@ -10,6 +10,7 @@ lmbatch (DFS), the paper's ablations (--schedule fcfs / random, no cache), and p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -37,6 +38,8 @@ def main() -> None:
     ap.add_argument("--ablation-kv-tokens", type=int, default=131072,
                     help="pool of dfs-small, fcfs, random, nocache: the paper's ablation needs a bounded cache")
     ap.add_argument("--hf-batch-tokens", type=int, default=32768)
+    ap.add_argument("--hf-every", type=int, default=1, help="transformers scores every Nth question only and its "
+                    "seconds are scaled by the prompt tokens to the whole set (for models where it takes too long)")
     ap.add_argument("--out", default="results/bench_mmlu.parquet")
     ap.add_argument("--profile", action="store_true", help="cProfile the lmbatch runs (host time by function)")
     ap.add_argument("--torch-profile", action="store_true", help="device time by kernel, on the first 4000 requests")
@@ -76,12 +79,19 @@ def main() -> None:
         if name == "hf":
             score_choices(hf, instances[:8], args.hf_batch_tokens)  # warm-up
             _reset(dev)
-            base = score_choices(hf, instances, args.hf_batch_tokens)
-            preds[name], logprobs[name] = base.predictions, base.logprobs
+            sample = instances[::args.hf_every]
+            base = score_choices(hf, sample, args.hf_batch_tokens)
+            if args.hf_every > 1:       # scaled to the whole set by prompt tokens; predictions of the sample
+                total = sum(len(i.context) for i in instances)     # as score_choices counts them
+                base = dataclasses.replace(base, seconds=base.seconds * total / base.prompt_tokens, prompt_tokens=total)
+                print(f"hf: every {args.hf_every}th question, seconds scaled to the whole set", flush=True)
+            preds[name] = {k * args.hf_every: p for k, p in enumerate(base.predictions)}
+            logprobs[name] = {k * args.hf_every: lp for k, lp in enumerate(base.logprobs)}
             rows.append(_row(name, base.seconds, len(instances), base.prompt_tokens, base.prompt_tokens, None,
                              None, _flops(cfg, base.prompt_tokens, 0, [(len(i.context), 0) for i in instances]),
                              peak, dev))
             rows[-1]["kv_cache_tokens"] = None
+            print(rows[-1], flush=True)
             continue
         schedule = {"dfs": "dfs", "dfs-small": "dfs", "fcfs": "fcfs", "random": "random", "nocache": "dfs",
                     "dfs-torch": "dfs", "dfs-triton": "dfs"}[name]
@@ -107,21 +117,23 @@ def main() -> None:
             pstats.Stats(prof).sort_stats("tottime").print_stats(22)
         else:
             results, stats = eng.score(reqs, schedule=schedule)
-        preds[name] = [max(range(4), key=lambda c: results[4 * k + c].logprob) for k in range(len(instances))]
-        logprobs[name] = [[r.logprob for r in results[4 * k:4 * k + 4]] for k in range(len(instances))]
+        preds[name] = {k: max(range(4), key=lambda c: results[4 * k + c].logprob) for k in range(len(instances))}
+        logprobs[name] = {k: [r.logprob for r in results[4 * k:4 * k + 4]] for k in range(len(instances))}
         pairs = [(results[j].prompt_tokens, results[j].cached_tokens) for j in stats.order]
         rows.append(_row(name, stats.execute_s, len(instances), stats.prompt_tokens, stats.computed_tokens,
                          stats.hit_rate, stats.optimal_hit_rate, _flops(cfg, stats.computed_tokens, len(pairs), pairs),
                          peak, dev))
         rows[-1]["kv_cache_tokens"] = pool
+        print(rows[-1], flush=True)
         del eng
     for ref in ("dfs", "dfs-torch", "hf"):
         if ref in preds:
             for row in rows:
                 p = preds[row["variant"]]
-                row["agree_" + ref] = sum(a == b for a, b in zip(p, preds[ref])) / len(p)
-                clear = [k for k in range(len(p)) if min(_margin(logprobs[row["variant"]][k]),
-                                                         _margin(logprobs[ref][k])) >= args.tie_margin]
+                both = [k for k in p if k in preds[ref]]      # questions both scored (hf may score a sample)
+                row["agree_" + ref] = sum(p[k] == preds[ref][k] for k in both) / len(both)
+                clear = [k for k in both if min(_margin(logprobs[row["variant"]][k]),
+                                                _margin(logprobs[ref][k])) >= args.tie_margin]
                 row["agree_" + ref + "_noties"] = sum(p[k] == preds[ref][k] for k in clear) / max(len(clear), 1)
                 row["clear_questions_" + ref] = len(clear)
     base_s = next((r["seconds"] for r in rows if r["variant"] == "hf"), None)
@@ -152,8 +164,7 @@ def shared_models(model_dir, dummy: bool, dev, dtype):
     else:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
     cfg = ModelConfig.from_dir(model_dir)
-    with torch.device(dev):
-        model = Transformer(cfg).to(dtype)
+    model = Transformer.empty(cfg, dev, dtype)
     load_weights(model, hf.state_dict())
     return hf, model.eval(), cfg
 
@@ -191,8 +202,7 @@ def _flops(cfg, computed: int, scored: int, pairs) -> float:
     """Model FLOPs of the computed tokens: linear layers, attention over each token's context, LM head
     at scored positions."""
     h, L = cfg.hidden_size, cfg.num_layers
-    qkvo = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim * h
-    per_token = 2 * L * (qkvo + 3 * h * cfg.intermediate_size)
+    per_token = 2 * cfg.active_linear_params()        # routed experts: the active ones only
     attn = sum((n * n - c * c) / 2 for n, c in pairs) * 4 * L * cfg.num_heads * cfg.head_dim
     return computed * per_token + attn + 2 * max(scored, len(pairs)) * h * cfg.vocab_size
 
