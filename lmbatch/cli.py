@@ -110,6 +110,22 @@ def report(
         _fail(e)
 
 
+@app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                         "help_option_names": []})
+def lm_eval(ctx: typer.Context) -> None:
+    """Run lm-evaluation-harness tasks on lmbatch: lm_eval's own arguments (--tasks, --model_args
+    pretrained=DIR, --include_path, --output_path, ...); --model lmbatch is implied."""
+    try:
+        from lmbatch import lm_eval as backend
+    except ImportError as e:
+        _fail(UserError(f"lm-eval is not installed ({e.name}): pip install -e '.[lm-eval]' (lm-eval==0.4.13)"))
+    try:
+        code = backend.main(list(ctx.args))
+    except UserError as e:
+        _fail(e)
+    raise typer.Exit(code)
+
+
 def main() -> None:
     """The console script. After a command has written and flushed everything, the process ends
     without tearing down the interpreter: freeing a full run's millions of token-id objects one by

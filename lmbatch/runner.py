@@ -109,27 +109,26 @@ def _check(o: RunOptions, w: Workload) -> None:
         raise UserError(f"--schedule {o.schedule}: use one of {', '.join(SCHEDULES)}")
 
 
-def _device(o: RunOptions) -> tuple[str, str]:
+def pick_device(device: str, dtype: str | None) -> tuple[str, str]:
     """(device, dtype name): auto is CUDA when a GPU is visible; float32 on CPU, bfloat16 on CUDA."""
     import torch
 
-    device = o.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA GPU is visible here")
-    dtype = o.dtype or ("float32" if device == "cpu" else "bfloat16")
+    dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     if device == "cpu" and dtype == "float16":
         raise UserError("--dtype float16 on CPU: use float32 (or bfloat16, ~100x slower on most CPUs)")
     return device, dtype
 
 
-def _kv_tokens(o: RunOptions, cfg, device: str, dtype_name: str) -> int:
+def kv_tokens(wanted: int | None, cfg, device: str, dtype_name: str) -> int:
     """Default pool: 4 GiB of KV on CPU; on CUDA half the free memory, at most 131072 tokens (DFS
     needs only its working set, and a compact pool measured faster). Checked against the longest
     request once the prompts are tokenized (`_check_pool`)."""
-    if o.kv_cache_tokens is not None:
-        return o.kv_cache_tokens
+    if wanted is not None:
+        return wanted
     import torch
 
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(getattr(torch, dtype_name)).bits // 8
@@ -137,12 +136,12 @@ def _kv_tokens(o: RunOptions, cfg, device: str, dtype_name: str) -> int:
     return min(budget // per_token, 1 << 20 if device == "cpu" else 1 << 17)
 
 
-def _batch_tokens(o: RunOptions, cfg, device: str, dtype_name: str) -> int:
+def batch_tokens(wanted: int | None, cfg, device: str, dtype_name: str) -> int:
     """Token budget of one forward batch: 4096 on CPU; on CUDA the largest power of two up to
     16384 whose activations (the MLP's gate/up and the attention projections of every token) take
     at most a tenth of the free memory: bigger batches keep the GPU's matmuls efficient."""
-    if o.max_tokens_per_batch is not None:
-        return o.max_tokens_per_batch
+    if wanted is not None:
+        return wanted
     if device == "cpu":
         return CPU_BATCH_TOKENS
     import torch
@@ -182,9 +181,10 @@ class _Loader(threading.Thread):
         try:
             from lmbatch.model.config import ModelConfig
 
-            device, dtype_name = _device(self.o)
+            device, dtype_name = pick_device(self.o.device, self.o.dtype)
             cfg = ModelConfig.from_dir(self.model_dir)
-            kv, batch = _kv_tokens(self.o, cfg, device, dtype_name), _batch_tokens(self.o, cfg, device, dtype_name)
+            kv = kv_tokens(self.o.kv_cache_tokens, cfg, device, dtype_name)
+            batch = batch_tokens(self.o.max_tokens_per_batch, cfg, device, dtype_name)
             engine = _build_engine(self.o, self.model_dir, device, dtype_name, self.encoder, kv, batch)
             self.loaded = Loaded(engine, device, dtype_name, batch, kv, self.encoder.matches_hf())
         except BaseException as e:  # noqa: BLE001  re-raised on the main thread

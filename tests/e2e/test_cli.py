@@ -227,3 +227,18 @@ def test_a_stale_tokenizer_cache_is_caught_and_the_run_tokenizes_again(tiny, tmp
         assert a == b
     assert not cached.exists() or cached.read_text() == right
     assert gc.isenabled() and gc.get_freeze_count() == 0, "the run left the cycle collector changed"
+
+
+def test_lm_eval_without_lm_eval_installed_is_one_line(monkeypatch):
+    """Without lm-eval, `lmbatch lm-eval` says in one line how to install it (exit 2)."""
+    import sys
+
+    import lmbatch
+
+    for name in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")] + ["lm_eval"]:
+        monkeypatch.setitem(sys.modules, name, None)             # import lm_eval... -> ImportError
+    monkeypatch.delitem(sys.modules, "lmbatch.lm_eval", raising=False)
+    monkeypatch.delattr(lmbatch, "lm_eval", raising=False)       # as if never imported
+    res = CliRunner().invoke(app, ["lm-eval", "--tasks", "hellaswag"])
+    assert res.exit_code == 2
+    assert res.output.strip().count("\n") == 0 and "pip install -e '.[lm-eval]'" in res.output

@@ -71,7 +71,8 @@ def test_lower_layers_do_not_import_higher_ones():
     layers = [("lmbatch.requests", "lmbatch.errors"), ("lmbatch.kernels",), ("lmbatch.attention", "lmbatch.model"),
               ("lmbatch.scheduler",), ("lmbatch.engine",), ("lmbatch.frontend",), ("lmbatch.data",),
               ("lmbatch.programs",),
-              ("lmbatch.runner", "lmbatch.cli", "lmbatch.baseline", "lmbatch.report", "lmbatch.outputs")]
+              ("lmbatch.runner", "lmbatch.cli", "lmbatch.baseline", "lmbatch.report", "lmbatch.outputs",
+               "lmbatch.lm_eval")]
 
     def layer(m: str) -> int | None:
         for k, prefixes in enumerate(layers):

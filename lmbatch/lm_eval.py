@@ -1,0 +1,249 @@
+"""lm-evaluation-harness backend: lm-eval's requests of one call, all tasks together, run as one batch
+on the lmbatch engine (one radix tree, DFS order, each shared prefix's KV computed once).
+
+lm-eval hands a backend every request of a type at once (`loglikelihood`, `loglikelihood_rolling`,
+`generate_until`): the whole-batch-up-front shape the planner needs. Token ids are made as lm-eval's
+HF backend makes them (`tok_encode` with its BOS rule, `TemplateLM._encode_pair`, the empty-context
+prefix token, left truncation to `max_length`), so contexts and continuations are the ids
+`--model hf` scores; only how they are computed differs. `batch_size` and `max_batch_size` are
+accepted and change nothing: every request of a call is one batch.
+
+    from lm_eval import simple_evaluate
+    from lmbatch.lm_eval import LMBatch
+    simple_evaluate(model=LMBatch(pretrained="path/or/hub-id"), tasks=["hellaswag"])
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+
+from lmbatch.requests import GenerateRequest, RunStats, SamplingParams, ScoreRequest
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_GEN_TOKS = 256      # lm-eval's HF backend's default
+INSTANCES: list[LMBatch] = []   # backends made in this process (lm-eval makes its model itself)
+
+
+@register_model("lmbatch")
+class LMBatch(TemplateLM):
+    """`--model lmbatch --model_args pretrained=DIR,dtype=...,device=...` (plus lmbatch's own
+    `max_tokens_per_batch`, `kv_cache_tokens`, `schedule`)."""
+
+    backend = "causal"
+
+    def __init__(self, pretrained: str | None = None, dtype: str | None = None, device: str = "auto",
+                 max_length: int | None = None, add_bos_token: bool | None = None,
+                 prefix_token_id: int | None = None, max_tokens_per_batch: int | None = None,
+                 kv_cache_tokens: int | None = None, schedule: str = "dfs", batch_size: Any = None,
+                 max_batch_size: Any = None, **unused: Any):
+        super().__init__()
+        start = time.perf_counter()
+        from transformers import AutoTokenizer
+
+        from lmbatch.engine import Engine, EngineOptions
+        from lmbatch.model.checkpoint import resolve_model
+        from lmbatch.model.config import ModelConfig
+        from lmbatch.runner import batch_tokens, kv_tokens, pick_device
+
+        if batch_size not in (None, 1, "1") or max_batch_size is not None:
+            log.info("lmbatch: batch_size/max_batch_size have no effect: each call's requests run as one batch, "
+                     "in token-budgeted forward passes, and scores do not depend on batching")
+        if unused:
+            log.warning("lmbatch: model_args not used: %s", ", ".join(sorted(unused)))
+        model_dir = resolve_model(pretrained)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.add_bos_token, self.custom_prefix_token_id = add_bos_token, prefix_token_id
+        self.schedule = schedule
+        dev, dtype_name = pick_device(str(device or "auto"), dtype if dtype not in (None, "auto") else None)
+        cfg = ModelConfig.from_dir(model_dir)
+        self._max_length = int(max_length) if max_length else _context_length(model_dir, self.tokenizer)
+        batch = batch_tokens(int(max_tokens_per_batch) if max_tokens_per_batch else None, cfg, dev, dtype_name)
+        kv = kv_tokens(int(kv_cache_tokens) if kv_cache_tokens else None, cfg, dev, dtype_name)
+        if kv_cache_tokens is None:
+            kv = max(kv, self._max_length + 1 + batch)      # the longest request lm-eval can send, plus a batch
+        import torch
+
+        self.engine = Engine.from_pretrained(model_dir, EngineOptions(kv_cache_tokens=kv, max_tokens_per_batch=batch),
+                                             device=dev, dtype=getattr(torch, dtype_name), tokenizer=self.tokenizer)
+        self.engine.warm_up()
+        self.stats = RunStats()     # every call's counts, for the run's report
+        self.seconds: dict[str, float] = {"load": time.perf_counter() - start}
+        INSTANCES.append(self)
+
+    # ---- tokenization, as lm-eval's HF backend does it -------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context is replaced by: the custom prefix, else BOS, else EOS."""
+        if self.custom_prefix_token_id is not None:
+            return self.custom_prefix_token_id
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return DEFAULT_MAX_GEN_TOKS
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
+                   **kwargs: Any) -> list[int]:
+        """The tokenizer's ids; special tokens as asked, else per `add_bos_token`, else the tokenizer's
+        default, but never a second BOS in front of a string that starts with the prefix token's text."""
+        flags: dict[str, bool] = {}
+        if add_special_tokens is not None:
+            flags["add_special_tokens"] = add_special_tokens
+        elif self.add_bos_token is not None:
+            flags["add_special_tokens"] = self.add_bos_token
+        if add_special_tokens is None and string.startswith(str(self.tokenizer.decode(self.prefix_token_id))):
+            flags["add_special_tokens"] = False
+        ids = self.tokenizer.encode(string, **flags)
+        return ids[-left_truncate_len:] if left_truncate_len else ids
+
+    def tok_decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    # ---- the three request types ------------------------------------------------------------------
+    def _run(self, requests: list) -> list:
+        results, stats = self.engine.run(requests, schedule=self.schedule)
+        self.stats.add_run(stats)
+        self.stats.unique_tokens += stats.unique_tokens
+        for phase, t in (("plan", stats.plan_s), ("execute", stats.execute_s)):
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + t
+        return results
+
+    def report(self) -> dict[str, Any]:
+        """lmbatch's figures for the run so far: hit rate and its optimum over every call's tree,
+        tokens computed vs prompt tokens, seconds by phase."""
+        st = self.stats
+        return {"requests": st.requests, "executed_requests": st.executed, "hit_rate": st.hit_rate,
+                "optimal_hit_rate": 1 - st.unique_tokens / st.prompt_tokens if st.prompt_tokens else 0.0,
+                "tokens": {"prompt": st.prompt_tokens, "cached": st.cached_tokens, "computed": st.computed_tokens,
+                           "unique": st.unique_tokens, "decode": st.decode_tokens},
+                "model": str(self.engine.cfg.model_type), "model_runtime": self.engine.cfg.runtime,
+                "device": str(self.engine.device), "time_s": dict(self.seconds)}
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
+        """(logprob, is_greedy) of each (context, continuation) pair of token ids; a pair longer than
+        max_length + 1 keeps its last max_length + 1 tokens (the context is cut on the left)."""
+        reqs = []
+        for _, context, continuation in requests:
+            whole = (context + continuation)[-(self.max_length + 1):]
+            cut = max(len(whole) - len(continuation), 1)
+            reqs.append(ScoreRequest(whole[:cut], whole[cut:]))
+        results = self._run(reqs)
+        out = [(r.logprob, r.is_greedy) for r in results]
+        for (key, _, _), answer in zip(requests, out):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, answer)
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Each text's loglikelihood over lm-eval's disjoint rolling windows; the windows of every
+        text go to the engine together."""
+        from lm_eval import utils
+
+        windows, owner = [], []
+        for i, (text,) in enumerate(req.args for req in requests):
+            for context, pred in map(utils.make_disjoint_window, utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None, context, pred))
+                owner.append(i)
+        scores = self._loglikelihood_tokens(windows)
+        totals = [0.0] * len(requests)
+        for i, (logprob, _) in zip(owner, scores):
+            totals[i] += logprob
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Each context continued until a stop string (the task's `until` and the EOS text) or
+        `max_gen_toks`; greedy unless the task samples. The text is cut at the first stop string."""
+        from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+
+        eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
+        reqs, stops = [], []
+        for context, gen_kwargs in (req.args for req in requests):
+            kw = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+            until = handle_stop_sequences(kw.pop("until", None), eos=eos)
+            new = int(kw.pop("max_gen_toks"))
+            ids = self.tok_encode(context, left_truncate_len=self.max_length - new)
+            temperature = float(kw.get("temperature", 0.0) or 0.0) if kw.get("do_sample") else 0.0
+            reqs.append(GenerateRequest(ids, SamplingParams(max_new_tokens=new, temperature=temperature,
+                                                            top_p=float(kw.get("top_p", 1.0) or 1.0),
+                                                            stop=tuple(until))))
+            stops.append(until)
+        out = []
+        for req, res, until in zip(requests, self._run(reqs), stops):
+            text = postprocess_generated_text(generation=self.tok_decode(res.token_ids), stop=until,
+                                              think_end_token=None)
+            self.cache_hook.add_partial("generate_until", req.args, text)
+            out.append(text)
+        return out
+
+
+def _context_length(model_dir, tokenizer) -> int:
+    """The model's context as lm-eval's HF backend resolves it (its config's, else the tokenizer's,
+    else 2048)."""
+    from lm_eval.models.utils import resolve_max_length
+    from transformers import AutoConfig
+
+    return int(resolve_max_length(AutoConfig.from_pretrained(str(model_dir)), tokenizer, default=2048))
+
+
+def main(args: list[str]) -> int:
+    """`lmbatch lm-eval ARGS`: lm-eval's own command line with `--model lmbatch` (unless another model
+    is named), then lmbatch's figures beside lm-eval's results (`lmbatch_*.json` in --output_path)
+    and in a closing line."""
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
+
+    start = time.perf_counter()
+    if "--model" not in args and not any(a.startswith("--model=") for a in args):
+        args = ["--model", "lmbatch", *args]
+        if "--device" not in args and not any(a.startswith("--device=") for a in args):
+            args += ["--device", "auto"]      # lm-eval's own default would be cuda, GPU or not
+    if not args or args[0] not in ("run", "ls", "validate"):
+        args = ["run", *args]
+    sys.argv = ["lm-eval", *args]
+    setup_logging()
+    cli = HarnessCLI()
+    cli.execute(cli.parse_args())
+    if not INSTANCES:
+        return 0
+    report = INSTANCES[-1].report()
+    report["time_s"]["total"] = time.perf_counter() - start
+    out = _output_dir(args)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / time.strftime("lmbatch_%Y%m%dT%H%M%S.json")
+        path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"lmbatch: {report['requests']} requests  hit rate {report['hit_rate']:.4f} (optimum "
+          f"{report['optimal_hit_rate']:.4f})  computed {report['tokens']['computed']:,} of "
+          f"{report['tokens']['prompt']:,} prompt tokens  wall {report['time_s']['total']:.1f}s (load "
+          f"{report['time_s']['load']:.1f}, execute {report['time_s'].get('execute', 0.0):.1f})", file=sys.stderr)
+    return 0
+
+
+def _output_dir(args: list[str]) -> Path | None:
+    for i, a in enumerate(args):
+        value = a.split("=", 1)[1] if a.startswith("--output_path=") else (
+            args[i + 1] if a in ("--output_path", "-o") and i + 1 < len(args) else None)
+        if value:
+            path = Path(value)
+            return path.parent if path.suffix == ".json" else path
+    return None

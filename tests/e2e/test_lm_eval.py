@@ -1,0 +1,72 @@
+"""lmbatch as lm-eval's backend against lm-eval's own HF backend, request by request, on the embedded
+model in float32: loglikelihoods (empty contexts, trailing spaces, contexts cut to max_length),
+rolling loglikelihoods over several windows, greedy generations with stop strings."""
+from __future__ import annotations
+
+import pytest
+from lm_eval.api.instance import Instance
+from lm_eval.models.huggingface import HFLM
+
+from lmbatch.lm_eval import LMBatch
+from lmbatch.model.checkpoint import embedded_model_dir
+
+MAX_LENGTH = 96     # small, so that long texts need several rolling windows and long pairs are cut
+
+STEM = ("The museum by the river opened in the north of the city. Its tower was the tallest landmark, and "
+        "many people came to the park beside it because")
+PAIRS = [(STEM, " it was free."), (STEM, " the bridge was closed."), (STEM + " ", "of the view."),
+         (STEM + " it", " rained."), ("", "The city"), ("Question: how many bridges? Answer:", " two"),
+         ("Question: how many bridges? Answer:", " three hundred and four"),
+         (STEM * 3, " people came back.")]      # longer than MAX_LENGTH: the context is cut on the left
+TEXTS = [STEM, STEM * 4, "One two three four five. " * 40]
+
+
+@pytest.fixture(scope="module")
+def backends():
+    path = str(embedded_model_dir())
+    ours = LMBatch(pretrained=path, device="cpu", dtype="float32", max_length=MAX_LENGTH)
+    theirs = HFLM(pretrained=path, device="cpu", dtype="float32", batch_size=4, max_length=MAX_LENGTH)
+    return ours, theirs
+
+
+def _instances(kind: str, args: list[tuple]) -> list[Instance]:
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
+
+
+def test_loglikelihood_matches_hf(backends):
+    ours, theirs = backends
+    before = ours.stats.prompt_tokens
+    got = ours.loglikelihood(_instances("loglikelihood", PAIRS))
+    want = theirs.loglikelihood(_instances("loglikelihood", PAIRS))
+    for (a, greedy_a), (b, greedy_b) in zip(got, want):
+        assert abs(a - b) < 1e-4, (a, b)
+        assert greedy_a == greedy_b
+    assert ours.stats.prompt_tokens > before and ours.stats.cached_tokens > 0
+
+
+def test_loglikelihood_rolling_matches_hf(backends):
+    ours, theirs = backends
+    got = ours.loglikelihood_rolling(_instances("loglikelihood_rolling", [(t,) for t in TEXTS]))
+    want = theirs.loglikelihood_rolling(_instances("loglikelihood_rolling", [(t,) for t in TEXTS]))
+    assert len(ours.tok_encode(TEXTS[2])) > 2 * MAX_LENGTH      # several windows
+    for a, b in zip(got, want):
+        assert abs(a - b) < 1e-3, (a, b)
+
+
+def test_greedy_generation_matches_hf(backends):
+    ours, theirs = backends
+    args = [(STEM, {"until": ["."], "max_gen_toks": 24, "do_sample": False}),
+            (STEM + " it", {"until": ["\n\n", "!"], "max_gen_toks": 12, "do_sample": False}),
+            ("Question: how many bridges? Answer:", {"until": "\n", "max_gen_toks": 16, "temperature": 0.0})]
+    got = ours.generate_until(_instances("generate_until", args))
+    want = theirs.generate_until(_instances("generate_until", args))
+    assert got == want
+    assert any(got)
+
+
+def test_token_ids_are_lm_evals(backends):
+    ours, theirs = backends
+    for context, continuation in PAIRS[:4] + PAIRS[5:]:
+        assert ours._encode_pair(context, continuation) == theirs._encode_pair(context, continuation)
+    assert ours.prefix_token_id == theirs.prefix_token_id and ours.eot_token_id == theirs.eot_token_id
+    assert ours.max_length == theirs.max_length == MAX_LENGTH
