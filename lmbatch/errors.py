@@ -3,3 +3,8 @@
 
 class UserError(Exception):
     """Bad input from the user (unknown task, missing model, too-long prompt, ...)."""
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message cut to its first line (its type's name if it has none)."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import lmbatch
-from lmbatch.errors import UserError
+from lmbatch.errors import UserError, first_line
 from lmbatch.frontend.registry import get_workload
 from lmbatch.frontend.workload import LoadArgs, Workload
 from lmbatch.timing import Phases, largest
@@ -266,15 +266,11 @@ def _model_files(o: RunOptions, w: Workload, clock: Phases):
         try:
             shape = ModelConfig.shape_from_json(model_dir)
         except ValueError as e:     # a supported model_type with a variant we do not run (e.g. its RoPE)
-            raise UserError(f"model at {model_dir}: {_first_line(e)}") from None
+            raise UserError(f"model at {model_dir}: {first_line(e)}") from None
         except AttributeError as e:  # no attention shape (e.g. a state-space model)
             raise UserError(f"model at {model_dir} has no attention shape lmbatch's KV cache can hold ({e}): "
                             "lmbatch runs decoder-only attention models") from None
     return model_dir, final, encoder, shape
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _runtime(cfg) -> str:

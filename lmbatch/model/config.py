@@ -64,6 +64,11 @@ def _rope(hf) -> tuple[float, dict, float | None]:
     return float(theta), (scaling if rope_type != "default" else {}), (float(local) if local else None)
 
 
+def _eos(hf) -> tuple[int, ...]:
+    eos = getattr(hf, "eos_token_id", None)
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+
+
 def _activation(hf) -> str:
     act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", None) or "silu"
     if act not in ACTIVATIONS:
@@ -131,8 +136,6 @@ class ModelConfig:
         gemma = kind in GEMMA
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-        eos = hf.eos_token_id
-        eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         experts = int(getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0)
         return cls(
             model_type=kind,
@@ -149,7 +152,7 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=kind == "qwen2" or bool(getattr(hf, "attention_bias", False)),
             rope_scaling=rope_scaling,
-            eos_token_ids=eos,
+            eos_token_ids=_eos(hf),
             qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "proj", "gemma3_text": "head"}.get(kind, ""),
             norm_layout="post" if kind == "olmo2" else "sandwich" if gemma else "pre",
             layer_windows=_layer_windows(hf),
@@ -175,8 +178,6 @@ class ModelConfig:
         the KV pool, the batch budget and the sampler need, read through the config's attribute map."""
         heads = hf.num_attention_heads
         hidden = hf.hidden_size
-        eos = getattr(hf, "eos_token_id", None)
-        eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         inter = getattr(hf, "intermediate_size", None) or getattr(hf, "n_inner", None) or 4 * hidden
         return cls(
             model_type=hf.model_type, vocab_size=hf.vocab_size, hidden_size=hidden, intermediate_size=int(inter),
@@ -185,7 +186,7 @@ class ModelConfig:
             head_dim=getattr(hf, "head_dim", None) or hidden // heads, rms_norm_eps=0.0, rope_theta=0.0,
             max_position_embeddings=int(getattr(hf, "max_position_embeddings", 0) or 0),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)), qkv_bias=False,
-            eos_token_ids=eos, runtime="transformers")
+            eos_token_ids=_eos(hf), runtime="transformers")
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":

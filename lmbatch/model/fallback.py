@@ -29,7 +29,7 @@ from torch import nn
 
 from lmbatch.attention import AttentionBackend, ForwardBatch
 from lmbatch.attention.kv_pool import KVPool
-from lmbatch.errors import UserError
+from lmbatch.errors import UserError, first_line
 from lmbatch.model.config import ModelConfig
 
 
@@ -151,8 +151,7 @@ class HFCausalLM(nn.Module):
         try:
             hf = _instantiate(path, dtype, random_weights)
         except Exception as e:  # noqa: BLE001  any failure to load is the user's model's
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise UserError(f"transformers cannot load the model at {path} as a causal LM: {first}") from None
+            raise UserError(f"transformers cannot load the model at {path} as a causal LM: {first_line(e)}") from None
         hf_cfg = hf.config
         if getattr(hf_cfg, "is_encoder_decoder", False):
             raise UserError(f"model at {path} is an encoder-decoder ({hf_cfg.model_type}): "

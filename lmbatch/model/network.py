@@ -14,6 +14,7 @@ window is applied at attention time, by position.
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import cast
 
 import torch
@@ -25,26 +26,16 @@ from lmbatch.model.config import ModelConfig
 
 
 @functools.cache
-def _fused():
-    """The Triton kernels, or None where they cannot run (no Triton)."""
+def _kernels(name: str):
+    """lmbatch.kernels.<name> (Triton), or None where it cannot run (no Triton)."""
     try:
-        from lmbatch.kernels import fused
-        return fused
+        return importlib.import_module(f"lmbatch.kernels.{name}")
     except ImportError:
         return None
 
 
 def _use_fused(x: torch.Tensor):
-    return _fused() if x.is_cuda else None
-
-
-@functools.cache
-def _moe_kernels():
-    try:
-        from lmbatch.kernels import moe
-        return moe
-    except ImportError:
-        return None
+    return _kernels("fused") if x.is_cuda else None
 
 
 class RMSNorm(nn.Module):
@@ -152,7 +143,7 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.weights_in_model_dtype:
             weights = weights.to(x.dtype)
-        if x.is_cuda and (kern := _moe_kernels()) is not None:
+        if x.is_cuda and (kern := _kernels("moe")) is not None:
             return kern.fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts, act_mul)
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():

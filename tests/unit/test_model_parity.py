@@ -15,8 +15,9 @@ from lmbatch.model.weights import load_weights
 TOL = 1e-4
 
 
-def _ours(path):
-    cfg = ModelConfig.from_dir(path)
+def _ours(path, **change):
+    """Our model of the checkpoint, its config changed by `change` (ModelConfig fields)."""
+    cfg = dataclasses.replace(ModelConfig.from_dir(path), **change)
     model = Transformer(cfg)
     load_weights(model, path)
     pool = KVPool(256, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
@@ -82,11 +83,7 @@ def test_each_delta_matters(kind, change, tmp_path):
     """The parity tests can fail: dropping any one of an architecture's deltas from its config breaks
     agreement with transformers on a 40-token prompt (longer than the windows)."""
     hf = make_tiny_hf(kind, tmp_path)
-    cfg = dataclasses.replace(ModelConfig.from_dir(tmp_path), **change)
-    model = Transformer(cfg)
-    load_weights(model, tmp_path)
-    pool = KVPool(64, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
-    attn = TorchBackend(pool, cfg.num_heads, cfg.head_dim, cfg.attn_scale, cfg.attn_softcap)
+    model, attn, _ = _ours(tmp_path, **change)
     ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(4)).tolist()
-    diff = (_step(model.eval(), attn, ids, 0, torch.arange(40)) - _hf_logits(hf, ids)).abs().max()
+    diff = (_step(model, attn, ids, 0, torch.arange(40)) - _hf_logits(hf, ids)).abs().max()
     assert diff > 100 * TOL, diff
