@@ -4,6 +4,10 @@ The tasks are lm-eval's own mmlu and hellaswag definitions pointed at the packag
 (`lmbatch.lm_eval.write_offline_tasks`), so nothing is downloaded.
 
     python benchmarks/bench_lm_eval.py --model DIR --tasks mmlu_offline,hellaswag_offline --num-fewshot 5
+    # GPU, the Qwen2.5-1.5B shape with random bf16 weights (built once under results/e2e-models/);
+    # one variant per command where a command may run at most 10 minutes:
+    python benchmarks/bench_lm_eval.py --preset qwen2.5-1.5b --tokenizer TOKDIR --variants lmbatch
+    python benchmarks/bench_lm_eval.py --preset qwen2.5-1.5b --tokenizer TOKDIR --variants hf
     python benchmarks/bench_lm_eval.py --model DIR --limit 20 --device cpu --dtype float32   # a smoke run
 """
 from __future__ import annotations
@@ -36,7 +40,10 @@ def _scores(out: Path) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="HF model folder")
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", help="HF model folder")
+    what.add_argument("--preset", help="presets/NAME's shape with random weights (needs --tokenizer)")
+    ap.add_argument("--tokenizer", help="tokenizer folder for --preset")
     ap.add_argument("--tasks", default="mmlu_offline,hellaswag_offline")
     ap.add_argument("--num-fewshot", type=int, default=5)
     ap.add_argument("--limit", type=int, help="lm-eval's --limit (per task)")
@@ -51,6 +58,14 @@ def main() -> None:
     from lmbatch.lm_eval import write_offline_tasks
 
     root = Path(args.out)
+    if args.preset:
+        if not args.tokenizer:
+            raise SystemExit("error: --preset needs --tokenizer DIR")
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_e2e import build_preset
+
+        args.model = str(build_preset(args.preset, Path("results/e2e-models") / args.preset, Path(args.tokenizer),
+                                      args.device))
     tasks_dir = root / "tasks"
     write_offline_tasks(tasks_dir)
     walls: dict[str, list[float]] = {}
