@@ -384,12 +384,12 @@ def _dry_run(o: RunOptions, w: Workload, model_dir: Path, cfg, instances, interp
     }
 
 
-def _progress_bar(total: int, quiet: bool):
+def _progress_bar(total: int, quiet: bool, desc: str = "programs", unit: str = "prog"):
     if quiet:
         return None
     from tqdm import tqdm
 
-    bar = tqdm(total=total, unit="prog", desc="programs", dynamic_ncols=True)
+    bar = tqdm(total=total, unit=unit, desc=desc, dynamic_ncols=True)
     start = time.perf_counter()
 
     def update(i: int, stats) -> None:

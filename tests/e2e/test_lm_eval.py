@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from lm_eval.api.instance import Instance
+from lm_eval.api.model import TemplateLM
 from lm_eval.models.huggingface import HFLM
 
 from lmbatch.lm_eval import LMBatch
@@ -70,3 +71,22 @@ def test_token_ids_are_lm_evals(backends):
         assert ours._encode_pair(context, continuation) == theirs._encode_pair(context, continuation)
     assert ours.prefix_token_id == theirs.prefix_token_id and ours.eot_token_id == theirs.eot_token_id
     assert ours.max_length == theirs.max_length == MAX_LENGTH
+
+
+def test_batched_tokenization_gives_lm_evals_ids(backends, monkeypatch):
+    """`LMBatch.loglikelihood` encodes each distinct text once, in batches; the ids it scores are
+    those of lm-eval's own request-by-request path (`TemplateLM.loglikelihood`), and of `--model hf`'s."""
+    ours, theirs = backends
+    prefix = ours.tok_decode([ours.prefix_token_id], skip_special_tokens=False)
+    pairs = PAIRS + [(prefix + STEM, " it was free."), ("Café  ", "naïve résumé"), ("  ", "x"),
+                     ("\n\nQuestion:", " 😀 emoji"), (STEM + "\n", "\nnext")]
+    seen: dict[str, list] = {}
+    for name, lm in (("batched", ours), ("one by one", ours), ("hf", theirs)):
+        monkeypatch.setattr(lm, "_loglikelihood_tokens", lambda reqs, name=name, **kw: seen.setdefault(name, reqs))
+        if name == "one by one":
+            TemplateLM.loglikelihood(lm, _instances("loglikelihood", pairs))
+        else:
+            lm.loglikelihood(_instances("loglikelihood", pairs))
+        monkeypatch.undo()
+    assert seen["batched"] == seen["one by one"] == seen["hf"]
+    assert len(seen["batched"]) == len(pairs) and all(cont for _, _, cont in seen["batched"])
