@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", help="tokenizer folder for --preset")
     ap.add_argument("--tasks", default="mmlu_offline,hellaswag_offline")
     ap.add_argument("--num-fewshot", type=int, default=5)
-    ap.add_argument("--limit", type=int, help="lm-eval's --limit (per task)")
+    ap.add_argument("--limit", help="lm-eval's --limit per task: a count, or a fraction such as 0.2")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--hf-batch-size", default="auto", help="lm-eval's --batch_size for --model hf")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -122,11 +123,21 @@ class LMBatch(TemplateLM):
         groups: dict[tuple[tuple[str, bool], ...], list[tuple[str, bool | None]]] = {}
         for key in strings:
             groups.setdefault(tuple(sorted(self._flags(*key).items())), []).append(key)
-        for flags, keys in groups.items():
-            for start in range(0, len(keys), 4096):
-                chunk = keys[start:start + 4096]
-                ids = self.tokenizer([k[0] for k in chunk], **dict(flags))["input_ids"]
-                strings.update(zip(chunk, ids))
+        # lm-eval's CLI turns the tokenizer's threads off for the whole run (TOKENIZERS_PARALLELISM=false,
+        # against fork deadlocks); nothing forks during these calls, so they get the threads back
+        before = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "true"
+        try:
+            for flags, keys in groups.items():
+                for start in range(0, len(keys), 4096):
+                    chunk = keys[start:start + 4096]
+                    ids = self.tokenizer([k[0] for k in chunk], **dict(flags))["input_ids"]
+                    strings.update(zip(chunk, ids))
+        finally:
+            if before is None:
+                del os.environ["TOKENIZERS_PARALLELISM"]
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = before
 
     def tok_decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
