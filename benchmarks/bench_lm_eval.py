@@ -4,11 +4,14 @@ The tasks are lm-eval's own mmlu and hellaswag definitions pointed at the packag
 (`lmbatch.lm_eval.write_offline_tasks`), so nothing is downloaded.
 
     python benchmarks/bench_lm_eval.py --model DIR --tasks mmlu_offline,hellaswag_offline --num-fewshot 5
-    # GPU, the Qwen2.5-1.5B shape with random bf16 weights (built once under results/e2e-models/);
+    # GPU (lm-eval packed for it by tools/pack_lm_eval.sh), the Qwen2.5-1.5B shape with random bf16
+    # weights (built once under results/e2e-models/);
     # one variant per command where a command may run at most 10 minutes:
     python benchmarks/bench_lm_eval.py --preset qwen2.5-1.5b --tokenizer TOKDIR --variants lmbatch
     python benchmarks/bench_lm_eval.py --preset qwen2.5-1.5b --tokenizer TOKDIR --variants hf
     python benchmarks/bench_lm_eval.py --model DIR --limit 20 --device cpu --dtype float32   # a smoke run
+    # lm-eval's own task building alone (its dummy model), without and with lmbatch's template cache:
+    python benchmarks/bench_lm_eval.py --variants dummy,dummy-cached --limit 0.1 --rounds 2 --device cpu
 """
 from __future__ import annotations
 
@@ -25,6 +28,10 @@ def _command(variant: str, args, tasks_dir: Path, out: Path) -> list[str]:
               "--output_path", str(out), "--device", args.device]
     if args.limit:
         common += ["--limit", str(args.limit)]
+    if variant.startswith("dummy"):     # lm-eval's random-score model: lm-eval's own work alone
+        patch = "from lmbatch.lm_eval import cache_templates; cache_templates(); " if variant == "dummy-cached" else ""
+        return [sys.executable, "-c", f"import sys; {patch}from lm_eval.__main__ import cli_evaluate; "
+                "sys.argv[0] = 'lm-eval'; cli_evaluate()", "run", "--model", "dummy", *common]
     if variant == "lmbatch":
         return [sys.executable, "-c", "from lmbatch.cli import main; main()", "lm-eval",
                 "--model_args", f"pretrained={args.model},dtype={args.dtype}", *common]
@@ -40,7 +47,7 @@ def _scores(out: Path) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    what = ap.add_mutually_exclusive_group(required=True)
+    what = ap.add_mutually_exclusive_group()
     what.add_argument("--model", help="HF model folder")
     what.add_argument("--preset", help="presets/NAME's shape with random weights (needs --tokenizer)")
     ap.add_argument("--tokenizer", help="tokenizer folder for --preset")
@@ -50,7 +57,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--hf-batch-size", default="auto", help="lm-eval's --batch_size for --model hf")
-    ap.add_argument("--variants", default="lmbatch,hf")
+    ap.add_argument("--variants", default="lmbatch,hf",
+                    help="of lmbatch, hf, dummy, dummy-cached (the last two: lm-eval's dummy model, which scores at "
+                         "random, without and with lmbatch's template cache: lm-eval's own task building alone)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--out", default="results/bench_lm_eval")
     args = ap.parse_args()
@@ -58,6 +67,8 @@ def main() -> None:
     from lmbatch.lm_eval import write_offline_tasks
 
     root = Path(args.out)
+    if not (args.model or args.preset) and not all(v.startswith("dummy") for v in args.variants.split(",")):
+        raise SystemExit("error: --model DIR or --preset NAME is needed for the lmbatch and hf variants")
     if args.preset:
         if not args.tokenizer:
             raise SystemExit("error: --preset needs --tokenizer DIR")
@@ -80,8 +91,9 @@ def main() -> None:
             scores[variant] = _scores(out)
             print(f"{variant} round {r}: {walls[variant][-1]:.1f} s  {scores[variant]}", flush=True)
     best = {v: sorted(w)[len(w) // 2] for v, w in walls.items()}
+    base = "hf" if "hf" in best else "dummy" if "dummy" in best else None
     for v in variants:
-        ratio = f"  {best['hf'] / best[v]:.2f}x vs hf" if "hf" in best else ""
+        ratio = f"  {best[base] / best[v]:.2f}x vs {base}" if base else ""
         print(f"{v}: median wall {best[v]:.1f} s ({', '.join(f'{w:.1f}' for w in walls[v])}){ratio}  {scores[v]}")
 
 

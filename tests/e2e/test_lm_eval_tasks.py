@@ -71,3 +71,44 @@ def test_lmbatch_lm_eval_command(task_dir, tmp_path):
     assert report["hit_rate"] > 0
     assert list(out.rglob("results_*.json")), "lm-eval wrote no results"
     assert INSTANCES and INSTANCES[-1].stats.requests == 20
+
+
+def test_cached_templates_give_lm_evals_prompts(task_dir, monkeypatch):
+    """`cache_templates` (used by `lmbatch lm-eval`) compiles each jinja template once: every request
+    lm-eval builds for an MMLU subject (5-shot) and HellaSwag is the same text as without it."""
+    from lm_eval import utils
+    from lm_eval.tasks import TaskManager
+
+    from lmbatch.lm_eval import cache_templates
+
+    def requests() -> list:
+        tasks = TaskManager(include_path=str(task_dir), include_defaults=False).load(
+            ["mmlu_offline_anatomy", "hellaswag_offline"])["tasks"]
+        out = []
+        for name, task in sorted(tasks.items()):
+            task.set_config(key="num_fewshot", value=5)
+            task.set_fewshot_seed(seed=1234)        # as lm-eval's evaluator does
+            task.build_all_requests(limit=6, rank=0, world_size=1)
+            out += [(name, inst.arguments) for inst in task.instances]
+        return out
+
+    plain = requests()
+    monkeypatch.setattr(utils, "apply_template", utils.apply_template)     # restored after the test
+    cache_templates()
+    assert getattr(utils.apply_template, "lmbatch_cached", False)
+    cached = requests()
+    assert cached == plain and len(plain) == 6 * 4 * 2
+    assert any("Answer:" in args[0] for _, args in plain)
+
+
+def test_lm_evals_own_models_still_load(task_dir, tmp_path):
+    """Registering "lmbatch" must not hide lm-eval's models (lm-eval fills its registry only while it
+    is empty): in a fresh process, `lmbatch lm-eval --model dummy` runs lm-eval's own dummy model."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", "from lmbatch.cli import main; main()", "lm-eval", "--model", "dummy",
+                          "--tasks", "hellaswag_offline", "--include_path", str(task_dir), "--limit", "2",
+                          "--output_path", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert list((tmp_path / "out").rglob("results_*.json"))
