@@ -30,6 +30,17 @@ def _param_name(f: dataclasses.Field) -> tuple[str, bool]:
     return f.name, False
 
 
+# what each `lmbatch run` option takes, as --help shows it (a flag takes nothing)
+METAVARS = {"task": "TASK|FILE.py", "model": "DIR|HUB_ID", "subjects": "SUBJECT", "device": "auto|cpu|cuda",
+            "dtype": "DTYPE", "schedule": "dfs|fcfs|random", "out": "DIR", "run_id": "NAME"}
+
+
+def _metavar(name: str, annotation: Any) -> str:
+    if name in METAVARS:
+        return METAVARS[name]
+    return "" if annotation is bool else "N" if annotation in (int, Optional[int]) else "VALUE"
+
+
 def _run_parameters() -> list[inspect.Parameter]:
     """`lmbatch run`'s parameters, one per `RunOptions` field (each option is declared once, in runner.py),
     in field order. A bool is a single flag: typer would otherwise add a --no-... twin."""
@@ -37,12 +48,14 @@ def _run_parameters() -> list[inspect.Parameter]:
     params = []
     for f in dataclasses.fields(RunOptions):
         name, negated = _param_name(f)
+        metavar = _metavar(f.name, hints[f.name])
         if f.metadata.get("argument"):
-            info: Any = typer.Argument(..., help=f.metadata["help"])
+            info: Any = typer.Argument(..., help=f.metadata["help"], metavar=metavar)
         else:
             flag = f.metadata.get("flag") or ("--" + f.name.replace("_", "-") if hints[f.name] is bool else None)
             info = typer.Option(not f.default if negated else f.default, *[flag] if flag else [],
-                                help=f.metadata["help"])
+                                help=f.metadata["help"], metavar=metavar,
+                                is_flag=True if hints[f.name] is bool else None)
         params.append(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=info,
                                         annotation=hints[f.name]))
     return params
@@ -85,13 +98,16 @@ def tasks() -> None:
 
 @app.command()
 def report(
-    run_dirs: Optional[List[Path]] = typer.Argument(None, help="Run directories to tabulate."),
-    fmt: str = typer.Option("table", "--format", help="table, markdown or json."),
+    run_dirs: Optional[List[Path]] = typer.Argument(None, help="Run directories to tabulate.",
+                                                        metavar="RUN_DIR"),
+    fmt: str = typer.Option("table", "--format", help="table, markdown or json.",
+                             metavar="table|markdown|json"),
     compare: Optional[Tuple[Path, Path]] = typer.Option(None, "--compare", metavar="BASE CAND",
                                                         help="Check CAND against BASE; exit 1 on regression."),
-    max_slowdown: float = typer.Option(0.05, help="Allowed slowdown of CAND: base programs/s / cand programs/s - 1."),
-    min_hit_ratio: float = typer.Option(0.99, help="Least achieved/optimal hit rate for CAND."),
-    max_acc_drop: float = typer.Option(0.005, help="Largest accuracy drop of CAND vs BASE."),
+    max_slowdown: float = typer.Option(0.05, help="Allowed slowdown of CAND: base programs/s / cand programs/s - 1.",
+                                      metavar="X"),
+    min_hit_ratio: float = typer.Option(0.99, help="Least achieved/optimal hit rate for CAND.", metavar="X"),
+    max_acc_drop: float = typer.Option(0.005, help="Largest accuracy drop of CAND vs BASE.", metavar="X"),
 ) -> None:
     """Tabulate runs (achieved vs optimal hit rate, accuracy, throughput), or compare two for CI."""
     from lmbatch import report as rep

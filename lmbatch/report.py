@@ -25,6 +25,8 @@ def load_summary(run_dir: Path) -> dict:
         text = path.read_text(encoding="utf-8")
     except OSError:
         raise UserError(f"{run_dir} is not an lmbatch run directory (no summary.json)") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not an lmbatch summary (not UTF-8 text: {e.reason} at byte {e.start})") from None
     try:
         data = json.loads(text)
     except ValueError as e:
@@ -77,6 +79,8 @@ def _cell(column: str, value: Any) -> str:
     if value is None:
         return "-"
     if column in DECIMALS and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if column.endswith("_per_s") and 0 < abs(value) < 10:
+            return f"{value:.3g}"       # a small run's rate: not "0.0"
         return f"{value:.{DECIMALS[column]}f}"
     return str(value)
 
@@ -120,11 +124,12 @@ def compare(base: dict, cand: dict, max_slowdown: float = 0.05, min_hit_ratio: f
         lines.append(f"REGRESSION {name}: {desc} {why}" if bad else f"{name}: {desc} ok")
 
     b_speed, c_speed = _get(base, "throughput.programs_per_s"), _get(cand, "throughput.programs_per_s")
-    change = c_speed / b_speed - 1 if b_speed > 0 else 0.0
+    # one measure, both ways: how much slower the candidate is (base/cand - 1), or how much faster
     slowdown = b_speed / c_speed - 1 if c_speed > 0 else (0.0 if b_speed <= 0 else float("inf"))
+    rel = f"{slowdown:.1%} slower" if slowdown > 0 else f"{c_speed / b_speed - 1 if b_speed > 0 else 0.0:.1%} faster"
     check(slowdown > max_slowdown + _EPS, "speed",
-          f"candidate {c_speed:.1f} programs/s vs base {b_speed:.1f} ({change:+.1%})",
-          f"is {slowdown:.1%} slower, more than the {max_slowdown:.1%} allowed")
+          f"candidate {c_speed:.3g} programs/s vs base {b_speed:.3g}: {rel}",
+          f"(more than the {max_slowdown:.1%} allowed)")
 
     ratio = hit_ratio(cand)
     check(ratio < min_hit_ratio - _EPS, "hit rate",

@@ -45,7 +45,7 @@ class RunOptions:
 
     task: str = field(metadata={"help": "Task name (see `lmbatch tasks`) or a program file path/to/file.py.",
                                 "argument": True})
-    shots: int = _option(0, "Few-shot examples per prompt.")
+    shots: int = _option(0, "Few-shot examples per prompt (mmlu: 0 to 5; json and tot-gsm8k: 0).")
     model: str | None = _option(None, "Local HF folder or hub id; default: the embedded SmolLM2-135M-Instruct.")
     limit: int | None = _option(None, "First N instances (per subject for mmlu, as lm-eval's --limit).")
     subjects: list[str] | None = _option(None, "Only these MMLU subjects (repeatable).")
@@ -249,6 +249,20 @@ def run(o: RunOptions) -> Path | dict[str, Any]:
             gc.enable()
 
 
+def _check_out(out: Path) -> None:
+    """The parent of run directories can take one, before any work: the results are written last."""
+    import tempfile
+
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".lmbatch-probe-"):
+            pass
+    except OSError as e:
+        raise UserError(f"--out {out} is not writable: {e.strerror or e}") from None
+
+
 def _model_files(o: RunOptions, w: Workload, clock: Phases):
     """(model folder, run directory, text encoder, model shape), checked."""
     from lmbatch.frontend.tokenize import TextEncoder
@@ -261,6 +275,8 @@ def _model_files(o: RunOptions, w: Workload, clock: Phases):
                                                               dt.datetime.now().strftime("%Y%m%d-%H%M%S")))
     if not o.dry_run and final.exists() and not o.overwrite:
         raise UserError(f"output directory {final} exists; pass --overwrite to replace it or --run-id to name another")
+    if not o.dry_run:
+        _check_out(Path(o.out))
     with clock("model_files"):
         encoder = TextEncoder.for_model(model_dir)
         try:

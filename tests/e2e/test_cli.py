@@ -242,3 +242,35 @@ def test_lm_eval_without_lm_eval_installed_is_one_line(monkeypatch):
     res = CliRunner().invoke(app, ["lm-eval", "--tasks", "hellaswag"])
     assert res.exit_code == 2
     assert res.output.strip().count("\n") == 0 and "pip install -e '.[lm-eval]'" in res.output
+
+
+def _out_is_a_file(tmp_path):
+    (tmp_path / "f").write_text("keep me")
+    return ["--out", tmp_path / "f"], ["--out", "is a file"]
+
+
+def _out_under_a_file(tmp_path):
+    (tmp_path / "f").write_text("keep me")
+    return ["--out", tmp_path / "f" / "sub"], ["--out", "is not writable"]
+
+
+@pytest.mark.parametrize("case", [_out_is_a_file, _out_under_a_file])
+def test_bad_output_places_fail_before_any_work(tiny, tmp_path, case):
+    """Issue 22's bad inputs: one line, exit 2, nothing else touched; the output place is checked
+    before the model loads (the results used to be lost after all the model work)."""
+    extra, needles = case(tmp_path)
+    r = lmbatch(*run_args(tiny, tmp_path, "x")[:-5], "--run-id", "x", "--quiet", *extra)
+    _error(r, *needles)
+    assert (tmp_path / "f").read_text() == "keep me"
+
+
+def test_report_of_a_summary_that_is_not_text(tmp_path):
+    (tmp_path / "summary.json").write_bytes(b'{"run_id": "\xff"}')
+    _error(lmbatch("report", tmp_path), "not UTF-8")
+
+
+def test_help_shows_flags_as_flags():
+    out = lmbatch("run", "--help").output
+    flags = [ln for ln in out.splitlines() if any(f in ln for f in ("--quiet", "--overwrite", "--dry-run"))]
+    assert len(flags) == 3 and not any("<bool>" in ln for ln in flags) and "{task}" not in out
+    assert "--quiet" in out and "mmlu: 0 to 5" in " ".join(out.split())

@@ -145,3 +145,19 @@ def test_invalid_constraints_fail_before_model_work(tiny_tok, tmp_path, constrai
     assert r.exit_code == 2, r.output
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "instance first: gen 'g'" in lines[0] and needle in lines[0], r.stderr
+
+
+def test_invalid_constraint_in_a_later_stage_fails_its_instances(tiny_tok, tmp_path):
+    """As the README says: known only once earlier outputs exist, it fails the instance (error column),
+    and the run goes on."""
+    import pandas as pd
+
+    f = tmp_path / "later.py"
+    f.write_text("from lmbatch.frontend import gen\n"
+                 "def instances():\n    return [{'id': 'first'}, {'id': 'second'}]\n"
+                 "def program(s):\n    s += 'x' + gen('a', max_tokens=2)\n    s += gen('g', regex='[a-')\n")
+    r = CliRunner().invoke(app, ["run", str(f), "--model", str(tiny_tok), "--out", str(tmp_path), "--run-id", "r",
+                                 "--quiet"])
+    assert r.exit_code == 0, r.output
+    df = pd.read_parquet(tmp_path / "r" / "instances.parquet")
+    assert len(df) == 2 and all("invalid regex" in e for e in df["error"]), df["error"].tolist()

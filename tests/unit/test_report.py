@@ -63,7 +63,7 @@ def test_render_table(rows):
     assert set(lines[1].replace(" ", "")) == {"-"}
     assert lines[2].split() == ["run-a", "mmlu", "SmolLM2-135M-Instruct", "cpu", "570", "0.3100",
                                 "0.4300", "0.8600", "0.5000", "47.50", "12.0", "21052.6", "4210.5"]
-    assert lines[3].split()[-4:] == ["47.50", "3.2", "21052.6", "4210.5"]  # 3.25 -> 3.2 (half-even)
+    assert lines[3].split()[-4:] == ["47.50", "3.25", "21052.6", "4210.5"]  # rates under 10: 3 digits
     # aligned: every column of the run lines ends where the header's column ends (right-aligned)
     assert lines[2].index("12.0") + 4 == lines[0].index("programs_per_s") + len("programs_per_s")
 
@@ -102,7 +102,7 @@ def test_compare_pass():
                         make_summary(programs_per_s=12.3, accuracy=0.32))
     assert ok
     assert lines == [
-        "speed: candidate 12.3 programs/s vs base 12.0 (+2.5%) ok",
+        "speed: candidate 12.3 programs/s vs base 12: 2.5% faster ok",
         "hit rate: candidate 0.8600 of optimal 0.8600 (ratio 1.0000, base 0.9302) ok",
         "accuracy: candidate 0.3200 vs base 0.3100 (+0.0100) ok",
     ]
@@ -114,8 +114,12 @@ def test_compare_speed_regression():
     assert ok and lines[0].startswith("speed: ") and lines[0].endswith(" ok")
     ok, lines = compare(make_summary(programs_per_s=12.0), make_summary(programs_per_s=11.2))
     assert not ok
-    assert lines[0] == ("REGRESSION speed: candidate 11.2 programs/s vs base 12.0 (-6.7%) "
-                        "is 7.1% slower, more than the 5.0% allowed")
+    assert lines[0] == ("REGRESSION speed: candidate 11.2 programs/s vs base 12: 7.1% slower "
+                        "(more than the 5.0% allowed)")
+    # one percentage, and small rates readable (not "0.0 programs/s")
+    ok, lines = compare(make_summary(programs_per_s=0.303), make_summary(programs_per_s=0.0142))
+    assert lines[0] == ("REGRESSION speed: candidate 0.0142 programs/s vs base 0.303: 2033.8% slower "
+                        "(more than the 5.0% allowed)")
     assert not lines[1].startswith("REGRESSION") and not lines[2].startswith("REGRESSION")
 
 
@@ -153,3 +157,15 @@ def test_compare_refuses_different_runs():
         compare(make_summary(instances=570), make_summary(instances=57))
     with pytest.raises(UserError, match="candidate ran hellaswag on 570"):
         compare(make_summary(), make_summary(task="hellaswag"))
+
+
+def test_summary_not_utf8_is_one_line(tmp_path):
+    (tmp_path / "summary.json").write_bytes(b'{"run_id": "\xff\xfe"}')
+    with pytest.raises(UserError, match="not UTF-8"):
+        load_summary(tmp_path)
+
+
+def test_small_rates_are_readable():
+    from lmbatch.report import _cell
+
+    assert _cell("programs_per_s", 0.0142) == "0.0142" and _cell("programs_per_s", 123.45) == "123.5"
