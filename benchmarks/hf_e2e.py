@@ -193,8 +193,8 @@ def main() -> None:
         lp = lps[k:k + len(it.continuations)]
         k += len(it.continuations)
         pred = max(range(len(lp)), key=lp.__getitem__)        # ties: first index, as np.argmax
-        row = dict(task=args.task, subject=it.subject, id=it.id, gold=it.gold, prediction=pred,
-                   correct=pred == it.gold, logprobs=lp)
+        row = dict(task=args.task, subject=it.subject, id=it.id, gold=str(it.gold), prediction=str(pred),
+                   correct=pred == it.gold, logprobs=lp)    # strings, as lmbatch's instances.parquet
         if acc_norm is not None:
             row["prediction_norm"] = acc_norm(lp, it.continuations)
             row["correct_norm"] = row["prediction_norm"] == it.gold

@@ -42,11 +42,11 @@ def write_json(path: Path, data: dict) -> None:
 
 INSTANCE_SCHEMA = pa.schema([
     ("task", pa.string()), ("subject", pa.string()), ("id", pa.string()),
-    ("prediction", pa.int32()), ("gold", pa.string()), ("correct", pa.bool_()),
+    ("prediction", pa.string()), ("gold", pa.string()), ("correct", pa.bool_()),
     ("logprobs", pa.list_(pa.float64())), ("is_greedy", pa.list_(pa.bool_())),
     ("metrics", pa.map_(pa.string(), pa.float64())), ("outputs", pa.string()), ("error", pa.string()),
     ("prompt_tokens", pa.int64()), ("cached_tokens", pa.int64()), ("computed_tokens", pa.int64()),
-    ("decode_tokens", pa.int64()),
+    ("decode_tokens", pa.int64()), ("inputs", pa.string()),
 ])
 
 

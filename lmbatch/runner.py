@@ -438,14 +438,15 @@ def _instance_rows(w: Workload, runs) -> list[dict]:
         ans = s.meta(w.answer) if w.answer and w.answer in s and run.error is None else None
         t = run.tokens
         rows.append(dict(task=w.name, subject=inst.subject, id=inst.id,
-                         prediction=None if ans is None else ans["index"],
+                         prediction=None if ans is None else str(ans["index"]),     # comparable with gold
                          gold=None if inst.gold is None else str(inst.gold),
                          correct=bool(metrics["acc"]) if "acc" in metrics else None,
                          logprobs=[] if ans is None else ans["logprobs"],
                          is_greedy=[] if ans is None else ans["is_greedy"],
                          metrics=metrics, outputs=json.dumps(_jsonable(s.variables())), error=error,
                          prompt_tokens=t.prompt_tokens, cached_tokens=t.cached_tokens,
-                         computed_tokens=t.computed_tokens, decode_tokens=t.decode_tokens))
+                         computed_tokens=t.computed_tokens, decode_tokens=t.decode_tokens,
+                         inputs=json.dumps(_jsonable(inst.inputs))))
     return rows
 
 

@@ -41,8 +41,10 @@ def test_run_writes_complete_outputs(tiny, tmp_path):
     assert (s["model_runtime"], s["model_type"]) == ("native", "llama")
     inst = pq.read_table(d / "instances.parquet").to_pylist()
     assert [row["id"] for row in inst] == ["anatomy/0", "virology/0"]
-    assert all(len(row["logprobs"]) == 4 and row["prediction"] == max(range(4), key=row["logprobs"].__getitem__)
+    assert all(len(row["logprobs"]) == 4 and row["prediction"] == str(max(range(4), key=row["logprobs"].__getitem__))
                for row in inst)
+    assert all((row["prediction"] == row["gold"]) == row["correct"] for row in inst)    # comparable as they are
+    assert all(json.loads(row["inputs"])["context"].endswith("Answer:") for row in inst)   # the prompt text
     reqs = pq.read_table(d / "requests.parquet").to_pylist()
     assert [row["choices"] for row in reqs] == [[0, 1, 2, 3]] * 2
     assert sum(row["prompt_tokens"] for row in reqs) == s["tokens"]["prompt"]
