@@ -145,10 +145,12 @@ class LMBatch(TemplateLM):
 
     # ---- the three request types ------------------------------------------------------------------
     def _run(self, requests: list, disable_tqdm: bool = False) -> list:
-        from lmbatch.runner import _progress_bar
+        from lmbatch.progress import TokenProgress
 
-        bar = _progress_bar(len(requests), disable_tqdm or len(requests) < 2, desc="lmbatch", unit="req")
+        bar = TokenProgress("lmbatch", disable=disable_tqdm or len(requests) < 2)
         results, stats = self.engine.run(requests, schedule=self.schedule, progress=bar)
+        bar.wave_done(stats)
+        bar.close()
         self.stats.add_run(stats)
         self.stats.unique_tokens += stats.unique_tokens
         for phase, t in (("plan", stats.plan_s), ("execute", stats.execute_s)):

@@ -302,10 +302,15 @@ def _run(o: RunOptions, collect: bool) -> Path | dict[str, Any]:
 
     model_dir, final, encoder, shape = _model_files(o, w, clock)
     loader = None if o.dry_run else _Loader(o, model_dir, encoder)
+    say = (lambda text: None) if o.quiet or o.dry_run else (lambda text: print(f"lmbatch: {text}", file=sys.stderr))
+    say(f"{w.name}: loading and tokenizing the instances" + (", the model loading meanwhile" if loader else ""))
     instances, interp = _prepare(o, w, encoder, shape, clock)
     if loader is None:
         return _dry_run(o, w, model_dir, shape, instances, interp, clock)
+    say(f"{len(instances)} instances, {len(interp.ready)} first-stage calls: planning")
     interp.plan_ahead()                          # while the model loads
+    if loader.is_alive():
+        say(f"waiting for the model ({model_dir.name})")
     with clock("load"):
         loaded = loader.result(interp.longest_ready())
     if not loaded.tokenizer_matches:     # the cached tokenizer is not AutoTokenizer's: tokenize again
@@ -317,7 +322,11 @@ def _run(o: RunOptions, collect: bool) -> Path | dict[str, Any]:
     if collect:
         gc.enable()
     tokenized = interp.tokenize_s
+    from lmbatch.progress import TokenProgress
+
+    interp.progress = TokenProgress("execute", disable=o.quiet)
     runs = interp.execute(engine)
+    interp.progress.close()
     clock.add("tokenize", interp.tokenize_s - tokenized)
     clock.add("plan", interp.stats.plan_s)
     clock.add("execute", interp.stats.execute_s)
@@ -352,7 +361,6 @@ def _prepare(o: RunOptions, w: Workload, encoder, shape, clock: Phases):
         # a context length of 0: the config names none (ALiBi models run through transformers, e.g. BLOOM)
         interp = Interpreter(encoder, max_len=shape.max_position_embeddings or 1 << 30, schedule=o.schedule,
                              seed=o.seed, truncate_left=o.truncate_left,
-                             progress=_progress_bar(len(instances), o.quiet or o.dry_run),
                              vocab_size=shape.vocab_size, jump_forward=o.jump_forward)
         interp.start(w.program, instances)       # every first-stage call, before any model work
     clock.seconds["data"] -= interp.tokenize_s
@@ -398,24 +406,6 @@ def _dry_run(o: RunOptions, w: Workload, model_dir: Path, cfg, instances, interp
         "flops": estimate_flops(cfg, plan.unique_tokens, plan.attended_keys, plan.logit_rows),
         "time_s": clock.total(),
     }
-
-
-def _progress_bar(total: int, quiet: bool, desc: str = "programs", unit: str = "prog"):
-    if quiet:
-        return None
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, unit=unit, desc=desc, dynamic_ncols=True)
-    start = time.perf_counter()
-
-    def update(i: int, stats) -> None:
-        bar.update(1)
-        seen = stats.cached_tokens + stats.computed_tokens
-        bar.set_postfix(hit=f"{stats.cached_tokens / max(seen, 1):.4f}",
-                        tok_s=f"{stats.computed_tokens / max(time.perf_counter() - start, 1e-9):.0f}", refresh=False)
-        if bar.n == bar.total:
-            bar.close()
-    return update
 
 
 def _jsonable(v):

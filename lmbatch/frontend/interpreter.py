@@ -30,13 +30,14 @@ from lmbatch.scheduler.planner import Plan, plan_requests
 if TYPE_CHECKING:      # the engine (and torch) load on the runner's model thread, not here
     from lmbatch.engine import Engine
     from lmbatch.grammar import GrammarCompiler
+    from lmbatch.progress import TokenProgress
 
 __all__ = ["Interpreter", "ProgramRun", "StageCounts"]
 
 
 class Interpreter:
     def __init__(self, tokenizer: TextEncoder | Any, *, max_len: int, schedule: str = "dfs", seed: int = 0,
-                 truncate_left: bool = False, progress: Callable[[int, RunStats], None] | None = None,
+                 truncate_left: bool = False, progress: TokenProgress | None = None,
                  vocab_size: int | None = None, jump_forward: bool = True, grammar_cache: bool = True):
         # a TextEncoder, or a transformers fast tokenizer it is made from
         self.encoder = tokenizer if isinstance(tokenizer, TextEncoder) else TextEncoder.from_hf(tokenizer)
@@ -135,8 +136,6 @@ class Interpreter:
 
     def _done(self, run: ProgramRun) -> None:
         self.max_final_footprint = max(self.max_final_footprint, run.footprint)
-        if self.progress:
-            self.progress(run.index, self.stats)
 
     def _fail(self, p: Pending, message: str) -> None:
         """Before any model work a failing call stops the run; later it ends its own program."""
@@ -187,7 +186,10 @@ class Interpreter:
         same = ahead is not None and len(ahead[0]) == len(wave) and all(map(operator.is_, ahead[0], wave))
         plan = ahead[1] if ahead is not None and same else None
         engine = cast("Engine", self.engine)     # set by execute(), the only caller
-        results, st = engine.run(requests, schedule=self.schedule, seed=self.seed + self.waves, plan=plan)
+        results, st = engine.run(requests, schedule=self.schedule, seed=self.seed + self.waves, plan=plan,
+                                 progress=self.progress)
+        if self.progress is not None:
+            self.progress.wave_done(st)
         self.tally.account(requests, owner, results, st, self.waves)
         k = 0
         for p in wave:

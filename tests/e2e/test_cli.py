@@ -276,3 +276,33 @@ def test_help_shows_flags_as_flags():
     flags = [ln for ln in out.splitlines() if any(f in ln for f in ("--quiet", "--overwrite", "--dry-run"))]
     assert len(flags) == 3 and not any("<bool>" in ln for ln in flags) and "{task}" not in out
     assert "--quiet" in out and "mmlu: 0 to 5" in " ".join(out.split())
+
+
+def test_progress_shows_phases_then_tokens_of_model_work(tiny, tmp_path):
+    """Issue 22, item 8: the bar counts prompt tokens computed (not programs, which were all queued
+    in the first second) and ends at the run's computed total; the phases before say what runs."""
+    r = lmbatch(*run_args(tiny, tmp_path, "p")[:-1])         # without --quiet
+    assert r.exit_code == 0, r.output
+    err = r.stderr.replace("\r", "\n")
+    s = json.loads((tmp_path / "p" / "summary.json").read_text())
+    assert "lmbatch: mmlu: loading and tokenizing" in err and "first-stage calls: planning" in err
+    bars = [ln for ln in err.splitlines() if ln.startswith("execute:")]
+    assert bars and "tok/s" in bars[-1] and "hit=" in bars[-1]
+    computed = s["tokens"]["computed"]
+    assert f"{computed}/{computed}" in bars[-1], bars[-1]
+    assert err.index("planning") < err.index("execute:") < err.index("hit rate")
+
+
+def test_token_progress_over_waves():
+    from types import SimpleNamespace as NS
+
+    from lmbatch.progress import TokenProgress
+
+    p = TokenProgress(disable=True)
+    p(0, NS(computed_tokens=40, cached_tokens=0, unique_tokens=100, decode_tokens=0))
+    assert (p.n, p.bar.total) == (40, 100)
+    p(1, NS(computed_tokens=90, cached_tokens=10, unique_tokens=100, decode_tokens=0))
+    p.wave_done(NS(computed_tokens=90, cached_tokens=10, unique_tokens=100, decode_tokens=0))
+    assert (p.n, p.bar.total) == (90, 90)        # a prefix cached by an earlier wave: less to compute
+    p(0, NS(computed_tokens=5, cached_tokens=30, unique_tokens=20, decode_tokens=7))
+    assert (p.n, p.bar.total) == (95, 110)
