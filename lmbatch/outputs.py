@@ -11,15 +11,52 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:     # someone else's process
+        return True
+    return True
+
+
+def clean_stale(final: Path) -> list[Path]:
+    """What a killed writer of `final` left beside it (its process is gone): a half-written
+    `.NAME.partial-PID` is removed; a `.NAME.old-PID` is the previous complete run, renamed back into
+    place if the kill came between the two renames, else removed. Returns what it removed/restored."""
+    touched = []
+    for kind in ("old", "partial"):
+        for p in sorted(final.parent.glob(f".{final.name}.{kind}-*")):
+            pid = p.name.rsplit("-", 1)[-1]
+            if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+                continue
+            if kind == "old" and not final.exists():
+                p.rename(final)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+            touched.append(p)
+    return touched
+
+
+def _fsync_files(folder: Path) -> None:
+    for f in folder.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
 @contextmanager
 def atomic_dir(final: Path, overwrite: bool):
-    """Yields a temporary directory; on success it replaces `final`, on any error it vanishes."""
+    """Yields a temporary directory; on success it replaces `final`, on any error it vanishes. What an
+    earlier killed writer left beside `final` is cleaned up first (`clean_stale`)."""
     final.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(final)
     tmp = final.parent / f".{final.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
         yield tmp
+        _fsync_files(tmp)           # the files are on disk before the rename makes them the run
         if final.exists() and overwrite:
             old = final.parent / f".{final.name}.old-{os.getpid()}"
             final.rename(old)

@@ -273,6 +273,10 @@ def _model_files(o: RunOptions, w: Workload, clock: Phases):
         model_dir = resolve_model(o.model)      # the embedded model is converted on first use
     final = Path(o.out) / (o.run_id or "{}-{}shot-{}-{}".format(w.name, o.shots, model_dir.name,
                                                               dt.datetime.now().strftime("%Y%m%d-%H%M%S")))
+    if not o.dry_run:
+        from lmbatch.outputs import clean_stale
+
+        clean_stale(final)      # a killed earlier write: its half-written copy goes, a moved-aside run comes back
     if not o.dry_run and final.exists() and not o.overwrite:
         raise UserError(f"output directory {final} exists; pass --overwrite to replace it or --run-id to name another")
     if not o.dry_run:
