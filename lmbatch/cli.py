@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, List, Optional, Tuple, get_type_hints
@@ -80,6 +81,12 @@ def run(**values: Any) -> None:
         result = do_run(opts)
     except UserError as e:
         _fail(e)
+    except KeyboardInterrupt:
+        # one line, and out at once: a model still loading on its thread would otherwise abort the
+        # process at exit; nothing was written (a run's directory is written whole, at its end)
+        print("interrupted: nothing written (a run's results are written when it completes)", file=sys.stderr,
+              flush=True)
+        os._exit(130)
     typer.echo(json.dumps(result, indent=2) if opts.dry_run else str(result))
 
 

@@ -302,10 +302,20 @@ def _run(o: RunOptions, collect: bool) -> Path | dict[str, Any]:
     clock = Phases()
     w = get_workload(o.task)
     _check(o, w)
-    from lmbatch.frontend.tokenize import TextEncoder, tokenizer_cache_file
-
     model_dir, final, encoder, shape = _model_files(o, w, clock)
     loader = None if o.dry_run else _Loader(o, model_dir, encoder)
+    try:
+        return _run_with(o, w, collect, clock, model_dir, final, encoder, shape, loader)
+    except Exception:
+        if loader is not None:      # an error while the model loads: let it finish (a thread killed
+            loader.join()           # inside torch at exit aborts the process: no message, exit -6)
+        raise
+
+
+def _run_with(o: RunOptions, w: Workload, collect: bool, clock: Phases, model_dir: Path, final: Path, encoder,
+              shape, loader: _Loader | None) -> Path | dict[str, Any]:
+    from lmbatch.frontend.tokenize import TextEncoder, tokenizer_cache_file
+
     say = (lambda text: None) if o.quiet or o.dry_run else (lambda text: print(f"lmbatch: {text}", file=sys.stderr))
     say(f"{w.name}: loading and tokenizing the instances" + (", the model loading meanwhile" if loader else ""))
     instances, interp = _prepare(o, w, encoder, shape, clock)

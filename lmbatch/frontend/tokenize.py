@@ -148,7 +148,10 @@ class TextEncoder:
         Importing transformers' auto classes and building the tokenizer take seconds (they import
         torch), so what AutoTokenizer built is cached (`tokenizer_cache_file`); later runs load that
         with `tokenizers` alone and make the transformers tokenizer on first use of `hf`."""
+        from lmbatch.model.checkpoint import check_tokenizer_files
+
         model_dir = Path(model_dir)
+        check_tokenizer_files(model_dir)
 
         def load_hf() -> Any:
             from transformers import AutoTokenizer

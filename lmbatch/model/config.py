@@ -28,6 +28,38 @@ ARCHITECTURES = {
 GEMMA = ("gemma2", "gemma3_text")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
+# the sizes the weights' shapes follow from: a native model's config.json must give them, as every saved
+# config does (transformers would fill in its config class's defaults, Llama's those of a 7B model, and
+# the weights would fail to load only after the data was loaded and tokenized)
+REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# config.json fields that are integers or numbers where a config gives them (GPT-2's names for sizes too)
+_INTEGER_FIELDS = REQUIRED_SIZES + (
+    "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window", "num_experts",
+    "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+    "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "n_ctx")
+_NUMBER_FIELDS = ("rms_norm_eps", "rope_theta", "layer_norm_eps", "layer_norm_epsilon")
+
+
+def config_problem(raw: dict) -> str | None:
+    """What is wrong with a config.json's sizes (None: nothing), in a few words: a required size
+    missing (native model types), or a size or number of another type (e.g. "thirty"). Checked on the
+    file before transformers reads it (its config classes raise a multi-line validation error)."""
+    if raw.get("model_type") in ARCHITECTURES:
+        missing = [f for f in REQUIRED_SIZES if raw.get(f) is None]
+        if missing:
+            return f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing"
+    for name in _INTEGER_FIELDS:
+        v = raw.get(name)
+        if v is not None and type(v) is not int:
+            return f"{name} must be an integer, got {v!r}"
+        if name in REQUIRED_SIZES and v is not None and v < 1:
+            return f"{name} must be at least 1, got {v}"
+    for name in _NUMBER_FIELDS:
+        v = raw.get(name)
+        if v is not None and type(v) not in (int, float):
+            return f"{name} must be a number, got {v!r}"
+    return None
+
 
 def _layer_windows(hf) -> tuple[int | None, ...]:
     """Each layer's sliding window: transformers' `layer_types` where the config has them; else the

@@ -306,3 +306,23 @@ def test_token_progress_over_waves():
     assert (p.n, p.bar.total) == (90, 90)        # a prefix cached by an earlier wave: less to compute
     p(0, NS(computed_tokens=5, cached_tokens=30, unique_tokens=20, decode_tokens=7))
     assert (p.n, p.bar.total) == (95, 110)
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tiny, tmp_path):
+    """Issue 22: a Ctrl-C (SIGINT) mid-run exits 130 with one line, no traceback and nothing half-written
+    (resuming what finished is not built yet: the line says nothing was written)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", "from lmbatch.cli import main; main()", "run", "hellaswag",
+                             "--model", str(tiny), "--out", str(tmp_path), "--run-id", "c", "--device", "cpu"],
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(6)                   # loading, tokenizing or executing: each must stop the same way
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("interrupted: "), err[-2000:]
+    assert list(tmp_path.iterdir()) == []

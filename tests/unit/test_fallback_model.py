@@ -88,7 +88,10 @@ def test_encoder_under_a_causal_head_is_refused(tmp_path):
                                     {"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]},
                                     {"model_type": "gpt_neox"}, {"model_type": "llama"}])
 def test_causal_lm_folders_are_accepted(tmp_path, config):
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    sizes = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+             "num_attention_heads": 4}      # a native model's config must give them
+    (tmp_path / "config.json").write_text(json.dumps({**sizes, **config}))
+    (tmp_path / "model.safetensors").write_bytes((8).to_bytes(8, "little") + b"{}      ")   # no tensors
     assert resolve_model(str(tmp_path)) == tmp_path.resolve()
 
 

@@ -189,7 +189,10 @@ def test_folder_with_non_causal_architecture(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_supported_folder(tmp_path: Path, model_type: str) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    sizes = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+             "num_attention_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, **sizes}))
+    (tmp_path / "model.safetensors").write_bytes((8).to_bytes(8, "little") + b"{}      ")   # no tensors
     assert resolve_model(str(tmp_path)) == tmp_path.resolve()
 
 
