@@ -55,8 +55,7 @@ def _run_parameters() -> list[inspect.Parameter]:
         else:
             flag = f.metadata.get("flag") or ("--" + f.name.replace("_", "-") if hints[f.name] is bool else None)
             info = typer.Option(not f.default if negated else f.default, *[flag] if flag else [],
-                                help=f.metadata["help"], metavar=metavar,
-                                is_flag=True if hints[f.name] is bool else None)
+                                help=f.metadata["help"], metavar=metavar)
         params.append(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=info,
                                         annotation=hints[f.name]))
     return params
