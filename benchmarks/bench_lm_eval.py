@@ -73,10 +73,10 @@ def main() -> None:
         if not args.tokenizer:
             raise SystemExit("error: --preset needs --tokenizer DIR")
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from bench_e2e import build_preset
+        from bench_e2e import ROOT, build_preset
 
-        args.model = str(build_preset(args.preset, Path("results/e2e-models") / args.preset, Path(args.tokenizer),
-                                      args.device))
+        args.model = str(build_preset(args.preset, ROOT / "results" / "e2e-models" / args.preset,
+                                      Path(args.tokenizer), args.device))
     tasks_dir = root / "tasks"
     write_offline_tasks(tasks_dir)
     walls: dict[str, list[float]] = {}

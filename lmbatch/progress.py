@@ -5,7 +5,10 @@ Fed by the engine's per-request callback; a run of several waves (multi-stage pr
 `wave_done` after each."""
 from __future__ import annotations
 
+import time
 from typing import Any
+
+REDRAW_S = 0.1
 
 
 class TokenProgress:
@@ -13,24 +16,31 @@ class TokenProgress:
         from tqdm import tqdm
 
         self.bar = tqdm(total=0, unit="tok", unit_scale=True, desc=desc, dynamic_ncols=True, disable=disable)
-        self.total = self.computed = self.cached = self.decoded = 0     # of the waves done
-        self.n = 0                                                      # computed so far
+        self.computed = self.cached = self.decoded = 0      # of the waves done
+        self.n = 0                                          # computed so far
+        self._redraw = 0.0
 
     def __call__(self, i: int, stats: Any) -> None:
-        """The engine's progress callback (a request needs nothing more); `stats` is its run's so far."""
+        """The engine's progress callback (a request needs nothing more); `stats` is its run's so far.
+        Called per request: it keeps the counts, and draws at most every REDRAW_S."""
         done = self.computed + stats.computed_tokens
-        self.n, self.bar.total = done, max(self.total + stats.unique_tokens, done)
+        self.n, self.bar.total = done, self.computed + max(stats.unique_tokens, stats.computed_tokens)
+        now = time.monotonic()
+        if now < self._redraw:
+            return
+        self._redraw = now + REDRAW_S
         cached, decoded = self.cached + stats.cached_tokens, self.decoded + stats.decode_tokens
         post = {"hit": f"{cached / max(cached + done, 1):.4f}"} | ({"decoded": decoded} if decoded else {})
         self.bar.set_postfix(post, refresh=False)    # tqdm's own rate is the computed tokens/s
-        self.bar.update(done - self.bar.n)          # redraws at most every 0.1 s (disabled: nothing)
+        self.bar.update(done - self.bar.n)
 
     def wave_done(self, stats: Any) -> None:
-        self.total += stats.computed_tokens         # what it took (a prefix cached by an earlier wave: less)
+        """A wave's run ended: its counts join the totals (it computed less than its plan's unique
+        tokens where an earlier wave had cached a prefix)."""
         self.computed += stats.computed_tokens
         self.cached += stats.cached_tokens
         self.decoded += stats.decode_tokens
-        self.n, self.bar.total = self.computed, max(self.total, self.computed)
+        self.n = self.bar.total = self.computed
         self.bar.update(self.computed - self.bar.n)
 
     def close(self) -> None:

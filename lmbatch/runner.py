@@ -277,9 +277,9 @@ def _model_files(o: RunOptions, w: Workload, clock: Phases):
         from lmbatch.outputs import clean_stale
 
         clean_stale(final)      # a killed earlier write: its half-written copy goes, a moved-aside run comes back
-    if not o.dry_run and final.exists() and not o.overwrite:
-        raise UserError(f"output directory {final} exists; pass --overwrite to replace it or --run-id to name another")
-    if not o.dry_run:
+        if final.exists() and not o.overwrite:
+            raise UserError(f"output directory {final} exists; pass --overwrite to replace it or --run-id to name "
+                            "another")
         _check_out(Path(o.out))
     with clock("model_files"):
         encoder = TextEncoder.for_model(model_dir)
