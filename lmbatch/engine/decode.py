@@ -9,7 +9,7 @@ request is released (its output inserted into the tree) while the device compute
 from __future__ import annotations
 
 from collections import deque
-from typing import cast
+from typing import Callable, cast
 
 import torch
 
@@ -33,6 +33,7 @@ class Decode:
         self.queue: deque[Queued] = deque()
         self._unsampled: list[Queued] = []      # queued requests without their first token
         self._finished: list[Running] = []      # ended, released during the next step's forward
+        self.tick: Callable[[], None] | None = None     # called after every step (Engine.run's handover)
 
     # ---- the queue -------------------------------------------------------------------------------
     def enqueue(self, q: Queued) -> None:
@@ -97,6 +98,8 @@ class Decode:
         if done:
             self._finished += done
             self.running = [r for r in self.running if not r.finish]
+        if self.tick is not None:
+            self.tick()
         return len(done)
 
     def _pick(self, rows: list[Running], logits: torch.Tensor) -> None:

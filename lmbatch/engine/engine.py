@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, cast
 
 import torch
 
@@ -108,22 +108,37 @@ class Engine:
     @torch.inference_mode()
     def run(self, requests: Sequence[Request], schedule: str = "dfs", seed: int = 0,
             progress: Callable[[int, RunStats], None] | None = None,
-            plan: Plan | None = None) -> tuple[list[Result], RunStats]:
+            plan: Plan | None = None, handover: Handover | None = None) -> tuple[list[Result], RunStats]:
         """Execute every request; results come back in the order of `requests`.
 
         `progress(i, stats)` is called as request i's last prompt token is issued (scoring) or as
-        its generation ends. `plan`: `plan_requests(requests, schedule, seed)`, if made already."""
+        its generation ends. `plan`: `plan_requests(requests, schedule, seed)`, if made already.
+        `handover`: results handed over while the run goes on (see `Handover`)."""
         t0 = time.perf_counter()
         if plan is None:
             plan = plan_requests(requests, schedule, seed)
-        state = RunState(requests, plan, progress)
+        state = RunState(requests, plan, progress, keep_final=handover is not None)
         capture = LogitCapture(state)       # registers every request's logit demands on the plan
         t1 = time.perf_counter()
         kv = KVSlots(self.pool, self.tree, state.stats)
         decode = Decode(state, self.runner, kv, capture, self.sampler, self.options.max_running)
         prefill = Prefill(state, self.runner, kv, capture, decode, self.options.max_tokens_per_batch)
+
+        def hand_over() -> None:
+            """The batch being built runs now and every logit in flight is recorded: each request
+            reported done so far has its final result."""
+            prefill.flush()
+            capture.drain()
+            final, state.final = state.final, []
+            capture.finish_scores(final)
+            cast(Handover, handover).take(final, state.results, state.stats)
+
+        tick = (lambda: hand_over() if handover.due() else None) if handover is not None else None
+        decode.tick = tick
         for i in plan.order:
             prefill.add(i)
+            if tick is not None:
+                tick()
         prefill.flush()
         decode.run_all()
         capture.drain()
@@ -132,3 +147,15 @@ class Engine:
             torch.cuda.synchronize()
         state.stats.plan_s, state.stats.execute_s = t1 - t0, time.perf_counter() - t1
         return state.results, state.stats
+
+
+class Handover(Protocol):
+    """What a caller of `Engine.run` takes while the run goes on (the runner's checkpoints): between
+    prefill batches and decode steps the engine asks `due()`, and when it says so, runs what it has
+    queued (a partial batch) and calls `take(final, results, stats)` with the requests whose results
+    are final since the last call (scored ones summed, generated ones ended; each once, as they
+    finished). `take` may raise to stop the run. The results of the rest come back from `run`."""
+
+    def due(self) -> bool: ...
+
+    def take(self, final: list[int], results: Sequence[Result], stats: RunStats) -> None: ...

@@ -9,7 +9,7 @@ argmax, the rows to sample from) and copied to the host while the next batch is 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
+from typing import Sequence, cast
 
 import torch
 
@@ -136,10 +136,12 @@ class LogitCapture:
         """The captured logits row of a position some request samples from (it demanded FULL_ROW)."""
         return cast(torch.Tensor, self.captured[key].row)
 
-    def finish_scores(self) -> None:
-        """Sum each score request's continuation logprobs (every batch has been drained)."""
+    def finish_scores(self, indices: Sequence[int] | None = None) -> None:
+        """Sum each score request's continuation logprobs (of those in `indices`, else of all; every
+        batch they were issued to has been drained)."""
         s = self.state
-        for i, req in enumerate(s.requests):
+        for i in range(len(s.requests)) if indices is None else indices:
+            req = s.requests[i]
             if not isinstance(req, ScoreRequest):
                 continue
             res = cast(ScoreResult, s.results[i])

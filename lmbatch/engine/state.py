@@ -64,8 +64,10 @@ class RunState:
     """One run's requests, plan, results and counters, and the plan path of each request."""
 
     def __init__(self, requests: Sequence[Request], plan: Plan,
-                 progress: Callable[[int, RunStats], None] | None = None):
+                 progress: Callable[[int, RunStats], None] | None = None, keep_final: bool = False):
         self.requests, self.plan, self.progress = requests, plan, progress
+        self.keep_final = keep_final
+        self.final: list[int] = []      # with keep_final: requests done since the last handover
         self.paths: list[list[PlanNode]] = [plan.path(i) for i in range(len(requests))]
         self.results: list[Result] = [GenerateResult() if isinstance(r, GenerateRequest) else ScoreResult()
                                       for r in requests]
@@ -76,6 +78,8 @@ class RunState:
 
     def done(self, i: int) -> None:
         """Request i needs nothing more from the engine (its score may still be summed at the end)."""
+        if self.keep_final:
+            self.final.append(i)
         if self.progress:
             self.progress(i, self.stats)
 

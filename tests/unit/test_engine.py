@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmbatch.engine import Engine
-from lmbatch.requests import GenerateRequest, GenerateResult, SamplingParams, ScoreRequest
+from lmbatch.requests import GenerateRequest, GenerateResult, SamplingParams, ScoreRequest, ScoreResult
 from lmbatch.scheduler.planner import make_plan
 
 
@@ -289,3 +289,44 @@ def test_sampling_follows_the_distribution_and_top_p():
     top = [sample(logits, [SamplingParams(temperature=1.0, top_p=0.8, seed=s)], [0])[0] for s in range(2000)]
     assert set(top) == {0, 1} and abs(top.count(1) / 2000 - 0.237 / 0.881) < 0.04
     assert {sample(logits, [SamplingParams(temperature=1.0, top_p=0.6, seed=s)], [0])[0] for s in range(300)} == {0}
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10**6), every=st.integers(1, 7), batch=st.sampled_from([4, 16, 256]))
+def test_handover_gives_each_result_once_as_final_and_changes_nothing(llama, seed, every, batch):
+    """Engine.run's handover (the runner's result parts): every request is handed over at most once,
+    its result already what the run returns, and the run computes what it computes without one."""
+    path, _ = llama
+    rng = random.Random(seed)
+    reqs = random_requests(rng, 30) + [
+        GenerateRequest([rng.randrange(128) for _ in range(rng.randint(1, 9))],
+                        SamplingParams(max_new_tokens=rng.randint(1, 6), temperature=0.7, seed=k)) for k in range(8)]
+    rng.shuffle(reqs)
+    plain, plain_stats = engine(path, max_tokens_per_batch=batch, max_running=3).run(reqs)
+
+    class Taker:
+        def __init__(self):
+            self.calls, self.seen = 0, {}
+
+        def due(self):
+            self.calls += 1
+            return self.calls % every == 0
+
+        def take(self, final, results, stats):
+            for i in final:
+                assert i not in self.seen
+                r = results[i]
+                self.seen[i] = (r.logprob, r.is_greedy) if isinstance(r, ScoreResult) else list(r.token_ids)
+
+    taker = Taker()
+    got, stats = engine(path, max_tokens_per_batch=batch, max_running=3).run(reqs, handover=taker)
+    assert taker.seen, "nothing was handed over"
+    for i, value in taker.seen.items():
+        r = got[i]
+        assert value == ((r.logprob, r.is_greedy) if isinstance(r, ScoreResult) else r.token_ids)
+    for a, b in zip(plain, got):
+        if isinstance(a, ScoreResult):
+            assert abs(a.logprob - b.logprob) < 1e-4
+        else:
+            assert a.token_ids == b.token_ids
+    assert (stats.computed_tokens, stats.cached_tokens) == (plain_stats.computed_tokens, plain_stats.cached_tokens)
