@@ -136,7 +136,7 @@ def engine_requests(calls: list[Pending], seed: int) -> tuple[list[EngineRequest
                 owner.append(p)
         else:
             op = p.op
-            call_seed = hash((seed, p.owner.index, p.seq)) & 0x7FFFFFFF
+            call_seed = hash((seed, p.owner.number, p.seq)) & 0x7FFFFFFF   # the same when resumed
             params = SamplingParams(op.max_tokens, op.temperature, op.top_p, call_seed, op.stop)
             requests.append(GenerateRequest(gen_ids(p), params, p.constraint))
             owner.append(p)

@@ -88,7 +88,8 @@ def select(name: str, choices: list[str] | tuple[str, ...]) -> Select:
 
 class CallOwner(Protocol):
     """What a call knows of the program that issued it (the interpreter's `ProgramRun`)."""
-    index: int                      # the program's number in the batch
+    index: int                      # the program's place in the batch
+    number: int                     # its instance's place in the task (the batch of a resumed run is a part)
     instance: Instance
     started: bool                   # some call of it has been in a wave
     tokens: TokenCounts             # what its calls have put through the model

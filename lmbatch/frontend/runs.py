@@ -21,7 +21,7 @@ class CallQueue(Protocol):
 @dataclass(eq=False)
 class ProgramRun:
     """One instance's program while it runs."""
-    index: int
+    index: int                      # position in the interpreter's runs
     instance: Instance
     interp: CallQueue
     state: State | None = None
@@ -32,6 +32,8 @@ class ProgramRun:
     user_error: UserError | None = None
     tokens: TokenCounts = field(default_factory=TokenCounts)
     started: bool = False           # some call of it has been in a wave
+    number: int = -1                # position in the task's instances (a resumed run runs only some)
+    complete: bool = False          # returned, and every call of it has its result
 
     @property
     def footprint(self) -> int:

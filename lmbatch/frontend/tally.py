@@ -28,24 +28,30 @@ class Tally:
         self.stats = RunStats()
         self.stages: dict[int, StageCounts] = {}
         self.request_rows: list[dict] = []
+        self.rows_by_run: dict[int, list[dict]] = {}   # the same rows, by ProgramRun.index
+        self._first: dict[int, int] = {}                # id(call) -> its first engine request in the wave
         self.prompt_tree_optimal_hit_rate = 0.0
         self._prompts: list[list[int]] = []            # executed prompts, for the post-hoc optimum
         self._generated: list[tuple[list[int], int]] = []  # (prompt + fed output, prompt length)
 
-    def account(self, requests: list[EngineRequest], owner: list[Pending],
-                results: Sequence[ScoreResult | GenerateResult], st: RunStats, wave: int) -> None:
-        """Count one wave's engine batch: `owner[j]` is the call of `requests[j]`."""
-        self.stats.add_run(st)
-        self.stats.plan_s += st.plan_s
+    def start_wave(self, owner: list[Pending]) -> None:
+        """Count a wave's calls (`owner[j]` is the call of its engine request j)."""
         for p in dict.fromkeys(owner):
             self.stages.setdefault(p.stage, StageCounts()).calls += 1
-        first: dict[int, int] = {}
+        self._first = {}
         for k, p in enumerate(owner):
-            first.setdefault(id(p), k)
-        for j in st.order:
+            self._first.setdefault(id(p), k)      # a select's first choice's request
+
+    def account(self, requests: list[EngineRequest], owner: list[Pending],
+                results: Sequence[ScoreResult | GenerateResult], executed: Sequence[int],
+                members: dict[int, list[int]], wave: int) -> None:
+        """Count executed engine requests of a wave whose results are final, in the order given
+        (their execution order, or the order they finished in when handed over during the wave)."""
+        first = self._first
+        for j in executed:
             p, r = owner[j], results[j]
             stage = self.stages[p.stage]
-            stage.requests += len(st.members[j])
+            stage.requests += len(members[j])
             stage.add(r)
             p.owner.tokens.add(r)
             prompt = requests[j].prompt
@@ -53,12 +59,19 @@ class Tally:
             if isinstance(r, GenerateResult) and isinstance(p.op, Gen):
                 self._generated.append((prompt + r.token_ids[:-1], len(prompt)))
             select = isinstance(p.op, Select)
-            self.request_rows.append(dict(
+            row = dict(
                 order=len(self.request_rows), wave=wave, instance_id=p.owner.instance.id, stage=p.stage,
                 call=p.op.name, kind="select" if select else "gen",
-                choices=[m - first[id(p)] for m in st.members[j]] if select else [], prompt_tokens=r.prompt_tokens,
+                choices=[m - first[id(p)] for m in members[j]] if select else [], prompt_tokens=r.prompt_tokens,
                 cached_tokens=r.cached_tokens, computed_tokens=r.computed_tokens, decode_tokens=r.decode_tokens,
-                token_ids=prompt))
+                token_ids=prompt)
+            self.request_rows.append(row)
+            self.rows_by_run.setdefault(p.owner.index, []).append(row)
+
+    def end_wave(self, st: RunStats) -> None:
+        """Add a wave's engine run to the totals."""
+        self.stats.add_run(st)
+        self.stats.plan_s += st.plan_s
 
     def finish(self) -> None:
         """The post-hoc optimum: from the tree of every prompt actually executed, where tokens that
