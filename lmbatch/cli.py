@@ -11,7 +11,7 @@ from typing import Any, List, Optional, Tuple, get_type_hints
 
 import typer
 
-from lmbatch.errors import UserError
+from lmbatch.errors import Interrupted, UserError
 from lmbatch.runner import RunOptions
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -33,7 +33,8 @@ def _param_name(f: dataclasses.Field) -> tuple[str, bool]:
 
 # what each `lmbatch run` option takes, as --help shows it (a flag takes nothing)
 METAVARS = {"task": "TASK|FILE.py", "model": "DIR|HUB_ID", "subjects": "SUBJECT", "device": "auto|cpu|cuda",
-            "dtype": "DTYPE", "schedule": "dfs|fcfs|random", "out": "DIR", "run_id": "NAME"}
+            "dtype": "DTYPE", "schedule": "dfs|fcfs|random", "out": "DIR", "run_id": "NAME",
+            "checkpoint_s": "SECONDS"}
 
 
 def _metavar(name: str, annotation: Any) -> str:
@@ -80,11 +81,10 @@ def run(**values: Any) -> None:
         result = do_run(opts)
     except UserError as e:
         _fail(e)
-    except KeyboardInterrupt:
+    except (Interrupted, KeyboardInterrupt) as e:
         # one line, and out at once: a model still loading on its thread would otherwise abort the
-        # process at exit; nothing was written (a run's directory is written whole, at its end)
-        print("interrupted: nothing written (a run's results are written when it completes)", file=sys.stderr,
-              flush=True)
+        # process at exit; what finished is in the run directory's parts
+        print(f"interrupted: {e or 'nothing written'}", file=sys.stderr, flush=True)
         os._exit(130)
     typer.echo(json.dumps(result, indent=2) if opts.dry_run else str(result))
 

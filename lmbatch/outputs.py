@@ -1,14 +1,12 @@
-"""Write a run directory atomically: built beside its final name, renamed into place when complete."""
+"""The run directory's tables (docs/outputs.md) and what a killed writer of an earlier version left beside it;
+the run directory itself: lmbatch/rundir.py."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 
 def _alive(pid: int) -> bool:
@@ -33,48 +31,12 @@ def clean_stale(final: Path) -> list[Path]:
                 continue
             if kind == "old" and not final.exists():
                 p.rename(final)
+            elif kind == "old" and (final / "INCOMPLETE").is_file():
+                continue            # the run a killed --overwrite replaces: kept until that one completes
             else:
                 shutil.rmtree(p, ignore_errors=True)
             touched.append(p)
     return touched
-
-
-def _fsync_files(folder: Path) -> None:
-    for f in folder.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-
-
-@contextmanager
-def atomic_dir(final: Path, overwrite: bool):
-    """Yields a temporary directory; on success it replaces `final`, on any error it vanishes. What an
-    earlier killed writer left beside `final` is cleaned up first (`clean_stale`)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale(final)
-    tmp = final.parent / f".{final.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-        _fsync_files(tmp)           # the files are on disk before the rename makes them the run
-        if final.exists() and overwrite:
-            old = final.parent / f".{final.name}.old-{os.getpid()}"
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def write_parquet(path: Path, rows: list[dict], schema: pa.Schema) -> None:
-    table = pa.Table.from_pylist(rows, schema=schema)
-    pq.write_table(table, path)
-
-
-def write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 INSTANCE_SCHEMA = pa.schema([
@@ -95,3 +57,14 @@ def request_schema(with_tokens: bool) -> pa.Schema:
     if with_tokens:
         fields.append(("token_ids", pa.list_(pa.int32())))
     return pa.schema(fields)
+
+
+def file_record(path: Path, rows: int) -> dict:
+    """What summary.json and run.json record of a file they vouch for: rows, size and SHA-256."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            h.update(block)
+    return {"rows": rows, "bytes": path.stat().st_size, "sha256": h.hexdigest()}

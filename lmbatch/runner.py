@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import datetime as dt
 import gc
+import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -18,10 +20,10 @@ import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import lmbatch
-from lmbatch.errors import UserError, first_line
+from lmbatch.errors import Interrupted, UserError, first_line
 from lmbatch.frontend.registry import get_workload
 from lmbatch.frontend.workload import LoadArgs, Workload
 from lmbatch.timing import Phases, largest
@@ -61,7 +63,10 @@ class RunOptions:
     seed: int = _option(0, "Seed for shots drawing, sampling and --schedule random.")
     out: Path = _option(Path("results"), "Parent directory of run directories.")
     run_id: str | None = _option(None, "Run directory name (default: task-shots-model-time).")
-    overwrite: bool = _option(False, "Replace an existing run directory.")
+    overwrite: bool = _option(False, "Replace an existing run directory (an incomplete one with other settings too; "
+                                     "one with the same settings is resumed).")
+    checkpoint_s: float = _option(30.0, "Seconds of work between result parts written while the run executes (also "
+                                        "one per wave): at most what a crash or Ctrl-C loses.")
     truncate_left: bool = _option(False, "Drop the oldest tokens of prompts longer than the model's context.")
     save_token_ids: bool = _option(False, "Store each request's token ids in requests.parquet.")
     quiet: bool = _option(False, "No progress bar or closing line.")
@@ -102,6 +107,8 @@ def _check(o: RunOptions, w: Workload) -> None:
         raise UserError(f"--dtype {o.dtype}: use one of {', '.join(DTYPES)}")
     if o.max_tokens_per_batch is not None and o.max_tokens_per_batch < 1:
         raise UserError("--max-tokens-per-batch must be at least 1")
+    if not o.checkpoint_s > 0:
+        raise UserError("--checkpoint-s must be more than 0")
     if o.kv_cache_tokens is not None and o.kv_cache_tokens < 1:
         raise UserError("--kv-cache-tokens must be at least 1")
     from lmbatch.scheduler.planner import SCHEDULES
@@ -241,12 +248,85 @@ def run(o: RunOptions) -> Path | dict[str, Any]:
     work, which runs with the collector (generation may leave cycles that hold device memory)."""
     collect = gc.isenabled()
     gc.disable()
+    stop = _Stop()
     try:
-        return _run(o, collect)
+        with stop:
+            return _run(o, collect, stop)
+    except KeyboardInterrupt:
+        raise Interrupted(stop.kept()) from None
     finally:
         gc.unfreeze()
         if collect:
             gc.enable()
+
+
+class _Stop:
+    """SIGINT (Ctrl-C) and SIGTERM during a run. While it executes, the first signal stops it at its
+    next handover: the finished instances are written as a part and the run raises `Interrupted`.
+    Before that, it raises KeyboardInterrupt at once (nothing of this attempt to keep). A second
+    signal exits at once: what is on disk is whole parts."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        self.executing = False
+        self.rundir: Any = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> "_Stop":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.asked:
+            print("interrupted again: stopped at once (the results on disk are whole parts; re-run the same "
+                  "command to resume)", file=sys.stderr, flush=True)
+            os._exit(130)
+        self.asked = True
+        if not self.executing:
+            raise KeyboardInterrupt
+
+    def kept(self) -> str:
+        """The line a stopped run ends with."""
+        rd = self.rundir
+        if rd is None or not rd.kept:
+            return "nothing written (no instance had finished)"
+        of = f" of {rd.total}" if rd.total else ""
+        return f"{len(rd.kept)}{of} instances kept; re-run the same command to resume"
+
+
+class _Parts:
+    """The interpreter's checkpoints: finished instances go to the run directory as parts, at least
+    every wave and every `checkpoint_s` seconds of work, and at once when a stop was asked for."""
+
+    def __init__(self, o: RunOptions, w: Workload, rundir, interp, stop: _Stop):
+        self.o, self.w, self.rundir, self.interp, self.stop = o, w, rundir, interp, stop
+        self.next = time.perf_counter() + o.checkpoint_s
+
+    def due(self) -> bool:
+        return self.stop.asked or time.perf_counter() >= self.next
+
+    def save(self, runs: list) -> None:
+        if not runs:
+            if self.stop.asked:
+                raise Interrupted(self.stop.kept())
+            return
+        rows = _instance_rows(self.w, runs)
+        by_run = self.interp.tally.rows_by_run
+        reqs = [r for run in runs for r in by_run.pop(run.index, [])]
+        if not self.o.save_token_ids:
+            reqs = [{k: v for k, v in r.items() if k != "token_ids"} for r in reqs]
+        for row, run in zip(rows, runs):
+            row["number"] = run.number
+        self.rundir.write_part(rows, reqs)
+        self.next = time.perf_counter() + self.o.checkpoint_s
+        if self.stop.asked:
+            raise Interrupted(self.stop.kept())
 
 
 def _check_out(out: Path) -> None:
@@ -263,7 +343,21 @@ def _check_out(out: Path) -> None:
         raise UserError(f"--out {out} is not writable: {e.strerror or e}") from None
 
 
-def _model_files(o: RunOptions, w: Workload, clock: Phases):
+def _fingerprint(o: RunOptions, w: Workload, model_dir: Path) -> dict[str, Any]:
+    """What decides a run's results (a resumed run must have the same): the task and its options,
+    the model's files, lmbatch's version. The dtype is checked once the device is known."""
+    from lmbatch.rundir import model_identity
+
+    fp: dict[str, Any] = {"task": w.name, "shots": o.shots, "limit": o.limit, "subjects": o.subjects, "seed": o.seed,
+                          "truncate_left": o.truncate_left, "jump_forward": o.jump_forward,
+                          "save_token_ids": o.save_token_ids, "lmbatch_version": lmbatch.__version__,
+                          "model": model_identity(model_dir)}
+    if o.task.endswith(".py"):
+        fp["program"] = hashlib.sha256(Path(o.task).read_bytes()).hexdigest()
+    return fp
+
+
+def _model_files(o: RunOptions, w: Workload, clock: Phases, stop: _Stop):
     """(model folder, run directory, text encoder, model shape), checked."""
     from lmbatch.frontend.tokenize import TextEncoder
     from lmbatch.model.checkpoint import resolve_model
@@ -273,14 +367,13 @@ def _model_files(o: RunOptions, w: Workload, clock: Phases):
         model_dir = resolve_model(o.model)      # the embedded model is converted on first use
     final = Path(o.out) / (o.run_id or "{}-{}shot-{}-{}".format(w.name, o.shots, model_dir.name,
                                                               dt.datetime.now().strftime("%Y%m%d-%H%M%S")))
+    rundir = None
     if not o.dry_run:
-        from lmbatch.outputs import clean_stale
+        from lmbatch.rundir import RunDir
 
-        clean_stale(final)      # a killed earlier write: its half-written copy goes, a moved-aside run comes back
-        if final.exists() and not o.overwrite:
-            raise UserError(f"output directory {final} exists; pass --overwrite to replace it or --run-id to name "
-                            "another")
         _check_out(Path(o.out))
+        with clock("model_files"):      # a complete run needs --overwrite; an incomplete one resumes
+            rundir = stop.rundir = RunDir(final, _fingerprint(o, w, model_dir), o.overwrite, o.save_token_ids)
     with clock("model_files"):
         encoder = TextEncoder.for_model(model_dir)
         try:
@@ -290,7 +383,7 @@ def _model_files(o: RunOptions, w: Workload, clock: Phases):
         except AttributeError as e:  # no attention shape (e.g. a state-space model)
             raise UserError(f"model at {model_dir} has no attention shape lmbatch's KV cache can hold ({e}): "
                             "lmbatch runs decoder-only attention models") from None
-    return model_dir, final, encoder, shape
+    return model_dir, rundir, encoder, shape
 
 
 def _runtime(cfg) -> str:
@@ -298,40 +391,44 @@ def _runtime(cfg) -> str:
     return f"{'native' if cfg.runtime == 'native' else cfg.runtime + ' fallback'} {cfg.model_type}"
 
 
-def _run(o: RunOptions, collect: bool) -> Path | dict[str, Any]:
+def _run(o: RunOptions, collect: bool, stop: _Stop) -> Path | dict[str, Any]:
     clock = Phases()
     w = get_workload(o.task)
     _check(o, w)
-    model_dir, final, encoder, shape = _model_files(o, w, clock)
+    model_dir, rundir, encoder, shape = _model_files(o, w, clock, stop)
     loader = None if o.dry_run else _Loader(o, model_dir, encoder)
     try:
-        return _run_with(o, w, collect, clock, model_dir, final, encoder, shape, loader)
+        return _run_with(o, w, collect, clock, model_dir, rundir, encoder, shape, loader, stop)
     except Exception:
         if loader is not None:      # an error while the model loads: let it finish (a thread killed
             loader.join()           # inside torch at exit aborts the process: no message, exit -6)
         raise
 
 
-def _run_with(o: RunOptions, w: Workload, collect: bool, clock: Phases, model_dir: Path, final: Path, encoder,
-              shape, loader: _Loader | None) -> Path | dict[str, Any]:
+def _run_with(o: RunOptions, w: Workload, collect: bool, clock: Phases, model_dir: Path, rundir, encoder,
+              shape, loader: _Loader | None, stop: _Stop) -> Path | dict[str, Any]:
     from lmbatch.frontend.tokenize import TextEncoder, tokenizer_cache_file
 
     say = (lambda text: None) if o.quiet or o.dry_run else (lambda text: print(f"lmbatch: {text}", file=sys.stderr))
+    if rundir is not None and rundir.resuming:
+        say(f"resuming {rundir.path}: {len(rundir.kept)} instances kept from earlier attempts")
     say(f"{w.name}: loading and tokenizing the instances" + (", the model loading meanwhile" if loader else ""))
-    instances, interp = _prepare(o, w, encoder, shape, clock)
+    instances, interp = _prepare(o, w, encoder, shape, clock, rundir)
     if loader is None:
         return _dry_run(o, w, model_dir, shape, instances, interp, clock)
-    say(f"{len(instances)} instances, {len(interp.ready)} first-stage calls: planning")
+    say(f"{len(interp.runs)} instances to run, {len(interp.ready)} first-stage calls: planning")
     interp.plan_ahead()                          # while the model loads
     if loader.is_alive():
         say(f"waiting for the model ({model_dir.name})")
     with clock("load"):
         loaded = loader.result(interp.longest_ready())
+    kept = rundir.check_dtype(loaded.dtype, o.overwrite)      # False: --overwrite of another dtype's run
     if not loaded.tokenizer_matches:     # the cached tokenizer is not AutoTokenizer's: tokenize again
         tokenizer_cache_file(model_dir).unlink(missing_ok=True)
         encoder = TextEncoder.from_hf(encoder.hf)
-        instances, interp = _prepare(o, w, encoder, shape, clock)
-    engine, device, dtype_name = loaded.engine, loaded.device, loaded.dtype
+    if not kept or not loaded.tokenizer_matches:
+        instances, interp = _prepare(o, w, encoder, shape, clock, rundir)
+    engine = loaded.engine
     gc.freeze()
     if collect:
         gc.enable()
@@ -339,58 +436,75 @@ def _run_with(o: RunOptions, w: Workload, collect: bool, clock: Phases, model_di
     from lmbatch.progress import TokenProgress
 
     interp.progress = TokenProgress("execute", disable=o.quiet)
-    runs = interp.execute(engine)
+    interp.checkpoints = _Parts(o, w, rundir, interp, stop)
+    stop.executing = True
+    interp.execute(engine)
+    stop.executing = False
     interp.progress.close()
+    if stop.asked:
+        raise Interrupted(stop.kept())
+    if len(rundir.kept) != len(instances):
+        raise RuntimeError(f"{len(instances) - len(rundir.kept)} of {len(instances)} instances were not written")
     clock.add("tokenize", interp.tokenize_s - tokenized)
     clock.add("plan", interp.stats.plan_s)
     clock.add("execute", interp.stats.execute_s)
-    with clock("write"):
-        rows = _instance_rows(w, runs)
-        summary = _summary(o, w, final.name, model_dir, device, dtype_name, rows, interp, clock.total(),
-                           loaded.batch_tokens, loaded.kv_tokens, loader.seconds, engine.cfg)
-        _write(final, o, rows, interp, summary)
-    summary["time_s"].update(clock.total())       # again, with the write's own time; replaced atomically
-    tmp = final / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp, final / "summary.json")
+    return _complete(o, w, rundir, model_dir, loaded, loader.seconds, interp, clock)
+
+
+def _complete(o: RunOptions, w: Workload, rundir, model_dir: Path, loaded: Loaded, load_background: float, interp,
+              clock: Phases) -> Path:
+    """Write the run's final files from its parts (RunDir.complete), and say what it did."""
+    engine = loaded.engine
+    t_write = time.perf_counter()
+
+    def summarize(rows: list[dict], record: dict[str, Any]) -> dict[str, Any]:
+        for r in rows:
+            r["metrics"] = dict(r["metrics"])       # a Parquet map reads back as pairs
+        clock.add("write", time.perf_counter() - t_write)
+        summary = _summary(o, w, rundir.path.name, model_dir, loaded.device, loaded.dtype, rows, interp,
+                           clock.total(), loaded.batch_tokens, loaded.kv_tokens, load_background, engine.cfg)
+        attempt = len(record["attempts"])
+        summary["counts"]["resumed_instances"] = sum(r["attempt"] < attempt for r in rows)
+        summary["attempts"] = record["attempts"]
+        summary["throughput"] = _throughput(interp.stats, len(interp.runs))
+        return summary
+
+    summary: dict[str, Any] = {}
+    rundir.complete(lambda rows, record: summary.update(summarize(rows, record)) or summary)
     if not o.quiet:
         acc = "" if summary["accuracy"] is None else f"accuracy {summary['accuracy']:.4f}  "
-        failed = summary["counts"]["failed_instances"]
+        counts = summary["counts"]
+        failed, resumed = counts["failed_instances"], counts["resumed_instances"]
         t = summary["time_s"]
-        print(f"{len(rows)} instances  {acc}hit rate {summary['hit_rate']:.4f} (optimum "
+        print(f"{counts['instances']} instances" + (f" ({resumed} from earlier attempts)" if resumed else "")
+              + f"  {acc}hit rate {summary['hit_rate']:.4f} (optimum "
               f"{summary['optimal_hit_rate']:.4f})  wall {t['total']:.1f}s ({largest(t)})"
               + (f"  {failed} FAILED (see the error column)" if failed else "")
-              + f"  {_runtime(engine.cfg)}  -> {final}", file=sys.stderr)
-    return final
+              + f"  {_runtime(engine.cfg)}  -> {rundir.path}", file=sys.stderr)
+    return cast(Path, rundir.path)
 
 
-def _prepare(o: RunOptions, w: Workload, encoder, shape, clock: Phases):
-    """The task's instances and an interpreter holding every program's first-stage calls, tokenized."""
+def _prepare(o: RunOptions, w: Workload, encoder, shape, clock: Phases, rundir=None):
+    """The task's instances and an interpreter holding the first-stage calls of every program to run
+    (of a resumed run, those of the instances its parts do not hold yet), tokenized."""
     from lmbatch.frontend.interpreter import Interpreter
 
     with clock("data"):
         instances = w.instances(LoadArgs(encoder, o.shots, o.limit, o.subjects, o.seed))
         if not instances:
             raise UserError(f"{w.name} has no instances to run")
+        numbers = list(range(len(instances)))
+        if rundir is not None:
+            rundir.check_instances([inst.id for inst in instances])
+            numbers = [k for k in numbers if k not in rundir.kept]
         # a context length of 0: the config names none (ALiBi models run through transformers, e.g. BLOOM)
         interp = Interpreter(encoder, max_len=shape.max_position_embeddings or 1 << 30, schedule=o.schedule,
                              seed=o.seed, truncate_left=o.truncate_left,
                              vocab_size=shape.vocab_size, jump_forward=o.jump_forward)
-        interp.start(w.program, instances)       # every first-stage call, before any model work
+        interp.start(w.program, [instances[k] for k in numbers], numbers)   # first-stage calls, before model work
     clock.seconds["data"] -= interp.tokenize_s
     clock.add("tokenize", interp.tokenize_s)
     return instances, interp
-
-
-def _write(final: Path, o: RunOptions, rows: list[dict], interp, summary: dict) -> None:
-    from lmbatch.outputs import INSTANCE_SCHEMA, atomic_dir, request_schema, write_json, write_parquet
-
-    with atomic_dir(final, o.overwrite) as tmp:
-        write_parquet(tmp / "instances.parquet", rows, INSTANCE_SCHEMA)
-        req_rows = interp.request_rows if o.save_token_ids else [
-            {k: v for k, v in r.items() if k != "token_ids"} for r in interp.request_rows]
-        write_parquet(tmp / "requests.parquet", req_rows, request_schema(o.save_token_ids))
-        write_json(tmp / "summary.json", summary)
 
 
 def estimate_flops(cfg, unique_tokens: int, attended_keys: int, logit_rows: int) -> float:
@@ -469,7 +583,6 @@ def _summary(o: RunOptions, w: Workload, run_id: str, model_dir: Path, device: s
     for r in ok:
         if r["subject"] and "acc" in r["metrics"]:
             by_subject[r["subject"]].append(r["metrics"]["acc"])
-    ex = max(stats.execute_s, 1e-9)
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(o).items()}
     return {
         "run_id": run_id,
@@ -503,7 +616,12 @@ def _summary(o: RunOptions, w: Workload, run_id: str, model_dir: Path, device: s
         # phases from the process's start; "load" is what the run waited for the model, and
         # "load_background" what building it took on its thread (overlapping data and tokenize)
         "time_s": time_s if load_background is None else {**time_s, "load_background": load_background},
-        "throughput": {"programs_per_s": len(rows) / ex, "prompt_tokens_per_s": stats.prompt_tokens / ex,
-                       "computed_tokens_per_s": stats.computed_tokens / ex,
-                       "decode_tokens_per_s": stats.decode_tokens / ex},
+        "throughput": _throughput(stats, len(rows)),
     }
+
+
+def _throughput(stats, programs: int) -> dict[str, float]:
+    """Rates over the execution of this attempt (a resumed run's programs are those it ran)."""
+    ex = max(stats.execute_s, 1e-9)
+    return {"programs_per_s": programs / ex, "prompt_tokens_per_s": stats.prompt_tokens / ex,
+            "computed_tokens_per_s": stats.computed_tokens / ex, "decode_tokens_per_s": stats.decode_tokens / ex}

@@ -33,7 +33,9 @@ def test_run_writes_complete_outputs(tiny, tmp_path):
     assert sorted(p.name for p in d.iterdir()) == ["instances.parquet", "requests.parquet", "summary.json"]
     s = json.loads((d / "summary.json").read_text())
     assert s["counts"] == {"instances": 2, "failed_instances": 0, "calls": 2, "requests": 8, "executed_requests": 2,
-                           "waves": 1, "truncated_calls": 0}
+                           "waves": 1, "truncated_calls": 0, "resumed_instances": 0}
+    assert len(s["attempts"]) == 1 and s["attempts"][0]["instances"] == 2
+    assert {k: v["rows"] for k, v in s["files"].items()} == {"instances.parquet": 2, "requests.parquet": 2}
     assert s["hit_rate"] == pytest.approx(s["optimal_hit_rate"], abs=1e-12)
     assert s["tokens"]["computed"] == s["tokens"]["unique"]
     assert set(s["accuracy_by_subject"]) == {"anatomy", "virology"}
@@ -309,8 +311,8 @@ def test_token_progress_over_waves():
 
 
 def test_ctrl_c_is_one_line_and_exit_130(tiny, tmp_path):
-    """Issue 22: a Ctrl-C (SIGINT) mid-run exits 130 with one line, no traceback and nothing half-written
-    (resuming what finished is not built yet: the line says nothing was written)."""
+    """Issue 22: a Ctrl-C (SIGINT) at any moment exits 130 with one line, no traceback and nothing
+    half-written: nothing at all, or an incomplete run of whole parts (tests/e2e/test_resume.py)."""
     import signal
     import subprocess
     import sys
@@ -325,4 +327,28 @@ def test_ctrl_c_is_one_line_and_exit_130(tiny, tmp_path):
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("interrupted: "), err[-2000:]
-    assert list(tmp_path.iterdir()) == []
+    if "nothing written" in err:
+        assert list(tmp_path.iterdir()) == []
+    else:
+        assert "instances kept; re-run the same command to resume" in err
+        assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["INCOMPLETE", "parts", "run.json"]
+        assert not [p for p in (tmp_path / "c" / "parts").iterdir() if p.name.startswith(".")]
+
+
+def test_a_later_stage_longer_than_the_pool_fails_its_instances_not_the_run(tiny, tmp_path):
+    """Issue 22, item 2: the first stage fits the pool, the second (known only after the first) does
+    not: those instances fail with the reason kept, the others' results stay, exit 0."""
+    import pandas as pd
+
+    f = tmp_path / "long_later.py"
+    f.write_text("from lmbatch.frontend import gen, select\n"
+                 "def instances():\n    return [{'id': 'short', 'n': 1}, {'id': 'long', 'n': 300}]\n"
+                 "def program(s, n):\n    s += 'Pick' + select('c', [' a', ' b'])\n"
+                 "    s += ' word' * n + gen('g', max_tokens=2)\n")
+    r = lmbatch("run", f, "--model", tiny, "--out", tmp_path, "--run-id", "r", "--quiet", "--kv-cache-tokens", 80,
+                "--max-tokens-per-batch", 16)
+    assert r.exit_code == 0, r.output
+    df = pd.read_parquet(tmp_path / "r" / "instances.parquet").set_index("id")
+    assert pd.isna(df.loc["short", "error"]) and json.loads(df.loc["short", "outputs"])["g"]
+    assert "raise --kv-cache-tokens" in df.loc["long", "error"] and "gen 'g' needs" in df.loc["long", "error"]
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["counts"]["failed_instances"] == 1

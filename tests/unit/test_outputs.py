@@ -1,12 +1,11 @@
-"""The run directory's atomic write and what a killed writer leaves behind (issue 22, item 6)."""
+"""What a killed writer leaves beside a run directory (issue 22, item 6): the run a killed --overwrite
+moved aside comes back, or stays while the run replacing it is incomplete; half-written copies go."""
 from __future__ import annotations
 
 import subprocess
 import sys
 
-import pytest
-
-from lmbatch.outputs import atomic_dir, clean_stale
+from lmbatch.outputs import clean_stale
 
 
 def _dead_pid() -> int:
@@ -37,20 +36,16 @@ def test_stale_copies_go_and_a_live_writers_stay(tmp_path):
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         _run_dir(tmp_path / f".run.partial-{live.pid}", "being written")
-        with atomic_dir(final, overwrite=True) as tmp:
-            (tmp / "summary.json").write_text("new")
-        assert (final / "summary.json").read_text() == "new"
+        assert len(clean_stale(final)) == 2
         assert sorted(p.name for p in tmp_path.iterdir()) == [f".run.partial-{live.pid}", "run"]
     finally:
         live.kill()
 
 
-def test_a_failed_write_leaves_the_previous_run(tmp_path):
-    final = tmp_path / "run"
-    _run_dir(final, "current")
-    with pytest.raises(RuntimeError):
-        with atomic_dir(final, overwrite=True) as tmp:
-            (tmp / "summary.json").write_text("new")
-            raise RuntimeError("disk full")
-    assert (final / "summary.json").read_text() == "current"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+def test_the_replaced_run_stays_while_its_replacement_is_incomplete(tmp_path):
+    final, pid = tmp_path / "run", _dead_pid()
+    final.mkdir()
+    (final / "INCOMPLETE").write_text("")
+    _run_dir(tmp_path / f".run.old-{pid}", "previous")
+    assert clean_stale(final) == []
+    assert (tmp_path / f".run.old-{pid}" / "summary.json").read_text() == "previous"

@@ -1,0 +1,353 @@
+"""A run directory while its run executes: result parts written as instances finish, the resume of an
+incomplete run, and the final files merged from the parts (docs/outputs.md).
+
+    RUN/INCOMPLETE                        this marker, while the run is not complete
+    RUN/run.json                          fingerprint, dtype, attempts, and each part's size and checksum
+    RUN/parts/NNNNNN.requests.parquet     the requests of the part's instances (written first)
+    RUN/parts/NNNNNN.instances.parquet    finished instances (its rename commits the part)
+
+Every file is written to a temporary name, fsynced and renamed, so a kill at any moment leaves only
+whole parts. A run completes by writing instances.parquet and requests.parquet merged from the parts,
+then summary.json (last: a run directory with it is complete); then the parts, run.json and the
+marker go. A re-run of the same command (same fingerprint) with the same --run-id keeps the parts and
+runs the other instances.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, cast
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from lmbatch.errors import UserError, first_line
+from lmbatch.outputs import INSTANCE_SCHEMA, clean_stale, file_record, request_schema
+
+MARKER = "INCOMPLETE"
+MARKER_TEXT = ("This run is incomplete: its finished instances are in parts/. Re-run the same lmbatch run command "
+               "(same --run-id) to resume it.\n")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+SAMPLE = 1 << 20        # bytes hashed at each end of a weight file
+
+# a hook for tests: called with the name of each file operation of a part and of the final write,
+# before it (a test raises there to leave the directory as a kill at that moment would)
+fault: Callable[[str], None] | None = None
+
+
+def _at(step: str) -> None:
+    if fault is not None:
+        fault(step)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """`write(tmp)`, fsync, rename to `path`. On an error (a full disk) the temporary file goes; a
+    kill leaves it, and the next attempt removes it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_table(path: Path, rows: list[dict], schema: pa.Schema) -> None:
+    _write_atomic(path, lambda tmp: pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp))
+
+
+def _write_json(path: Path, data: dict) -> None:
+    def write(tmp: Path) -> None:
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+    _write_atomic(path, write)
+
+
+def _sha256(path: Path, spans: list[tuple[int, int]] | None = None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for start, n in spans or [(0, -1)]:
+            fh.seek(start)
+            if n < 0:
+                while block := fh.read(SAMPLE):
+                    h.update(block)
+            else:
+                h.update(fh.read(n))
+    return h.hexdigest()
+
+
+def model_identity(model_dir: Path) -> dict[str, Any]:
+    """What identifies a model folder's results: every small file (config, tokenizer) by its checksum,
+    each weight file by its size and the checksum of its first and last MiB (a safetensors header
+    names every tensor's dtype, shape and offsets)."""
+    out: dict[str, Any] = {}
+    for f in sorted(model_dir.iterdir()):
+        if not f.is_file() or f.name.startswith("."):
+            continue
+        size = f.stat().st_size
+        if f.name.endswith(WEIGHT_SUFFIXES):
+            out[f.name] = [size, _sha256(f, [(0, SAMPLE), (max(size - SAMPLE, 0), SAMPLE)])]
+        elif size <= 64 << 20:
+            out[f.name] = _sha256(f)
+    return out
+
+
+INSTANCE_PART_SCHEMA = INSTANCE_SCHEMA.append(pa.field("attempt", pa.int32())).append(pa.field("number", pa.int64()))
+
+
+def _request_part_schema(with_tokens: bool) -> pa.Schema:
+    return request_schema(with_tokens).append(pa.field("attempt", pa.int32()))
+
+
+def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    keys = sorted(set(old) | set(new))
+    out = []
+    for k in keys:
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+class RunDir:
+    """One run directory, from the check of its name before any work to its completion."""
+
+    def __init__(self, path: Path, fingerprint: dict[str, Any], overwrite: bool, with_tokens: bool):
+        self.path, self.fingerprint, self.with_tokens = path, fingerprint, with_tokens
+        self.parts_dir = path / "parts"
+        self.replace = False                 # an existing directory is moved aside at the first write
+        self.record: dict[str, Any] | None = None    # run.json, once this attempt has one
+        self.kept: dict[int, str] = {}       # instance number -> id, of every whole part
+        self.kept_now = 0                    # of those, written by this attempt
+        self.total: int | None = None        # the task's instances, once loaded
+        self.started = time.time()
+        self.dtype: str | None = None
+        self._materialized = False
+        clean_stale(path)
+        if not path.exists() or not any(path.iterdir()):     # an empty folder holds nothing to lose
+            self.replace = path.exists()
+            return
+        if (path / MARKER).is_file():
+            self._open_incomplete(overwrite)
+        elif overwrite:
+            self.replace = True
+        else:
+            raise UserError(f"output directory {path} exists; pass --overwrite to replace it or --run-id to name "
+                            "another")
+
+    @property
+    def resuming(self) -> bool:
+        return bool(self.kept)
+
+    # ---- resume -----------------------------------------------------------------------------------
+    def _open_incomplete(self, overwrite: bool) -> None:
+        if (self.path / "summary.json").is_file():     # killed while removing what it needed no more
+            self._clean_up()
+            if not overwrite:
+                raise UserError(f"output directory {self.path} exists; pass --overwrite to replace it or --run-id "
+                                "to name another")
+            self.replace = True
+            return
+        if not (self.path / "run.json").exists() and not list(self.path.glob("parts/*.instances.parquet")):
+            self.replace = True         # killed before its first part: nothing kept
+            return
+        try:
+            record = json.loads((self.path / "run.json").read_text(encoding="utf-8"))
+            theirs = record["fingerprint"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            if overwrite:
+                self.replace = True
+                return
+            raise UserError(f"incomplete run {self.path} has no readable run.json ({type(e).__name__}): pass "
+                            "--overwrite to start it over") from None
+        diff = _differences(theirs, self.fingerprint)
+        if diff:
+            if overwrite:
+                self.replace = True
+                return
+            raise UserError(f"incomplete run {self.path} was started with other settings ({', '.join(diff[:4])}"
+                            f"{', ...' if len(diff) > 4 else ''} differ): re-run its own command to resume it, "
+                            "pass --overwrite to start it over, or --run-id to name another")
+        self.record = record
+        self._load_parts()
+
+    def _load_parts(self) -> None:
+        """Check every part against run.json and read which instances they hold. Leftovers of a kill
+        (temporary files; a requests file whose instances file never came) are removed."""
+        record = self.record
+        assert record is not None
+        parts = record.setdefault("parts", {})
+        self.parts_dir.mkdir(exist_ok=True)
+        for f in self.parts_dir.glob(".*.tmp"):
+            f.unlink()
+        names = {f.name.split(".")[0] for f in self.parts_dir.glob("*.instances.parquet")}
+        for f in self.parts_dir.glob("*.requests.parquet"):
+            if f.name.split(".")[0] not in names and f.name.split(".")[0] not in parts:
+                f.unlink()
+        for name in sorted(set(parts) | names):
+            for kind in ("requests", "instances"):
+                f = self.parts_dir / f"{name}.{kind}.parquet"
+                rec = parts.get(name, {}).get(kind)
+                self._check_part(f, rec)
+            if name not in parts:       # whole (renamed after its fsync), but killed before run.json said so
+                files = {kind: self.parts_dir / f"{name}.{kind}.parquet" for kind in ("requests", "instances")}
+                parts[name] = {kind: file_record(f, pq.ParquetFile(f).metadata.num_rows) for kind, f in files.items()}
+            table = pq.read_table(self.parts_dir / f"{name}.instances.parquet", columns=["number", "id"])
+            for number, iid in zip(table.column("number").to_pylist(), table.column("id").to_pylist()):
+                if number in self.kept:
+                    raise self._damaged(self.parts_dir / f"{name}.instances.parquet", f"instance {iid} is in two parts")
+                self.kept[number] = iid
+
+    def _damaged(self, f: Path, what: str) -> UserError:
+        return UserError(f"run {self.path} cannot resume: part {f.relative_to(self.path)} {what}; delete that part's "
+                         "two files to run its instances again, or pass --overwrite to start the run over")
+
+    def _check_part(self, f: Path, rec: dict | None) -> None:
+        if not f.is_file():
+            raise self._damaged(f, "is missing")
+        if rec is not None:
+            size = f.stat().st_size
+            if size != rec.get("bytes") or _sha256(f) != rec.get("sha256"):
+                raise self._damaged(f, f"is damaged ({size} bytes, checksum differs from run.json)")
+            return
+        try:
+            pq.read_table(f)
+        except (OSError, pa.ArrowException) as e:
+            raise self._damaged(f, f"is unreadable ({first_line(e)})") from None
+
+    def check_instances(self, ids: list[str]) -> None:
+        """The kept instances are the task's instances at their numbers (the data did not change)."""
+        self.total = len(ids)
+        for number, iid in self.kept.items():
+            if number >= len(ids) or ids[number] != iid:
+                raise UserError(f"incomplete run {self.path} holds instance {iid} where the task now has "
+                                f"{ids[number] if number < len(ids) else 'none'}: its data changed; pass --overwrite "
+                                "to start it over")
+
+    def check_dtype(self, dtype: str, overwrite: bool) -> bool:
+        """Whether the kept instances stand (they ran in `dtype` too); False: --overwrite starts over."""
+        self.dtype = dtype
+        if self.record is not None and self.record.get("dtype") not in (None, dtype):
+            if not overwrite:
+                raise UserError(f"incomplete run {self.path} ran in {self.record['dtype']}, this attempt would run "
+                                f"{dtype}: pass --dtype {self.record['dtype']} to resume it, or --overwrite to start "
+                                "over")
+            self.record, self.kept, self.replace = None, {}, True
+            return False
+        return True
+
+    # ---- writing ----------------------------------------------------------------------------------
+    def _materialize(self) -> dict[str, Any]:
+        """The directory, its marker and this attempt's record in run.json, before the first part."""
+        if self._materialized:
+            return cast(dict, self.record)
+        if self.replace and self.path.exists():
+            if (self.path / MARKER).is_file() or not any(self.path.iterdir()):    # nothing a user kept
+                shutil.rmtree(self.path)
+            else:
+                self.path.rename(self.path.parent / f".{self.path.name}.old-{os.getpid()}")
+            self.replace = False
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / MARKER).write_text(MARKER_TEXT)
+        if self.record is None:
+            self.record = {"run_id": self.path.name, "fingerprint": self.fingerprint,
+                           "dtype": self.dtype, "attempts": [], "parts": {}}
+        self.record["attempts"].append({"started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                                        "seconds": 0.0, "instances": 0})
+        _write_json(self.path / "run.json", self.record)       # before any part: what the parts are of
+        self.parts_dir.mkdir(exist_ok=True)
+        self._materialized = True
+        return self.record
+
+    def write_part(self, instances: list[dict], requests: list[dict]) -> None:
+        """Keep finished instances (rows of INSTANCE_SCHEMA with "number") and their requests' rows."""
+        if not instances:
+            return
+        try:
+            record = self._materialize()
+            attempt = len(record["attempts"])
+            name = f"{len(record['parts']) + 1:06d}"
+            while (self.parts_dir / f"{name}.instances.parquet").exists():      # never over a whole part
+                name = f"{int(name) + 1:06d}"
+            for r in instances:
+                r["attempt"] = attempt
+            for r in requests:
+                r["attempt"] = attempt
+            f_req = self.parts_dir / f"{name}.requests.parquet"
+            f_inst = self.parts_dir / f"{name}.instances.parquet"
+            _at("part requests")
+            _write_table(f_req, requests, _request_part_schema(self.with_tokens))
+            _at("part instances")
+            _write_table(f_inst, instances, INSTANCE_PART_SCHEMA)
+            _fsync_dir(self.parts_dir)
+            for r in instances:
+                self.kept[r["number"]] = r["id"]
+            self.kept_now += len(instances)
+            record["parts"][name] = {"requests": file_record(f_req, len(requests)),
+                                     "instances": file_record(f_inst, len(instances))}
+            this = record["attempts"][-1]
+            this["seconds"] = round(time.time() - self.started, 3)
+            this["instances"] = self.kept_now
+            _at("run.json")
+            _write_json(self.path / "run.json", record)
+        except OSError as e:
+            raise UserError(f"cannot write results to {self.path}: {e.strerror or e}; {len(self.kept)} of "
+                            f"{self.total or '?'} instances are kept in whole parts: re-run the same command to "
+                            "resume once the disk is writable") from None
+
+    def complete(self, summarize: Callable[[list[dict], dict[str, Any]], dict]) -> None:
+        """Merge the parts into instances.parquet and requests.parquet, write summary.json from
+        `summarize(instance rows with their number and attempt, this run's record)`, and remove what
+        only an incomplete run needs."""
+        try:
+            record = self._materialize()
+            names = sorted(record["parts"])
+            inst = pa.concat_tables([pq.read_table(self.parts_dir / f"{n}.instances.parquet") for n in names]
+                                    or [INSTANCE_PART_SCHEMA.empty_table()])
+            inst = inst.sort_by("number")
+            reqs = pa.concat_tables([pq.read_table(self.parts_dir / f"{n}.requests.parquet") for n in names]
+                                    or [_request_part_schema(self.with_tokens).empty_table()])
+            reqs = reqs.sort_by([("attempt", "ascending"), ("order", "ascending")])
+            rows = inst.to_pylist()
+            final_inst = inst.drop_columns(["number"])
+            _at("instances.parquet")
+            _write_atomic(self.path / "instances.parquet", lambda tmp: pq.write_table(final_inst, tmp))
+            _at("requests.parquet")
+            _write_atomic(self.path / "requests.parquet", lambda tmp: pq.write_table(reqs, tmp))
+            record["attempts"][-1]["seconds"] = round(time.time() - self.started, 3)
+            record["attempts"][-1]["instances"] = self.kept_now
+            summary = summarize(rows, record)
+            summary["files"] = {"instances.parquet": file_record(self.path / "instances.parquet", inst.num_rows),
+                                "requests.parquet": file_record(self.path / "requests.parquet", reqs.num_rows)}
+            _at("summary.json")
+            _write_json(self.path / "summary.json", summary)      # the run is complete from here
+            _fsync_dir(self.path)
+            _at("cleanup")
+            self._clean_up()
+        except OSError as e:
+            raise UserError(f"cannot write results to {self.path}: {e.strerror or e}; the finished instances are "
+                            "kept in whole parts: re-run the same command once the disk is writable") from None
+
+    def _clean_up(self) -> None:
+        """What a complete run no longer needs: its parts, run.json, the marker, and the run it replaced."""
+        shutil.rmtree(self.parts_dir, ignore_errors=True)
+        (self.path / "run.json").unlink(missing_ok=True)
+        (self.path / MARKER).unlink(missing_ok=True)
+        for old in self.path.parent.glob(f".{self.path.name}.old-*"):
+            shutil.rmtree(old, ignore_errors=True)
