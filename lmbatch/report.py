@@ -24,6 +24,9 @@ def load_summary(run_dir: Path) -> dict:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError:
+        if (Path(run_dir) / "INCOMPLETE").is_file():
+            raise UserError(f"{run_dir} is an incomplete run (interrupted, or still running): re-run the same "
+                            "lmbatch run command to resume it") from None
         raise UserError(f"{run_dir} is not an lmbatch run directory (no summary.json)") from None
     except UnicodeDecodeError as e:
         raise UserError(f"{path} is not an lmbatch summary (not UTF-8 text: {e.reason} at byte {e.start})") from None
@@ -33,7 +36,26 @@ def load_summary(run_dir: Path) -> dict:
         raise UserError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise UserError(f"{path} is not an lmbatch summary (expected a JSON object)")
+    _check_files(Path(run_dir), data.get("files"))
     return data
+
+
+def _check_files(run_dir: Path, files: Any) -> None:
+    """The run's Parquet files are those its summary recorded (size and SHA-256): not truncated, not
+    another run's. Summaries written before lmbatch recorded them have no "files"."""
+    from lmbatch.outputs import file_record
+
+    if not isinstance(files, dict):
+        return
+    for name, rec in files.items():
+        f = run_dir / name
+        if not f.is_file():
+            raise UserError(f"{f} is missing: the run directory was altered")
+        got = file_record(f, 0) if isinstance(rec, dict) and f.stat().st_size == rec.get("bytes") else None
+        if got is None or got["sha256"] != rec.get("sha256"):
+            what = "its checksum" if got is not None else f"size {f.stat().st_size} != {rec.get('bytes')} bytes"
+            raise UserError(f"{f} does not belong to this run's summary ({what} differs): the run directory was "
+                            "altered or mixed with another run")
 
 
 def _get(summary: dict, dotted: str) -> Any:

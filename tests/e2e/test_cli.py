@@ -352,3 +352,41 @@ def test_a_later_stage_longer_than_the_pool_fails_its_instances_not_the_run(tiny
     assert pd.isna(df.loc["short", "error"]) and json.loads(df.loc["short", "outputs"])["g"]
     assert "raise --kv-cache-tokens" in df.loc["long", "error"] and "gen 'g' needs" in df.loc["long", "error"]
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["counts"]["failed_instances"] == 1
+
+
+def _truncate(d):
+    f = d / "instances.parquet"
+    f.write_bytes(f.read_bytes()[:-40])
+
+
+def _same_size_other_bytes(d):
+    f = d / "instances.parquet"
+    b = bytearray(f.read_bytes())
+    b[len(b) // 2] ^= 0xFF
+    f.write_bytes(bytes(b))
+
+
+def _other_runs_file(d):
+    import shutil
+    shutil.copy(d.parent / "other" / "requests.parquet", d / "requests.parquet")
+
+
+@pytest.mark.parametrize("alter,needle", [(_truncate, "size"), (_same_size_other_bytes, "checksum"),
+                                          (_other_runs_file, "requests.parquet does not belong"),
+                                          (lambda d: (d / "requests.parquet").unlink(), "is missing")])
+def test_report_refuses_a_run_whose_files_are_not_its_own(tiny, tmp_path, alter, needle):
+    """Issue 22, item 5: summary.json records its Parquet files (rows, size, SHA-256); report checks them."""
+    for run_id, extra in (("r", []), ("other", ["--shots", 0])):
+        args = run_args(tiny, tmp_path, run_id)
+        assert lmbatch(*args[:2], *extra, *args[4:] if extra else args[2:]).exit_code == 0
+    d = tmp_path / "r"
+    assert lmbatch("report", d).exit_code == 0
+    alter(d)
+    _error(lmbatch("report", d), needle)
+    _error(lmbatch("report", "--compare", tmp_path / "other", d), needle)
+
+
+def test_report_of_an_incomplete_run_says_how_to_resume(tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "INCOMPLETE").write_text("")
+    _error(lmbatch("report", tmp_path / "x"), "incomplete run", "resume")
