@@ -128,8 +128,11 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
 class RunDir:
     """One run directory, from the check of its name before any work to its completion."""
 
-    def __init__(self, path: Path, fingerprint: dict[str, Any], overwrite: bool, with_tokens: bool):
+    def __init__(self, path: Path, fingerprint: dict[str, Any], overwrite: bool, with_tokens: bool,
+                 named: bool = True):
         self.path, self.fingerprint, self.with_tokens = path, fingerprint, with_tokens
+        # how to resume it: the same command, with the run id it got if the command named none
+        self.rerun = "re-run the same command" + ("" if named else f" with --run-id {path.name}")
         self.parts_dir = path / "parts"
         self.replace = False                 # an existing directory is moved aside at the first write
         self.record: dict[str, Any] | None = None    # run.json, once this attempt has one
@@ -308,8 +311,8 @@ class RunDir:
             _write_json(self.path / "run.json", record)
         except OSError as e:
             raise UserError(f"cannot write results to {self.path}: {e.strerror or e}; {len(self.kept)} of "
-                            f"{self.total or '?'} instances are kept in whole parts: re-run the same command to "
-                            "resume once the disk is writable") from None
+                            f"{self.total or '?'} instances are kept in whole parts: {self.rerun} to resume once the "
+                            "disk is writable") from None
 
     def complete(self, summarize: Callable[[list[dict], dict[str, Any]], dict]) -> None:
         """Merge the parts into instances.parquet and requests.parquet, write summary.json from
@@ -342,7 +345,7 @@ class RunDir:
             self._clean_up()
         except OSError as e:
             raise UserError(f"cannot write results to {self.path}: {e.strerror or e}; the finished instances are "
-                            "kept in whole parts: re-run the same command once the disk is writable") from None
+                            f"kept in whole parts: {self.rerun} once the disk is writable") from None
 
     def _clean_up(self) -> None:
         """What a complete run no longer needs: its parts, run.json, the marker, and the run it replaced."""

@@ -297,7 +297,7 @@ class _Stop:
         if rd is None or not rd.kept:
             return "nothing written (no instance had finished)"
         of = f" of {rd.total}" if rd.total else ""
-        return f"{len(rd.kept)}{of} instances kept; re-run the same command to resume"
+        return f"{len(rd.kept)}{of} instances kept; {rd.rerun} to resume"
 
 
 class _Parts:
@@ -373,7 +373,8 @@ def _model_files(o: RunOptions, w: Workload, clock: Phases, stop: _Stop):
 
         _check_out(Path(o.out))
         with clock("model_files"):      # a complete run needs --overwrite; an incomplete one resumes
-            rundir = stop.rundir = RunDir(final, _fingerprint(o, w, model_dir), o.overwrite, o.save_token_ids)
+            rundir = stop.rundir = RunDir(final, _fingerprint(o, w, model_dir), o.overwrite, o.save_token_ids,
+                                            named=o.run_id is not None)
     with clock("model_files"):
         encoder = TextEncoder.for_model(model_dir)
         try:

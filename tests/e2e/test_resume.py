@@ -318,3 +318,10 @@ def test_a_killed_overwrite_keeps_the_replaced_run_until_it_completes(tiny, tmp_
     assert len(aside) == 1 and (aside[0] / "summary.json").read_text() == old
     run(_options("mmlu", tiny, tmp_path, "x"))              # the same command as the killed one resumes
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]
+
+
+def test_how_to_resume_names_the_run_id_a_command_did_not(tmp_path):
+    """A default run id has a timestamp: re-running the same command would start another run."""
+    assert rd.RunDir(tmp_path / "mmlu-5shot-m-20261123-120000", {}, False, False, named=False).rerun == \
+        "re-run the same command with --run-id mmlu-5shot-m-20261123-120000"
+    assert rd.RunDir(tmp_path / "x", {}, False, False).rerun == "re-run the same command"
