@@ -312,6 +312,7 @@ class _Parts:
         return self.stop.asked or time.perf_counter() >= self.next
 
     def save(self, runs: list) -> None:
+        self.next = time.perf_counter() + self.o.checkpoint_s     # due again in checkpoint_s, parts or none
         if not runs:
             if self.stop.asked:
                 raise Interrupted(self.stop.kept())
@@ -324,7 +325,6 @@ class _Parts:
         for row, run in zip(rows, runs):
             row["number"] = run.number
         self.rundir.write_part(rows, reqs)
-        self.next = time.perf_counter() + self.o.checkpoint_s
         if self.stop.asked:
             raise Interrupted(self.stop.kept())
 

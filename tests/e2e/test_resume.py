@@ -325,3 +325,17 @@ def test_how_to_resume_names_the_run_id_a_command_did_not(tmp_path):
     assert rd.RunDir(tmp_path / "mmlu-5shot-m-20261123-120000", {}, False, False, named=False).rerun == \
         "re-run the same command with --run-id mmlu-5shot-m-20261123-120000"
     assert rd.RunDir(tmp_path / "x", {}, False, False).rerun == "re-run the same command"
+
+
+def test_a_handover_with_nothing_finished_is_not_due_again_at_once():
+    """Multi-stage programs finish only in their last wave: a handover that found none finished must
+    wait checkpoint_s like any other (it was due at every step after the first: on a GPU, tot-gsm8k
+    ran 5x slower and its batches, hence its bf16 outputs, changed)."""
+    from lmbatch.runner import _Parts, _Stop
+
+    parts = _Parts(RunOptions(task="mmlu", checkpoint_s=60), None, None, None, _Stop())
+    assert not parts.due()
+    parts.next = 0.0
+    assert parts.due()
+    parts.save([])
+    assert not parts.due()
