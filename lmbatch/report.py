@@ -48,14 +48,18 @@ def _check_files(run_dir: Path, files: Any) -> None:
     if not isinstance(files, dict):
         return
     for name, rec in files.items():
-        f = run_dir / name
+        f, want = run_dir / name, rec if isinstance(rec, dict) else {}
         if not f.is_file():
             raise UserError(f"{f} is missing: the run directory was altered")
-        got = file_record(f, 0) if isinstance(rec, dict) and f.stat().st_size == rec.get("bytes") else None
-        if got is None or got["sha256"] != rec.get("sha256"):
-            what = "its checksum" if got is not None else f"size {f.stat().st_size} != {rec.get('bytes')} bytes"
-            raise UserError(f"{f} does not belong to this run's summary ({what} differs): the run directory was "
-                            "altered or mixed with another run")
+        size = f.stat().st_size
+        if size != want.get("bytes"):
+            what = f"size {size} != {want.get('bytes')} bytes"
+        elif file_record(f, 0)["sha256"] != want.get("sha256"):
+            what = "same size, its checksum differs"
+        else:
+            continue
+        raise UserError(f"{f} does not belong to this run's summary ({what}): the run directory was altered "
+                        "or mixed with another run")
 
 
 def _get(summary: dict, dotted: str) -> Any:

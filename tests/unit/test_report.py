@@ -169,3 +169,131 @@ def test_small_rates_are_readable():
     from lmbatch.report import _cell
 
     assert _cell("programs_per_s", 0.0142) == "0.0142" and _cell("programs_per_s", 123.45) == "123.5"
+
+
+# --- a run's files are checked against its summary (#22 item 5) -------------------------------------------
+
+def write_checked_run(root: Path, run_id: str, ids=("a1", "a2")) -> Path:
+    """A run directory whose summary records its two Parquet files as the runner does (outputs.file_record)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from lmbatch.outputs import file_record
+
+    run = root / run_id
+    run.mkdir()
+    tables = {"instances.parquet": pa.table({"id": list(ids), "prediction": ["A"] * len(ids)}),
+              "requests.parquet": pa.table({"order": list(range(2 * len(ids))),
+                                            "instance_id": [i for i in ids for _ in (0, 1)]})}
+    files = {}
+    for name, table in tables.items():
+        pq.write_table(table, run / name)
+        files[name] = file_record(run / name, table.num_rows)
+    (run / "summary.json").write_text(json.dumps({**make_summary(run_id), "files": files}))
+    return run
+
+
+def report_cli(*args):
+    from typer.testing import CliRunner
+
+    from lmbatch.cli import app
+
+    return CliRunner().invoke(app, ["report", *(str(a) for a in args)])
+
+
+def assert_one_line_error(r, *needles):
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output and isinstance(r.exception, SystemExit), r.exception   # no other exception
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_file_record(tmp_path):
+    import hashlib
+
+    from lmbatch.outputs import file_record
+
+    data = bytes(range(256)) * 5000     # more than one 1 MiB block
+    (tmp_path / "f").write_bytes(data)
+    assert file_record(tmp_path / "f", 7) == {"rows": 7, "bytes": len(data),
+                                              "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_report_of_an_intact_run(tmp_path):
+    a, b = write_checked_run(tmp_path, "run-a"), write_checked_run(tmp_path, "run-b", ids=("b1", "b2"))
+    r = report_cli(a, b)
+    assert r.exit_code == 0, r.output
+    assert [ln.split()[0] for ln in r.stdout.splitlines()[2:]] == ["run-a", "run-b"]
+    r = report_cli("--compare", a, b)
+    assert r.exit_code == 0, r.output
+    assert load_summary(a)["files"]["instances.parquet"]["rows"] == 2
+
+
+def _truncate(run: Path, other: Path) -> None:
+    f = run / "instances.parquet"
+    f.write_bytes(f.read_bytes()[:-40])
+
+
+def _copy_same_size(run: Path, other: Path) -> None:
+    # another run's file, of the same size (same shape, other ids): only the checksum tells them apart
+    src, dst = other / "instances.parquet", run / "instances.parquet"
+    assert src.stat().st_size == dst.stat().st_size and src.read_bytes() != dst.read_bytes()
+    dst.write_bytes(src.read_bytes())
+
+
+def _copy_other_size(run: Path, other: Path) -> None:
+    (run / "requests.parquet").write_bytes((other.parent / "big" / "requests.parquet").read_bytes())
+
+
+def _flip_a_byte(run: Path, other: Path) -> None:
+    f = run / "requests.parquet"
+    b = bytearray(f.read_bytes())
+    b[len(b) // 2] ^= 0xFF
+    f.write_bytes(bytes(b))
+
+
+def _remove_requests(run: Path, other: Path) -> None:
+    (run / "requests.parquet").unlink()
+
+
+@pytest.mark.parametrize("alter,needles", [
+    (_truncate, ["instances.parquet does not belong to this run's summary (size ", " bytes)",
+                 "altered or mixed with another run"]),
+    (_copy_same_size, ["instances.parquet does not belong", "(same size, its checksum differs)"]),
+    (_copy_other_size, ["requests.parquet does not belong", "(size "]),
+    (_flip_a_byte, ["requests.parquet does not belong", "checksum differs"]),
+    (_remove_requests, ["requests.parquet is missing"]),
+], ids=["truncated", "other-run-same-size", "other-run-other-size", "flipped-byte", "missing"])
+def test_report_refuses_a_run_whose_files_are_not_its_own(tmp_path, alter, needles):
+    run, other = write_checked_run(tmp_path, "run-a"), write_checked_run(tmp_path, "run-b", ids=("b1", "b2"))
+    write_checked_run(tmp_path, "big", ids=("c1", "c2", "c3", "c4"))
+    alter(run, other)
+    for args in ([run], [other, run], ["--compare", run, other], ["--compare", other, run]):
+        assert_one_line_error(report_cli(*args), str(run), *needles)
+    with pytest.raises(UserError, match="run directory was altered"):
+        load_summary(run)
+    assert load_summary(other)["run_id"] == "run-b"     # the source of a copy is untouched and intact
+
+
+@pytest.mark.parametrize("compare", [False, True])
+def test_report_of_an_incomplete_run_says_how_to_resume(tmp_path, compare):
+    run = tmp_path / "run-x"
+    (run / "parts").mkdir(parents=True)
+    (run / "INCOMPLETE").write_text("")
+    args = ["--compare", write_checked_run(tmp_path, "run-a"), run] if compare else [run]
+    assert_one_line_error(report_cli(*args), f"{run} is an incomplete run (interrupted, or still running)",
+                          "re-run the same lmbatch run command to resume it")
+    (tmp_path / "no-marker" / "parts").mkdir(parents=True)     # without the marker it is no run at all
+    assert_one_line_error(report_cli(tmp_path / "no-marker"), "not an lmbatch run directory (no summary.json)")
+
+
+def test_report_of_a_summary_without_file_records(tmp_path):
+    """Runs written before summaries recorded their files are reported unchecked."""
+    legacy = write_run(tmp_path, make_summary("old"))
+    (legacy / "instances.parquet").write_bytes(b"not parquet at all")
+    r = report_cli(legacy, write_checked_run(tmp_path, "new"))
+    assert r.exit_code == 0, r.output
+    assert [ln.split()[0] for ln in r.stdout.splitlines()[2:]] == ["old", "new"]
+    assert report_cli("--compare", legacy, tmp_path / "new").exit_code == 0
