@@ -59,12 +59,22 @@ def request_schema(with_tokens: bool) -> pa.Schema:
     return pa.schema(fields)
 
 
-def file_record(path: Path, rows: int) -> dict:
-    """What summary.json and run.json record of a file they vouch for: rows, size and SHA-256."""
+def sha256(path: Path, spans: list[tuple[int, int]] | None = None) -> str:
+    """SHA-256 of a file, or of its byte spans (start, length) in order."""
     import hashlib
 
     h = hashlib.sha256()
     with open(path, "rb") as fh:
-        while block := fh.read(1 << 20):
-            h.update(block)
-    return {"rows": rows, "bytes": path.stat().st_size, "sha256": h.hexdigest()}
+        for start, n in spans or [(0, -1)]:
+            fh.seek(start)
+            if n >= 0:
+                h.update(fh.read(n))
+                continue
+            while block := fh.read(1 << 20):
+                h.update(block)
+    return h.hexdigest()
+
+
+def file_record(path: Path, rows: int) -> dict:
+    """What summary.json and run.json record of a file they vouch for: rows, size and SHA-256."""
+    return {"rows": rows, "bytes": path.stat().st_size, "sha256": sha256(path)}

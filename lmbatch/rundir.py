@@ -15,7 +15,6 @@ runs the other instances.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import os
 import shutil
@@ -27,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lmbatch.errors import UserError, first_line
-from lmbatch.outputs import INSTANCE_SCHEMA, clean_stale, file_record, request_schema
+from lmbatch.outputs import INSTANCE_SCHEMA, clean_stale, file_record, request_schema, sha256
 
 MARKER = "INCOMPLETE"
 MARKER_TEXT = ("This run is incomplete: its finished instances are in parts/. Re-run the same lmbatch run command "
@@ -77,19 +76,6 @@ def _write_json(path: Path, data: dict) -> None:
     _write_atomic(path, write)
 
 
-def _sha256(path: Path, spans: list[tuple[int, int]] | None = None) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for start, n in spans or [(0, -1)]:
-            fh.seek(start)
-            if n < 0:
-                while block := fh.read(SAMPLE):
-                    h.update(block)
-            else:
-                h.update(fh.read(n))
-    return h.hexdigest()
-
-
 def model_identity(model_dir: Path) -> dict[str, Any]:
     """What identifies a model folder's results: every small file (config, tokenizer) by its checksum,
     each weight file by its size and the checksum of its first and last MiB (a safetensors header
@@ -100,9 +86,9 @@ def model_identity(model_dir: Path) -> dict[str, Any]:
             continue
         size = f.stat().st_size
         if f.name.endswith(WEIGHT_SUFFIXES):
-            out[f.name] = [size, _sha256(f, [(0, SAMPLE), (max(size - SAMPLE, 0), SAMPLE)])]
+            out[f.name] = [size, sha256(f, [(0, SAMPLE), (max(size - SAMPLE, 0), SAMPLE)])]
         elif size <= 64 << 20:
-            out[f.name] = _sha256(f)
+            out[f.name] = sha256(f)
     return out
 
 
@@ -226,7 +212,7 @@ class RunDir:
             raise self._damaged(f, "is missing")
         if rec is not None:
             size = f.stat().st_size
-            if size != rec.get("bytes") or _sha256(f) != rec.get("sha256"):
+            if size != rec.get("bytes") or sha256(f) != rec.get("sha256"):
                 raise self._damaged(f, f"is damaged ({size} bytes, checksum differs from run.json)")
             return
         try:

@@ -95,10 +95,6 @@ class Interpreter:
         return self.tally.stages
 
     @property
-    def request_rows(self) -> list[dict]:
-        return self.tally.request_rows
-
-    @property
     def prompt_tree_optimal_hit_rate(self) -> float:
         return self.tally.prompt_tree_optimal_hit_rate
 

@@ -27,8 +27,8 @@ class Tally:
     def __init__(self) -> None:
         self.stats = RunStats()
         self.stages: dict[int, StageCounts] = {}
-        self.request_rows: list[dict] = []
-        self.rows_by_run: dict[int, list[dict]] = {}   # the same rows, by ProgramRun.index
+        self.requests_accounted = 0
+        self.rows_by_run: dict[int, list[dict]] = {}   # one row per executed request, by ProgramRun.index
         self._first: dict[int, int] = {}                # id(call) -> its first engine request in the wave
         self.prompt_tree_optimal_hit_rate = 0.0
         self._prompts: list[list[int]] = []            # executed prompts, for the post-hoc optimum
@@ -60,12 +60,12 @@ class Tally:
                 self._generated.append((prompt + r.token_ids[:-1], len(prompt)))
             select = isinstance(p.op, Select)
             row = dict(
-                order=len(self.request_rows), wave=wave, instance_id=p.owner.instance.id, stage=p.stage,
+                order=self.requests_accounted, wave=wave, instance_id=p.owner.instance.id, stage=p.stage,
                 call=p.op.name, kind="select" if select else "gen",
                 choices=[m - first[id(p)] for m in members[j]] if select else [], prompt_tokens=r.prompt_tokens,
                 cached_tokens=r.cached_tokens, computed_tokens=r.computed_tokens, decode_tokens=r.decode_tokens,
                 token_ids=prompt)
-            self.request_rows.append(row)
+            self.requests_accounted += 1
             self.rows_by_run.setdefault(p.owner.index, []).append(row)
 
     def end_wave(self, st: RunStats) -> None:
