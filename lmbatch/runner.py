@@ -439,9 +439,11 @@ def _run_with(o: RunOptions, w: Workload, collect: bool, clock: Phases, model_di
     interp.progress = TokenProgress("execute", disable=o.quiet)
     interp.checkpoints = _Parts(o, w, rundir, interp, stop)
     stop.executing = True
-    interp.execute(engine)
-    stop.executing = False
-    interp.progress.close()
+    try:
+        interp.execute(engine)
+    finally:        # a stop's line starts a line of its own, under the bar
+        stop.executing = False
+        interp.progress.close()
     if stop.asked:
         raise Interrupted(stop.kept())
     if len(rundir.kept) != len(instances):
