@@ -127,7 +127,9 @@ class GrammarCompiler:
 
     def constraint(self, regex: str | None = None,
                    json_schema: str | dict[str, Any] | None = None) -> Constraint:
-        return Constraint(self.compile(regex, json_schema), self.never, self.utf8)
+        c = Constraint(self.compile(regex, json_schema), self.never, self.utf8)
+        c.spec = ("regex", regex) if regex is not None else ("json_schema", json_schema)
+        return c
 
 
 class Constraint:
@@ -144,6 +146,8 @@ class Constraint:
         self.never = never
         self.utf8 = utf8
         self.states = [0]           # UTF-8 state after each accepted step (the matcher's rollback unit)
+        self.spec: tuple[str, Any] | None = None    # (kind, source): compiled again in another process
+        self.steps: list[int | str] = []    # each accepted step (a token id or a string): replayed there
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (a CPU tensor)."""
@@ -160,6 +164,7 @@ class Constraint:
         if nxt < 0 or not self.matcher.accept_token(token_id):
             return False
         self.states.append(nxt)
+        self.steps.append(token_id)
         return True
 
     def is_terminated(self) -> bool:
@@ -192,6 +197,7 @@ class Constraint:
         if self.states[-1] != 0 or not self.matcher.accept_string(s):
             return False
         self.states.append(0)
+        self.steps.append(s)
         return True
 
     def rollback(self, n: int) -> None:
@@ -199,6 +205,7 @@ class Constraint:
         if n:
             self.matcher.rollback(n)
             del self.states[-n:]
+            del self.steps[-n:]
 
 
 _scratch: dict[int, torch.Tensor] = {}

@@ -58,6 +58,9 @@ class RunOptions:
               "and free memory).")
     kv_cache_tokens: int | None = _option(None, "KV pool size in tokens (default: 4 GiB on CPU; on CUDA half the "
                                                 "free memory, at most 131072 tokens).")
+    data_parallel: str = _option("1", "Worker processes, each with its own copy of the model on its own device, "
+                                      "each running whole subtrees of the radix tree: a number, or auto (every "
+                                      "visible GPU; 1 on CPU).")
     schedule: str = _option("dfs", "dfs (radix-tree order), fcfs or random: the last two for ablations.")
     no_cache: bool = _option(False, "Disable prefix caching (ablation).")
     seed: int = _option(0, "Seed for shots drawing, sampling and --schedule random.")
@@ -111,6 +114,8 @@ def _check(o: RunOptions, w: Workload) -> None:
         raise UserError("--checkpoint-s must be more than 0")
     if o.kv_cache_tokens is not None and o.kv_cache_tokens < 1:
         raise UserError("--kv-cache-tokens must be at least 1")
+    if o.data_parallel != "auto" and not (o.data_parallel.isdigit() and int(o.data_parallel) >= 1):
+        raise UserError(f"--data-parallel {o.data_parallel}: use a number of workers (at least 1) or auto")
     from lmbatch.scheduler.planner import SCHEDULES
     if o.schedule not in SCHEDULES:
         raise UserError(f"--schedule {o.schedule}: use one of {', '.join(SCHEDULES)}")
@@ -179,6 +184,7 @@ class _Loader(threading.Thread):
         super().__init__(name="lmbatch-model-load", daemon=True)
         self.o, self.model_dir, self.encoder = o, model_dir, encoder
         self.loaded: Loaded | None = None
+        self.workers = 1
         self.error: BaseException | None = None
         self.seconds = 0.0
         self.start()
@@ -192,7 +198,8 @@ class _Loader(threading.Thread):
             cfg = ModelConfig.from_dir(self.model_dir)
             kv = kv_tokens(self.o.kv_cache_tokens, cfg, device, dtype_name)
             batch = batch_tokens(self.o.max_tokens_per_batch, cfg, device, dtype_name)
-            engine = _build_engine(self.o, self.model_dir, device, dtype_name, self.encoder, kv, batch)
+            self.workers = data_parallel_size(self.o.data_parallel, device)
+            engine = _build_engine(self.o, self.model_dir, device, dtype_name, self.encoder, kv, batch, self.workers)
             self.loaded = Loaded(engine, device, dtype_name, batch, kv, self.encoder.matches_hf())
         except BaseException as e:  # noqa: BLE001  re-raised on the main thread
             self.error = e
@@ -207,17 +214,51 @@ class _Loader(threading.Thread):
         ld = self.loaded
         need = _check_pool(self.o, ld.kv_tokens, ld.batch_tokens, longest)
         if need > ld.kv_tokens:      # rare (prompts near the model's context): the small pool goes first
+            ld.engine.close()
             self.loaded, ld = None, ld._replace(engine=None, kv_tokens=need)
             ld = ld._replace(engine=_build_engine(self.o, self.model_dir, ld.device, ld.dtype, self.encoder, need,
-                                                  ld.batch_tokens))
+                                                  ld.batch_tokens, self.workers))
+            self.loaded = ld
         return ld
 
 
+def data_parallel_size(wanted: str, device: str) -> int:
+    """Workers of --data-parallel: auto is every visible GPU (1 on CPU); on CUDA each needs a GPU."""
+    if device != "cuda":
+        return 1 if wanted == "auto" else int(wanted)
+    import torch
+
+    visible = torch.cuda.device_count()
+    n = visible if wanted == "auto" else int(wanted)
+    if n > visible:
+        raise UserError(f"--data-parallel {wanted}: {visible} GPU{'s are' if visible != 1 else ' is'} visible; "
+                        "each worker needs its own")
+    return n
+
+
+def _gpus(n: int) -> list[str]:
+    """The CUDA_VISIBLE_DEVICES entry of each of n workers: the first n of what this process sees."""
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [s.strip() for s in seen.split(",")] if seen else [str(k) for k in range(n)]
+    return names[:n]
+
+
 def _build_engine(o: RunOptions, model_dir: Path, device: str, dtype_name: str, encoder, kv_tokens: int,
-                  batch_tokens: int):
+                  batch_tokens: int, workers: int = 1):
     import torch
 
     from lmbatch.engine import Engine, EngineOptions
+
+    if workers > 1:
+        from lmbatch.engine.parallel import ParallelEngine, WorkerSpec
+        from lmbatch.model.config import ModelConfig
+
+        cfg = ModelConfig.from_dir(model_dir)
+        spec = WorkerSpec(str(model_dir), device, dtype_name, kv_tokens, batch_tokens, cache=not o.no_cache,
+                          jump_forward=o.jump_forward, vocab_size=cfg.vocab_size,
+                          threads=max(1, (os.cpu_count() or 1) // workers) if device == "cpu" else None,
+                          relay_s=min(1.0, o.checkpoint_s))
+        return ParallelEngine(spec, workers, cfg, _gpus(workers) if device == "cuda" else None)
 
     options = EngineOptions(kv_cache_tokens=kv_tokens, max_tokens_per_batch=batch_tokens, cache=not o.no_cache,
                             jump_forward=o.jump_forward)
@@ -404,6 +445,9 @@ def _run(o: RunOptions, collect: bool, stop: _Stop) -> Path | dict[str, Any]:
         if loader is not None:      # an error while the model loads: let it finish (a thread killed
             loader.join()           # inside torch at exit aborts the process: no message, exit -6)
         raise
+    finally:
+        if loader is not None and loader.loaded is not None:
+            loader.loaded.engine.close()    # data-parallel workers end with the run
 
 
 def _run_with(o: RunOptions, w: Workload, collect: bool, clock: Phases, model_dir: Path, rundir, encoder,
@@ -470,6 +514,7 @@ def _complete(o: RunOptions, w: Workload, rundir, model_dir: Path, loaded: Loade
         summary["counts"]["resumed_instances"] = sum(r["attempt"] < attempt for r in rows)
         summary["attempts"] = record["attempts"]
         summary["throughput"] = _throughput(interp.stats, len(interp.runs))
+        summary["data_parallel"] = _data_parallel(engine, interp.stats)
         return summary
 
     summary: dict[str, Any] = {}
@@ -621,6 +666,14 @@ def _summary(o: RunOptions, w: Workload, run_id: str, model_dir: Path, device: s
         "time_s": time_s if load_background is None else {**time_s, "load_background": load_background},
         "throughput": _throughput(stats, len(rows)),
     }
+
+
+def _data_parallel(engine, stats) -> dict[str, Any]:
+    """Workers, and the tokens more than one of them computed (the prefixes their parts share): the
+    best hit rate they reach together is the optimum less that share."""
+    dup = getattr(engine, "duplicated_tokens", 0)
+    return {"workers": engine.data_parallel, "duplicated_tokens": dup,
+            "optimal_hit_rate": stats.optimal_hit_rate - (dup / stats.prompt_tokens if stats.prompt_tokens else 0.0)}
 
 
 def _throughput(stats, programs: int) -> dict[str, float]:

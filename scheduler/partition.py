@@ -22,7 +22,7 @@ import numpy as np
 
 from lmbatch.scheduler.planner import sorted_lcps, summarize
 
-WINDOW = 0.25       # a cut may move up to this share of a part's target to find a shallower boundary
+WINDOW = 1.0        # a cut may move up to this share of a part's target to find a shallower boundary
 
 
 class Partition(NamedTuple):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Protocol, Sequence, cast
 
 import torch
 
@@ -98,6 +98,15 @@ class Engine:
         """Tokens of `ids` whose KV the cache holds now (0 without a cache)."""
         return self.tree.match_len(ids) if self.tree is not None else 0
 
+    def match_lens(self, seqs: list[list[int]]) -> list[int]:
+        """`match_len` of each (one call for many: `ParallelEngine` asks its workers once)."""
+        return [self.match_len(ids) for ids in seqs]
+
+    data_parallel = 1       # engines behind this one (engine/parallel.py's ParallelEngine has several)
+
+    def close(self) -> None:
+        """Nothing to end: the model and its pool go with the process (a ParallelEngine ends its workers)."""
+
     # ---- runs ------------------------------------------------------------------------------------
     def score(self, requests: Sequence[ScoreRequest], **kw) -> tuple[list[ScoreResult], RunStats]:
         return cast("tuple[list[ScoreResult], RunStats]", self.run(requests, **kw))
@@ -108,12 +117,14 @@ class Engine:
     @torch.inference_mode()
     def run(self, requests: Sequence[Request], schedule: str = "dfs", seed: int = 0,
             progress: Callable[[int, RunStats], None] | None = None,
-            plan: Plan | None = None, handover: Handover | None = None) -> tuple[list[Result], RunStats]:
+            plan: Plan | None = None, handover: Handover | None = None,
+            groups: Sequence[Hashable] | None = None) -> tuple[list[Result], RunStats]:
         """Execute every request; results come back in the order of `requests`.
 
         `progress(i, stats)` is called as request i's last prompt token is issued (scoring) or as
         its generation ends. `plan`: `plan_requests(requests, schedule, seed)`, if made already.
-        `handover`: results handed over while the run goes on (see `Handover`)."""
+        `handover`: results handed over while the run goes on (see `Handover`). `groups`: requests
+        of one group run on one device (a program's calls); one engine has one device."""
         t0 = time.perf_counter()
         if plan is None:
             plan = plan_requests(requests, schedule, seed)

@@ -130,7 +130,7 @@ class Interpreter:
         """Run waves until every program has finished."""
         t0, tokenized = time.perf_counter(), self.tokenize_s
         self.engine = engine
-        self.wave_tokens = wave_tokens or engine.kv_slots * 3 // 4
+        self.wave_tokens = wave_tokens or engine.kv_slots * engine.data_parallel * 3 // 4
         self._save()                # programs that finished before any model work
         while self.ready:
             self._execute(self._pick_wave())
@@ -209,7 +209,7 @@ class Interpreter:
                           f"KV pool holds ({engine.kv_slots}): raise --kv-cache-tokens")
         ready = [p for p in self.ready if p.ids is not None]
         budget = WaveBudget(self.wave_tokens, self.max_final_footprint)
-        wave, self.ready = pick_wave(ready, self.runs, engine.match_len, budget, self.schedule,
+        wave, self.ready = pick_wave(ready, self.runs, engine.match_lens, budget, self.schedule,
                                      self.seed + self.waves)
         for p in wave:
             p.owner.started = True
@@ -250,7 +250,8 @@ class Interpreter:
         self.tally.start_wave(owner)
         engine = cast("Engine", self.engine)     # set by execute(), the only caller
         results, st = engine.run(requests, schedule=self.schedule, seed=self.seed + self.waves, plan=plan,
-                                 progress=self.progress, handover=self if self.checkpoints is not None else None)
+                                 progress=self.progress, handover=self if self.checkpoints is not None else None,
+                                 groups=[p.owner.index for p in owner])
         if self.progress is not None:
             self.progress.wave_done(st)
         self.tally.end_wave(st)

@@ -23,13 +23,13 @@ class WaveBudget:
     max_final_footprint: int        # largest cache footprint of a finished program (0: none yet)
 
 
-def pick_wave(ready: list[Pending], runs: Sequence[ProgramRun], match_len: Callable[[list[int]], int],
+def pick_wave(ready: list[Pending], runs: Sequence[ProgramRun], match_lens: Callable[[list[list[int]]], list[int]],
               budget: WaveBudget, schedule: str, seed: int) -> tuple[list[Pending], list[Pending]]:
-    """(the wave, the calls left queued) from prepared calls. `match_len` is the cached prefix of a
-    prompt; `seed` shuffles the "random" schedule."""
+    """(the wave, the calls left queued) from prepared calls. `match_lens` gives the cached prefix
+    of each of several prompts; `seed` shuffles the "random" schedule."""
     wave = [p for p in ready if isinstance(p.op, Select)]
     gens = [p for p in ready if isinstance(p.op, Gen)]
-    matched = {id(p): match_len(gen_ids(p)) for p in gens}
+    matched = dict(zip(map(id, gens), match_lens([gen_ids(p) for p in gens])))
     if schedule == "dfs":      # longest cached prefix first, then radix-tree (sorted) order
         gens.sort(key=lambda p: (-matched[id(p)], gen_ids(p)))
     elif schedule == "random":

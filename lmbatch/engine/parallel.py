@@ -1,0 +1,300 @@
+"""Data parallelism: one engine per device, each in its own worker process, behind `Engine`'s calls.
+
+`ParallelEngine.run` cuts each batch's radix tree into one part per worker along whole subtrees
+(`scheduler.partition`), so a shared prefix is computed once per part that needs it, not once per
+request as round-robin dispatch would; each worker plans and runs its part on its own engine, and
+the results come back in the order of the requests, as from one engine. Requests of one group (a
+multi-stage program's calls) go to one worker: its later calls find their prefix in that worker's
+cache.
+
+Workers hand over their finished results every `relay_s` seconds (at most RELAY_S), so the caller's handover (the
+runner's result parts, and so a stop) and progress go on as with one engine. A worker that fails
+raises here, naming it. Workers ignore SIGINT: Ctrl-C in a terminal reaches the whole process
+group, and it is the parent that stops a run (`close` ends workers still running).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
+
+from lmbatch.errors import UserError
+from lmbatch.requests import GenerateRequest, GenerateResult, RunStats, ScoreRequest, ScoreResult, TokenCounts
+from lmbatch.scheduler.partition import partition
+
+if TYPE_CHECKING:
+    from lmbatch.engine.engine import Handover
+    from lmbatch.scheduler.planner import Plan
+
+RELAY_S = 1.0           # a worker hands its finished results to the parent at least this often
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What each worker builds its engine from (sent to its process)."""
+    model_dir: str
+    device: str                     # "cpu" or "cuda"
+    dtype: str
+    kv_cache_tokens: int
+    max_tokens_per_batch: int
+    cache: bool = True
+    jump_forward: bool = True
+    vocab_size: int | None = None   # the model's (grammars are compiled against it)
+    threads: int | None = None      # torch threads of a CPU worker
+    relay_s: float = RELAY_S        # seconds between a worker's handovers of finished results
+
+
+def _pack(r: ScoreRequest | GenerateRequest) -> tuple[Any, Any]:
+    """A request as it crosses to a worker: a grammar goes as its source and the steps its matcher
+    has accepted (text jump-forward put in the prompt), compiled and replayed there."""
+    if isinstance(r, GenerateRequest) and r.constraint is not None:
+        return replace(r, constraint=None), (r.constraint.spec, list(r.constraint.steps))
+    return r, None
+
+
+class _Relay:
+    """A worker's handover: finished results go to the parent every `seconds`."""
+
+    def __init__(self, conn: Connection, seconds: float):
+        self.conn, self.seconds = conn, seconds
+        self.next = time.monotonic() + seconds
+
+    def due(self) -> bool:
+        return time.monotonic() >= self.next
+
+    def take(self, final: list[int], results: Sequence[Any], stats: RunStats) -> None:
+        self.next = time.monotonic() + self.seconds
+        members = {j: stats.members[j] for j in final if j in stats.members}
+        self.conn.send(("part", [(i, results[i]) for i in final], members, _counts(stats)))
+
+
+def _counts(stats: RunStats) -> TokenCounts:
+    return TokenCounts(stats.prompt_tokens, stats.cached_tokens, stats.computed_tokens, stats.decode_tokens)
+
+
+def _serve(rank: int, spec: WorkerSpec, conn: Connection, gpu: str | None) -> None:
+    """A worker process: build the engine, then run what the parent sends until it says close."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu          # before torch starts CUDA: this worker's device
+    try:
+        import torch
+
+        from lmbatch.engine.engine import Engine, EngineOptions
+
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
+        options = EngineOptions(kv_cache_tokens=spec.kv_cache_tokens, max_tokens_per_batch=spec.max_tokens_per_batch,
+                                cache=spec.cache, jump_forward=spec.jump_forward)
+        engine = Engine.from_pretrained(spec.model_dir, options, device=spec.device,
+                                        dtype=getattr(torch, spec.dtype), tokenizer=tokenizer)
+        engine.warm_up()
+        conn.send(("ready", engine.kv_slots))
+        grammars: Any = None
+        while True:
+            msg = conn.recv()
+            if msg[0] == "close":
+                return
+            if msg[0] == "match":
+                conn.send(("match", [engine.match_len(ids) for ids in msg[1]]))
+                continue
+            _, packed, schedule, seed = msg
+            if grammars is None and any(c is not None for _, c in packed):
+                from lmbatch.grammar import GrammarCompiler
+                grammars = GrammarCompiler(tokenizer, spec.vocab_size)
+            requests = [r if c is None else replace(r, constraint=_rebuild(grammars, *c)) for r, c in packed]
+            results, stats = engine.run(requests, schedule=schedule, seed=seed, handover=_Relay(conn, spec.relay_s))
+            conn.send(("done", results, stats))
+    except BaseException as e:  # noqa: BLE001  the parent raises it, naming this worker
+        try:
+            conn.send(("error", isinstance(e, UserError), f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
+
+
+def _rebuild(grammars: Any, spec: tuple[str, Any], steps: list[int | str]) -> Any:
+    """A constraint in the state its parent's was in."""
+    c = grammars.constraint(**{spec[0]: spec[1]})
+    for step in steps:
+        ok = c.accept(step) if isinstance(step, int) else c.accept_string(step)
+        assert ok, f"replaying {step!r} of a {spec[0]} constraint"
+    return c
+
+
+class ParallelEngine:
+    """`n` engines in worker processes, used as one (`run`, `match_lens`, `kv_slots`, `cfg`)."""
+
+    def __init__(self, spec: WorkerSpec, n: int, cfg: Any, gpus: Sequence[str] | None = None):
+        self.cfg, self.spec, self.data_parallel = cfg, spec, n
+        self.home: dict[Hashable, int] = {}       # group -> the worker that ran its earlier calls
+        self.duplicated_tokens = 0                 # computed by more than one worker, over all runs
+        ctx = mp.get_context("spawn")              # CUDA cannot be forked; a fresh interpreter each
+        self.running = False
+        self.conns: list[Connection] = []
+        self.procs: list[Any] = []
+        for k in range(n):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_serve, args=(k, spec, child, gpus[k] if gpus else None),
+                            name=f"lmbatch-dp{k}", daemon=True)
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+        try:
+            self.slots = [self._recv(k, "ready") for k in range(n)]
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def kv_slots(self) -> int:
+        """Tokens the smallest worker's pool holds (what one request may take)."""
+        return min(self.slots)
+
+    def _recv(self, k: int, kind: str) -> Any:
+        try:
+            msg = self.conns[k].recv()
+        except (EOFError, OSError):
+            self.procs[k].join(5)
+            raise RuntimeError(f"data-parallel worker {k} exited (code {self.procs[k].exitcode})") from None
+        if msg[0] == "error":
+            raise (UserError if msg[1] else RuntimeError)(f"data-parallel worker {k}: {msg[2]}")
+        assert msg[0] == kind, msg[0]
+        return msg[1] if len(msg) == 2 else msg[1:]
+
+    def match_len(self, ids: list[int]) -> int:
+        return self.match_lens([ids])[0]
+
+    def match_lens(self, seqs: list[list[int]]) -> list[int]:
+        """Each sequence's longest cached prefix on any worker."""
+        for c in self.conns:
+            c.send(("match", seqs))
+        got = [self._recv(k, "match") for k in range(len(self.conns))]
+        return [max(col) for col in zip(*got)] if seqs else []
+
+    def run(self, requests: Sequence[Any], schedule: str = "dfs", seed: int = 0,
+            progress: Callable[[int, RunStats], None] | None = None, plan: Plan | None = None,
+            handover: Handover | None = None, groups: Sequence[Hashable] | None = None) -> tuple[list[Any], RunStats]:
+        """As `Engine.run`, over the workers (`plan` is not used: each worker plans its part)."""
+        t0 = time.perf_counter()
+        part = partition([r.prompt for r in requests], len(self.conns), groups=groups,
+                         pinned={g: self.home[g] for g in set(groups) if g in self.home} if groups else None,
+                         mergeable=[isinstance(r, ScoreRequest) for r in requests])
+        if groups is not None:
+            for k, idx in enumerate(part.parts):
+                self.home.update((groups[i], k) for i in idx)
+        self.duplicated_tokens += part.duplicated_tokens
+        for k, idx in enumerate(part.parts):
+            if idx:
+                self.conns[k].send(("run", [_pack(requests[i]) for i in idx], schedule, seed))
+        gather = _Gather(requests, part.parts, progress, handover)
+        gather.stats.unique_tokens = sum(part.part_unique_tokens)
+        gather.stats.optimal_hit_rate = gather.stats.engine_optimal_hit_rate = part.hit_rate
+        t1 = time.perf_counter()
+        busy = {k for k, idx in enumerate(part.parts) if idx}
+        self.running = True
+        while busy:
+            ready = wait([self.conns[k] for k in busy])
+            for k in [k for k in sorted(busy) if self.conns[k] in ready]:
+                try:
+                    msg = self.conns[k].recv()
+                except (EOFError, OSError):
+                    msg = None
+                if msg is None or msg[0] == "error":
+                    self._recv_failed(k, msg)
+                elif msg[0] == "part":
+                    gather.part(k, *msg[1:])
+                else:
+                    gather.done(k, msg[1], msg[2])
+                    busy.discard(k)
+        self.running = False
+        gather.stats.plan_s, gather.stats.execute_s = t1 - t0, time.perf_counter() - t1
+        return gather.results, gather.stats
+
+    def _recv_failed(self, k: int, msg: Any) -> None:
+        if msg is not None:
+            raise (UserError if msg[1] else RuntimeError)(f"data-parallel worker {k}: {msg[2]}")
+        self.procs[k].join(5)
+        raise RuntimeError(f"data-parallel worker {k} exited (code {self.procs[k].exitcode})")
+
+    def close(self) -> None:
+        """End the workers: at once if a run was cut short (they are still working), else when they
+        have read the close."""
+        for c in self.conns:
+            try:
+                c.send(("close",))
+            except OSError:
+                pass
+        for p in self.procs:
+            p.join(0 if self.running else 10)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+
+
+class _Gather:
+    """One run's results and counts as the workers report them, in the requests' own indices."""
+
+    def __init__(self, requests: Sequence[Any], parts: list[list[int]],
+                 progress: Callable[[int, RunStats], None] | None, handover: Handover | None):
+        self.parts, self.progress, self.handover = parts, progress, handover
+        self.results: list[Any] = [GenerateResult() if isinstance(r, GenerateRequest) else ScoreResult()
+                                   for r in requests]
+        self.stats = RunStats(requests=len(requests))
+        self.counts = [TokenCounts() for _ in parts]
+        self.handed = bytearray(len(requests))
+
+    def _merge(self, k: int, pairs: Sequence[tuple[int, Any]], members: dict[int, list[int]]) -> list[int]:
+        idx, final = self.parts[k], []
+        for i, r in pairs:
+            self.results[idx[i]] = r
+            final.append(idx[i])
+        for j, ms in members.items():
+            self.stats.members[idx[j]] = [idx[m] for m in ms]
+            self.stats.order.append(idx[j])
+        return final
+
+    def _totals(self) -> None:
+        s = self.stats
+        s.prompt_tokens = sum(c.prompt_tokens for c in self.counts)
+        s.cached_tokens = sum(c.cached_tokens for c in self.counts)
+        s.computed_tokens = sum(c.computed_tokens for c in self.counts)
+        s.decode_tokens = sum(c.decode_tokens for c in self.counts)
+
+    def part(self, k: int, pairs: Sequence[tuple[int, Any]], members: dict[int, list[int]],
+             counts: TokenCounts) -> None:
+        """Worker k's results finished since its last report."""
+        final = self._merge(k, pairs, members)
+        self.counts[k] = counts
+        self._totals()
+        for g in final:
+            self.handed[g] = 1
+        if self.progress is not None and final:
+            self.progress(final[-1], self.stats)
+        if self.handover is not None and final:
+            self.handover.take(final, self.results, self.stats)
+
+    def done(self, k: int, results: list[Any], st: RunStats) -> None:
+        """Worker k's run ended: the rest of its results and its counters."""
+        idx = self.parts[k]
+        pairs = [(i, results[i]) for i in range(len(idx)) if not self.handed[idx[i]]]
+        done_before = {m for m in self.stats.members}
+        members = {j: st.members[j] for j in st.order if idx[j] not in done_before}
+        self._merge(k, pairs, members)
+        self.counts[k] = _counts(st)
+        self._totals()
+        s = self.stats
+        s.executed += st.executed
+        s.forward_batches += st.forward_batches
+        s.evicted_tokens += st.evicted_tokens
+        s.masked_rows += st.masked_rows
+        s.resampled_rows += st.resampled_rows
+        if self.progress is not None and idx:
+            self.progress(idx[-1], s)

@@ -1,0 +1,85 @@
+"""Data parallelism (issue 23) on CPU: `--data-parallel 2` runs two worker processes, each with its
+own copy of the model and its own parts of the radix tree, and must give what one process gives:
+the same instances in the same order, the same predictions, generated text and scores (logprobs to
+float32 batching noise), with the hit rate the partition's plan says and each multi-stage program
+on one worker."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+from lmbatch.runner import RunOptions, run
+
+# two stages: a sampled gen (seeded by its instance), then a select after the generated text
+PROGRAM = '''from lmbatch.frontend import gen, select
+
+def instances():
+    return [{"id": f"q{k}", "n": k} for k in range(10)]
+
+def program(s, n):
+    s += f"Question {n}: what comes after {n}?"
+    s += gen("thought", max_tokens=8, temperature=0.8)
+    s += " So the answer is" + select("answer", [" one", " two", " three"])
+'''
+
+CASES = {
+    "mmlu": dict(task="mmlu", shots=5, limit=2, subjects=["anatomy", "virology", "astronomy"]),
+    "program": dict(task="PROGRAM"),
+    "json": dict(task="json", limit=3),         # grammar-constrained: each worker compiles the schemas
+}
+
+
+def _run(tmp_path, case: str, workers: int, program_path) -> tuple[list[dict], dict, list[dict]]:
+    kw = dict(CASES[case])
+    if kw["task"] == "PROGRAM":
+        kw["task"] = str(program_path)
+    d = run(RunOptions(**kw, out=tmp_path, run_id=f"{case}-{workers}", device="cpu", quiet=True,
+                       data_parallel=str(workers), checkpoint_s=1e-6, max_tokens_per_batch=256))
+    return (pq.read_table(d / "instances.parquet").to_pylist(), json.loads((d / "summary.json").read_text()),
+            pq.read_table(d / "requests.parquet").to_pylist())
+
+
+@pytest.fixture(scope="module")
+def program_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prog") / "two_stage.py"
+    path.write_text(PROGRAM)
+    return path
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_workers_give_one_process_results(case, tmp_path, program_path):
+    one, s1, _ = _run(tmp_path, case, 1, program_path)
+    two, s2, reqs = _run(tmp_path, case, 2, program_path)
+    assert [r["id"] for r in two] == [r["id"] for r in one]
+    for a, b in zip(two, one):
+        assert (a["prediction"], a["correct"], a["error"]) == (b["prediction"], b["correct"], b["error"]), a["id"]
+        assert json.loads(a["outputs"]) == json.loads(b["outputs"]), a["id"]
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4), a["id"]
+        assert a["prompt_tokens"] == b["prompt_tokens"]
+    assert s2["accuracy"] == s1["accuracy"] and s2["metrics"] == s1["metrics"]
+    assert s1["data_parallel"] == {"workers": 1, "duplicated_tokens": 0, "optimal_hit_rate": s1["optimal_hit_rate"]}
+    dp = s2["data_parallel"]
+    assert dp["workers"] == 2 and dp["duplicated_tokens"] >= 0
+    assert s2["tokens"]["prompt"] == s1["tokens"]["prompt"]
+    assert s2["tokens"]["computed"] + s2["tokens"]["cached"] == s2["tokens"]["prompt"]
+    if case == "mmlu":      # one wave of scoring: each worker reaches its part's optimum exactly
+        assert s1["hit_rate"] == pytest.approx(s1["optimal_hit_rate"], abs=1e-12)
+        assert s2["hit_rate"] == pytest.approx(dp["optimal_hit_rate"], abs=1e-12)
+        assert s2["tokens"]["computed"] == s1["tokens"]["computed"] + dp["duplicated_tokens"]
+        assert dp["duplicated_tokens"] < s1["tokens"]["prompt"] * 0.01
+    if case == "program":   # the select after each gen found its program's text cached on its worker
+        selects = [r for r in reqs if r["kind"] == "select"]
+        assert selects and all(r["cached_tokens"] >= r["prompt_tokens"] - 8 for r in selects)
+
+
+def test_bad_data_parallel_is_one_line(tmp_path):
+    for bad in ("0", "two", "-1"):
+        p = subprocess.run([sys.executable, "-c", "from lmbatch.cli import main; main()", "run", "mmlu", "--limit",
+                            "1", "--out", str(tmp_path), "--data-parallel", bad], capture_output=True, text=True)
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.strip().splitlines() == [f"error: --data-parallel {bad}: use a number of workers (at least "
+                                                 "1) or auto"], p.stderr
