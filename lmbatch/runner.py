@@ -61,6 +61,8 @@ class RunOptions:
     data_parallel: str = _option("1", "Worker processes, each with its own copy of the model on its own device, "
                                       "each running whole subtrees of the radix tree: a number, or auto (every "
                                       "visible GPU; 1 on CPU).")
+    tensor_parallel: int = _option(1, "Devices (processes on CPU) each model is split over: attention heads, MLP "
+                                      "and vocabulary slices. Workers times this must not exceed the GPUs.")
     schedule: str = _option("dfs", "dfs (radix-tree order), fcfs or random: the last two for ablations.")
     no_cache: bool = _option(False, "Disable prefix caching (ablation).")
     seed: int = _option(0, "Seed for shots drawing, sampling and --schedule random.")
@@ -116,6 +118,8 @@ def _check(o: RunOptions, w: Workload) -> None:
         raise UserError("--kv-cache-tokens must be at least 1")
     if o.data_parallel != "auto" and not (o.data_parallel.isdigit() and int(o.data_parallel) >= 1):
         raise UserError(f"--data-parallel {o.data_parallel}: use a number of workers (at least 1) or auto")
+    if o.tensor_parallel < 1:
+        raise UserError("--tensor-parallel must be at least 1")
     from lmbatch.scheduler.planner import SCHEDULES
     if o.schedule not in SCHEDULES:
         raise UserError(f"--schedule {o.schedule}: use one of {', '.join(SCHEDULES)}")
@@ -198,7 +202,7 @@ class _Loader(threading.Thread):
             cfg = ModelConfig.from_dir(self.model_dir)
             kv = kv_tokens(self.o.kv_cache_tokens, cfg, device, dtype_name)
             batch = batch_tokens(self.o.max_tokens_per_batch, cfg, device, dtype_name)
-            self.workers = data_parallel_size(self.o.data_parallel, device)
+            self.workers = data_parallel_size(self.o.data_parallel, device, self.o.tensor_parallel)
             engine = _build_engine(self.o, self.model_dir, device, dtype_name, self.encoder, kv, batch, self.workers)
             self.loaded = Loaded(engine, device, dtype_name, batch, kv, self.encoder.matches_hf())
         except BaseException as e:  # noqa: BLE001  re-raised on the main thread
@@ -222,17 +226,18 @@ class _Loader(threading.Thread):
         return ld
 
 
-def data_parallel_size(wanted: str, device: str) -> int:
-    """Workers of --data-parallel: auto is every visible GPU (1 on CPU); on CUDA each needs a GPU."""
+def data_parallel_size(wanted: str, device: str, tp: int = 1) -> int:
+    """Workers of --data-parallel: auto is every visible GPU over --tensor-parallel (1 on CPU); on
+    CUDA each worker needs its own `tp` GPUs."""
     if device != "cuda":
         return 1 if wanted == "auto" else int(wanted)
     import torch
 
     visible = torch.cuda.device_count()
-    n = visible if wanted == "auto" else int(wanted)
-    if n > visible:
-        raise UserError(f"--data-parallel {wanted}: {visible} GPU{'s are' if visible != 1 else ' is'} visible; "
-                        "each worker needs its own")
+    n = max(1, visible // tp) if wanted == "auto" else int(wanted)
+    if n * tp > visible:
+        what = f"--data-parallel {wanted}" + (f" x --tensor-parallel {tp}" if tp > 1 else "")
+        raise UserError(f"{what}: {n * tp} GPUs needed, {visible} visible")
     return n
 
 
@@ -249,16 +254,18 @@ def _build_engine(o: RunOptions, model_dir: Path, device: str, dtype_name: str, 
 
     from lmbatch.engine import Engine, EngineOptions
 
-    if workers > 1:
+    if workers > 1 or o.tensor_parallel > 1:
         from lmbatch.engine.parallel import ParallelEngine, WorkerSpec
         from lmbatch.model.config import ModelConfig
 
         cfg = ModelConfig.from_dir(model_dir)
+        tp = o.tensor_parallel      # the model splits so (checked in _run)
+        procs = workers * tp
         spec = WorkerSpec(str(model_dir), device, dtype_name, kv_tokens, batch_tokens, cache=not o.no_cache,
                           jump_forward=o.jump_forward, vocab_size=cfg.vocab_size,
-                          threads=max(1, (os.cpu_count() or 1) // workers) if device == "cpu" else None,
-                          relay_s=min(1.0, o.checkpoint_s))
-        return ParallelEngine(spec, workers, cfg, _gpus(workers) if device == "cuda" else None)
+                          threads=max(1, (os.cpu_count() or 1) // procs) if device == "cpu" else None,
+                          relay_s=min(1.0, o.checkpoint_s), tensor_parallel=tp)
+        return ParallelEngine(spec, workers, cfg, _gpus(procs) if device == "cuda" else None)
 
     options = EngineOptions(kv_cache_tokens=kv_tokens, max_tokens_per_batch=batch_tokens, cache=not o.no_cache,
                             jump_forward=o.jump_forward)
@@ -438,6 +445,12 @@ def _run(o: RunOptions, collect: bool, stop: _Stop) -> Path | dict[str, Any]:
     w = get_workload(o.task)
     _check(o, w)
     model_dir, rundir, encoder, shape = _model_files(o, w, clock, stop)
+    if o.tensor_parallel > 1:
+        from lmbatch.model.tensor_parallel import shard_config
+        try:
+            shard_config(shape, o.tensor_parallel)
+        except ValueError as e:
+            raise UserError(f"--tensor-parallel {o.tensor_parallel}: {first_line(e)}") from None
     loader = None if o.dry_run else _Loader(o, model_dir, encoder)
     try:
         return _run_with(o, w, collect, clock, model_dir, rundir, encoder, shape, loader, stop)
@@ -669,10 +682,10 @@ def _summary(o: RunOptions, w: Workload, run_id: str, model_dir: Path, device: s
 
 
 def _data_parallel(engine, stats) -> dict[str, Any]:
-    """Workers, and the tokens more than one of them computed (the prefixes their parts share): the
-    best hit rate they reach together is the optimum less that share."""
+    """Workers and the devices each spans, and the tokens more than one worker computed (the
+    prefixes their parts share): the best hit rate they reach together is the optimum less that share."""
     dup = getattr(engine, "duplicated_tokens", 0)
-    return {"workers": engine.data_parallel, "duplicated_tokens": dup,
+    return {"workers": engine.data_parallel, "tensor_parallel": engine.tensor_parallel, "duplicated_tokens": dup,
             "optimal_hit_rate": stats.optimal_hit_rate - (dup / stats.prompt_tokens if stats.prompt_tokens else 0.0)}
 
 

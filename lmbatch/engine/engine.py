@@ -30,6 +30,7 @@ from lmbatch.engine.sampler import MASK_MODES, Sampler
 from lmbatch.engine.state import Request, Result, RunState
 from lmbatch.model.config import ModelConfig
 from lmbatch.model.network import Transformer
+from lmbatch.model.tensor_parallel import TensorParallel, shard_config
 from lmbatch.requests import GenerateRequest, GenerateResult, RunStats, ScoreRequest, ScoreResult
 from lmbatch.scheduler.planner import Plan, plan_requests
 
@@ -69,14 +70,19 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path, options: EngineOptions | None = None, *, device="cpu", dtype=torch.float32,
-                        load_format="auto", tokenizer: Any = None, **overrides: Any) -> "Engine":
+                        load_format="auto", tokenizer: Any = None, tp: TensorParallel | None = None,
+                        **overrides: Any) -> "Engine":
         """An engine over the checkpoint folder `path` (random weights with load_format="dummy"): our
-        network for the model_types it implements, else transformers' model (model/fallback.py)."""
+        network for the model_types it implements, else transformers' model (model/fallback.py).
+        `tp`: this process's rank of a tensor-parallel group (its slice of the model and of the KV)."""
         from lmbatch.model.weights import init_dummy, load_weights
 
         cfg = ModelConfig.from_dir(path)
         model: LanguageModel
-        if cfg.runtime == "transformers":
+        if tp is not None:
+            model = Transformer.empty(shard_config(cfg, tp.size), device, dtype, tp)
+            init_dummy(model) if load_format == "dummy" else load_weights(model, path, full=cfg)
+        elif cfg.runtime == "transformers":
             from lmbatch.model.fallback import HFCausalLM
             model = HFCausalLM.load(path, device, dtype, random_weights=load_format == "dummy")
         else:
@@ -103,6 +109,7 @@ class Engine:
         return [self.match_len(ids) for ids in seqs]
 
     data_parallel = 1       # engines behind this one (engine/parallel.py's ParallelEngine has several)
+    tensor_parallel = 1     # devices its model is split over (ParallelEngine's workers may span several)
 
     def close(self) -> None:
         """Nothing to end: the model and its pool go with the process (a ParallelEngine ends its workers)."""

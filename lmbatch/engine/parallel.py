@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from lmbatch.scheduler.planner import Plan
 
 RELAY_S = 1.0           # a worker hands its finished results to the parent at least this often
+RELAY_TICKS = 1024      # in a tensor-parallel group: every this many prefill adds and decode steps
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class WorkerSpec:
     vocab_size: int | None = None   # the model's (grammars are compiled against it)
     threads: int | None = None      # torch threads of a CPU worker
     relay_s: float = RELAY_S        # seconds between a worker's handovers of finished results
+    tensor_parallel: int = 1        # ranks (devices) of each worker's model
+    load_format: str = "auto"       # "dummy": random weights (speed work)
 
 
 def _pack(r: ScoreRequest | GenerateRequest) -> tuple[Any, Any]:
@@ -57,66 +60,108 @@ def _pack(r: ScoreRequest | GenerateRequest) -> tuple[Any, Any]:
 
 
 class _Relay:
-    """A worker's handover: finished results go to the parent every `seconds`."""
+    """A worker's handover: finished results go to the parent every `seconds`. In a tensor-parallel
+    group every rank must flush its batches at the same points (their collectives pair up), so there
+    it is due every `ticks` engine ticks instead, the same on each rank; only rank 0 sends."""
 
-    def __init__(self, conn: Connection, seconds: float):
-        self.conn, self.seconds = conn, seconds
+    def __init__(self, conn: Connection | None, seconds: float, ticks: int = 0):
+        self.conn, self.seconds, self.ticks = conn, seconds, ticks
         self.next = time.monotonic() + seconds
+        self.count = 0
 
     def due(self) -> bool:
+        if self.ticks:
+            self.count += 1
+            return self.count % self.ticks == 0
         return time.monotonic() >= self.next
 
     def take(self, final: list[int], results: Sequence[Any], stats: RunStats) -> None:
         self.next = time.monotonic() + self.seconds
-        members = {j: stats.members[j] for j in final if j in stats.members}
-        self.conn.send(("part", [(i, results[i]) for i in final], members, _counts(stats)))
+        if self.conn is not None:
+            members = {j: stats.members[j] for j in final if j in stats.members}
+            self.conn.send(("part", [(i, results[i]) for i in final], members, _counts(stats)))
 
 
 def _counts(stats: RunStats) -> TokenCounts:
     return TokenCounts(stats.prompt_tokens, stats.cached_tokens, stats.computed_tokens, stats.decode_tokens)
 
 
-def _serve(rank: int, spec: WorkerSpec, conn: Connection, gpu: str | None) -> None:
-    """A worker process: build the engine, then run what the parent sends until it says close."""
+def _serve(rank: int, spec: WorkerSpec, conn: Connection, gpu: str | None, port: int) -> None:
+    """A worker process (`rank` of its tensor-parallel group): build the engine, then run what the
+    parent sends (rank 0 reads it and passes it to the other ranks) until it says close."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu          # before torch starts CUDA: this worker's device
     try:
-        import torch
-
-        from lmbatch.engine.engine import Engine, EngineOptions
-
-        if spec.threads:
-            torch.set_num_threads(spec.threads)
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
-        options = EngineOptions(kv_cache_tokens=spec.kv_cache_tokens, max_tokens_per_batch=spec.max_tokens_per_batch,
-                                cache=spec.cache, jump_forward=spec.jump_forward)
-        engine = Engine.from_pretrained(spec.model_dir, options, device=spec.device,
-                                        dtype=getattr(torch, spec.dtype), tokenizer=tokenizer)
-        engine.warm_up()
+        engine, tokenizer, ctrl = _build(rank, spec, port)
         conn.send(("ready", engine.kv_slots))
         grammars: Any = None
         while True:
-            msg = conn.recv()
-            if msg[0] == "close":
-                return
-            if msg[0] == "match":
+            msg = conn.recv() if rank == 0 else None
+            if msg is not None and msg[0] == "match":       # each rank's cache is the same: rank 0 answers
                 conn.send(("match", [engine.match_len(ids) for ids in msg[1]]))
                 continue
+            if ctrl is not None:
+                msg = _broadcast(msg, ctrl)
+            assert msg is not None
+            if msg[0] == "close":
+                return
             _, packed, schedule, seed = msg
             if grammars is None and any(c is not None for _, c in packed):
                 from lmbatch.grammar import GrammarCompiler
                 grammars = GrammarCompiler(tokenizer, spec.vocab_size)
             requests = [r if c is None else replace(r, constraint=_rebuild(grammars, *c)) for r, c in packed]
-            results, stats = engine.run(requests, schedule=schedule, seed=seed, handover=_Relay(conn, spec.relay_s))
-            conn.send(("done", results, stats))
+            relay = _Relay(conn if rank == 0 else None, spec.relay_s, RELAY_TICKS if ctrl is not None else 0)
+            results, stats = engine.run(requests, schedule=schedule, seed=seed, handover=relay)
+            if rank == 0:
+                conn.send(("done", results, stats))
     except BaseException as e:  # noqa: BLE001  the parent raises it, naming this worker
         try:
             conn.send(("error", isinstance(e, UserError), f"{type(e).__name__}: {e}"))
         except OSError:
             pass
+
+
+def _build(rank: int, spec: WorkerSpec, port: int) -> tuple[Any, Any, Any]:
+    """(engine, tokenizer, the group's control channel or None) of one worker process."""
+    import torch
+
+    from lmbatch.engine.engine import Engine, EngineOptions
+
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    tp, ctrl = None, None
+    if spec.tensor_parallel > 1:
+        import torch.distributed as dist
+
+        from lmbatch.model.tensor_parallel import TensorParallel
+
+        backend = "nccl" if spec.device == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=spec.tensor_parallel)
+        ctrl = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+        tp = TensorParallel(rank, spec.tensor_parallel)
+    from transformers import AutoTokenizer
+
+    try:        # stop strings and grammars need it; a bare checkpoint (tests) runs without
+        tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
+    except (OSError, ValueError):
+        tokenizer = None
+    options = EngineOptions(kv_cache_tokens=spec.kv_cache_tokens, max_tokens_per_batch=spec.max_tokens_per_batch,
+                            cache=spec.cache, jump_forward=spec.jump_forward)
+    engine = Engine.from_pretrained(spec.model_dir, options, device=spec.device, dtype=getattr(torch, spec.dtype),
+                                    tokenizer=tokenizer, tp=tp, load_format=spec.load_format)
+    engine.warm_up()
+    return engine, tokenizer, ctrl
+
+
+def _broadcast(msg: Any, group: Any) -> Any:
+    """Rank 0's message, on every rank of its tensor-parallel group."""
+    import torch.distributed as dist
+
+    box = [msg]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
 
 
 def _rebuild(grammars: Any, spec: tuple[str, Any], steps: list[int | str]) -> Any:
@@ -129,26 +174,37 @@ def _rebuild(grammars: Any, spec: tuple[str, Any], steps: list[int | str]) -> An
 
 
 class ParallelEngine:
-    """`n` engines in worker processes, used as one (`run`, `match_lens`, `kv_slots`, `cfg`)."""
+    """`n` engines in worker processes, used as one (`run`, `match_lens`, `kv_slots`, `cfg`). Each
+    engine is `spec.tensor_parallel` processes (a tensor-parallel group, one device each)."""
 
     def __init__(self, spec: WorkerSpec, n: int, cfg: Any, gpus: Sequence[str] | None = None):
-        self.cfg, self.spec, self.data_parallel = cfg, spec, n
+        self.cfg, self.spec, self.data_parallel, self.tensor_parallel = cfg, spec, n, spec.tensor_parallel
         self.home: dict[Hashable, int] = {}       # group -> the worker that ran its earlier calls
         self.duplicated_tokens = 0                 # computed by more than one worker, over all runs
-        ctx = mp.get_context("spawn")              # CUDA cannot be forked; a fresh interpreter each
         self.running = False
-        self.conns: list[Connection] = []
+        t = spec.tensor_parallel
+        ctx = mp.get_context("spawn")              # CUDA cannot be forked; a fresh interpreter each
+        self.conns: list[Connection] = []          # rank 0 of each worker: requests and results
+        self.side: list[Connection] = []           # the other ranks: only their errors
         self.procs: list[Any] = []
+        self.names: dict[Any, str] = {}            # a connection or process sentinel -> whose
         for k in range(n):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(k, spec, child, gpus[k] if gpus else None),
-                            name=f"lmbatch-dp{k}", daemon=True)
-            p.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(p)
+            port = _free_port() if t > 1 else 0
+            for r in range(t):
+                parent, child = ctx.Pipe()
+                gpu = gpus[k * t + r] if gpus else None
+                p = ctx.Process(target=_serve, args=(r, spec, child, gpu, port), name=f"lmbatch-dp{k}-tp{r}",
+                                daemon=True)
+                p.start()
+                child.close()
+                (self.conns if r == 0 else self.side).append(parent)
+                self.procs.append(p)
+                name = f"data-parallel worker {k}" + (f" (tensor-parallel rank {r})" if t > 1 else "")
+                self.names[parent] = self.names[p.sentinel] = name
         try:
-            self.slots = [self._recv(k, "ready") for k in range(n)]
+            self.slots = [self._recv(c, "ready") for c in self.conns]
+            for c in self.side:
+                self._recv(c, "ready")
         except BaseException:
             self.close()
             raise
@@ -158,16 +214,24 @@ class ParallelEngine:
         """Tokens the smallest worker's pool holds (what one request may take)."""
         return min(self.slots)
 
-    def _recv(self, k: int, kind: str) -> Any:
+    def _recv(self, c: Connection, kind: str) -> Any:
+        """The next message from `c`, which must be of `kind`; a worker's error or exit raises."""
         try:
-            msg = self.conns[k].recv()
+            msg = c.recv()
         except (EOFError, OSError):
-            self.procs[k].join(5)
-            raise RuntimeError(f"data-parallel worker {k} exited (code {self.procs[k].exitcode})") from None
-        if msg[0] == "error":
-            raise (UserError if msg[1] else RuntimeError)(f"data-parallel worker {k}: {msg[2]}")
+            msg = None
+        if msg is None or msg[0] == "error":
+            self._failed(c, msg)
         assert msg[0] == kind, msg[0]
         return msg[1] if len(msg) == 2 else msg[1:]
+
+    def _failed(self, who: Any, msg: Any) -> None:
+        name = self.names[who]
+        if msg is not None:
+            raise (UserError if msg[1] else RuntimeError)(f"{name}: {msg[2]}")
+        proc = next(p for p in self.procs if self.names[p.sentinel] == name)
+        proc.join(5)
+        raise RuntimeError(f"{name} exited (code {proc.exitcode})")
 
     def match_len(self, ids: list[int]) -> int:
         return self.match_lens([ids])[0]
@@ -176,7 +240,7 @@ class ParallelEngine:
         """Each sequence's longest cached prefix on any worker."""
         for c in self.conns:
             c.send(("match", seqs))
-        got = [self._recv(k, "match") for k in range(len(self.conns))]
+        got = [self._recv(c, "match") for c in self.conns]
         return [max(col) for col in zip(*got)] if seqs else []
 
     def run(self, requests: Sequence[Any], schedule: str = "dfs", seed: int = 0,
@@ -198,31 +262,34 @@ class ParallelEngine:
         gather.stats.unique_tokens = sum(part.part_unique_tokens)
         gather.stats.optimal_hit_rate = gather.stats.engine_optimal_hit_rate = part.hit_rate
         t1 = time.perf_counter()
-        busy = {k for k, idx in enumerate(part.parts) if idx}
         self.running = True
+        self._gather(gather, {k for k, idx in enumerate(part.parts) if idx})
+        self.running = False
+        gather.stats.plan_s, gather.stats.execute_s = t1 - t0, time.perf_counter() - t1
+        return gather.results, gather.stats
+
+    def _gather(self, gather: _Gather, busy: set[int]) -> None:
+        """Take the workers' reports until each busy one is done; any worker's error or exit raises."""
+        watch = list(self.side) + [p.sentinel for p in self.procs]
         while busy:
-            ready = wait([self.conns[k] for k in busy])
+            ready = wait([self.conns[k] for k in busy] + watch)
             for k in [k for k in sorted(busy) if self.conns[k] in ready]:
                 try:
                     msg = self.conns[k].recv()
                 except (EOFError, OSError):
                     msg = None
                 if msg is None or msg[0] == "error":
-                    self._recv_failed(k, msg)
+                    self._failed(self.conns[k], msg)
                 elif msg[0] == "part":
                     gather.part(k, *msg[1:])
                 else:
                     gather.done(k, msg[1], msg[2])
                     busy.discard(k)
-        self.running = False
-        gather.stats.plan_s, gather.stats.execute_s = t1 - t0, time.perf_counter() - t1
-        return gather.results, gather.stats
-
-    def _recv_failed(self, k: int, msg: Any) -> None:
-        if msg is not None:
-            raise (UserError if msg[1] else RuntimeError)(f"data-parallel worker {k}: {msg[2]}")
-        self.procs[k].join(5)
-        raise RuntimeError(f"data-parallel worker {k} exited (code {self.procs[k].exitcode})")
+            for who in [w for w in watch if w in ready]:
+                if isinstance(who, Connection):
+                    self._recv(who, "none")            # only an error comes from there
+                elif not any(self.conns[k].poll() for k in busy):     # exited, its last words read
+                    self._failed(who, None)
 
     def close(self) -> None:
         """End the workers: at once if a run was cut short (they are still working), else when they
@@ -237,6 +304,15 @@ class ParallelEngine:
             if p.is_alive():
                 p.terminate()
                 p.join(5)
+
+
+def _free_port() -> int:
+    """A TCP port on the loopback address for a tensor-parallel group's rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class _Gather:

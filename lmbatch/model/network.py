@@ -23,6 +23,7 @@ from torch import nn
 
 from lmbatch.attention import AttentionBackend, ForwardBatch
 from lmbatch.model.config import ModelConfig
+from lmbatch.model.tensor_parallel import TensorParallel
 
 
 @functools.cache
@@ -75,10 +76,17 @@ def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
 
 
+def _reduce(x: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
+    """The sum over a tensor-parallel group of a row-parallel projection's partial outputs."""
+    return x if tp is None else tp.all_reduce(x)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    """Heads and KV heads: this rank's, under tensor parallelism (cfg is then one rank's shape)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel | None = None):
         super().__init__()
-        self.layer = layer
+        self.layer, self.tp = layer, tp
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = cfg.layer_windows[layer] if cfg.layer_windows else None
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
@@ -106,18 +114,18 @@ class Attention(nn.Module):
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attn.forward(self.layer, q, k, v, window=self.window)
-        return self.o_proj(o.reshape(T, self.nh * self.hd))
+        return _reduce(self.o_proj(o.reshape(T, self.nh * self.hd)), self.tp)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
-        self.activation = cfg.activation
+        self.activation, self.tp = cfg.activation, tp
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(act_mul(self.gate_up_proj(x), self.activation))
+        return _reduce(self.down_proj(act_mul(self.gate_up_proj(x), self.activation)), self.tp)
 
 
 class MoE(nn.Module):
@@ -127,8 +135,9 @@ class MoE(nn.Module):
     host synchronization, so decode steps can be CUDA graphs); elsewhere each expert runs once, on the
     tokens routed to it."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
+        self.tp = tp
         self.top_k, self.renorm = cfg.experts_per_token, cfg.norm_topk_prob
         self.weights_in_model_dtype = cfg.router_weights_in_model_dtype
         E, H, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -144,24 +153,24 @@ class MoE(nn.Module):
         if self.weights_in_model_dtype:
             weights = weights.to(x.dtype)
         if x.is_cuda and (kern := _kernels("moe")) is not None:
-            return kern.fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts, act_mul)
+            return _reduce(kern.fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts, act_mul), self.tp)
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             token, slot = torch.where(experts == e)
             h = F.linear(act_mul(F.linear(x[token], self.gate_up_proj[e])), self.down_proj[e])
             out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
-        return out
+        return _reduce(out, self.tp)
 
 
 class Block(nn.Module):
     """Norm, attention, add; norm, MLP, add (pre-norm, as Llama). The stream is residual + x."""
 
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg) if cfg.sparse_layers and cfg.sparse_layers[layer] else MLP(cfg)
+        self.mlp = MoE(cfg, tp) if cfg.sparse_layers and cfg.sparse_layers[layer] else MLP(cfg, tp)
 
     def forward(self, x, residual, rope, attn):
         if residual is None:
@@ -176,14 +185,14 @@ class Block(nn.Module):
 class SandwichBlock(nn.Module):
     """Gemma: norm, attention, norm, add; norm, MLP, norm, add. The stream is residual + x."""
 
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel | None = None):
         super().__init__()
         dim, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset
         self.input_layernorm = RMSNorm(dim, eps, offset)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(dim, eps, offset)
         self.pre_feedforward_layernorm = RMSNorm(dim, eps, offset)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
         self.post_feedforward_layernorm = RMSNorm(dim, eps, offset)
 
     def forward(self, x, residual, rope, attn):
@@ -199,11 +208,11 @@ class SandwichBlock(nn.Module):
 class PostNormBlock(nn.Module):
     """Attention, norm, add; MLP, norm, add (OLMo 2: the norms act on each branch's output)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel | None = None):
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, residual, rope, attn):
@@ -213,27 +222,31 @@ class PostNormBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The decoder. Under tensor parallelism (`tp`) `cfg` is one rank's shape (tensor_parallel.shard_config)
+    and the embedding and LM head hold this rank's slice of the vocabulary."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.cfg, self.tp = cfg, tp
+        vocab = tp.vocab_rows(cfg.vocab_size)[1] if tp is not None else cfg.vocab_size
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
         block = {"post": PostNormBlock, "sandwich": SandwichBlock}.get(cfg.norm_layout, Block)
-        self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(block(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab, bias=False)
         # RoPE frequencies of global layers and, where they differ, of sliding ones ("local"); not
         # buffers: .to(bf16) must not round them
         self._inv_freq: dict[tuple[torch.device, str], torch.Tensor] = {}
 
     @classmethod
-    def empty(cls, cfg: ModelConfig, device, dtype: torch.dtype) -> "Transformer":
+    def empty(cls, cfg: ModelConfig, device, dtype: torch.dtype, tp: TensorParallel | None = None) -> "Transformer":
         """Uninitialized parameters made on `device` in `dtype` at once (never a float32 copy first:
         a 30B model's float32 weights would not fit beside nothing on one GPU)."""
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device):
-                return cls(cfg)
+                return cls(cfg, tp)
         finally:
             torch.set_default_dtype(prev)
 
@@ -248,11 +261,22 @@ class Transformer(nn.Module):
             out[kind] = (freqs.cos().float(), freqs.sin().float())
         return out
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; under tensor parallelism each rank looks up the ids of its vocabulary slice
+        (zeros for the rest) and the ranks' rows are summed."""
+        if self.tp is None:
+            return self.embed_tokens(ids)
+        start, rows = self.tp.vocab_rows(self.cfg.vocab_size)
+        local = ids - start
+        outside = (local < 0) | (local >= rows)
+        x = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill(outside[:, None], 0)
+        return self.tp.all_reduce(x)
+
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Runs the batch's new tokens through the model; returns float32 logits at batch.logit_rows."""
         attn.plan(batch)
         rope = self._rope(batch.positions)
-        x, residual = self.embed_tokens(batch.input_ids), None
+        x, residual = self._embed(batch.input_ids), None
         if self.cfg.embed_scale != 1.0:            # Gemma: sqrt(hidden), rounded to the model dtype as HF does
             x = x * torch.tensor(self.cfg.embed_scale).to(x.dtype)
         for block in self.layers:
@@ -260,7 +284,10 @@ class Transformer(nn.Module):
         rows = batch.logit_rows                    # the LM head runs only where logits are wanted
         h, _ = self.norm(x[rows], cast(torch.Tensor, residual)[rows])     # set by the first layer
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(h, w).float()
+        logits = F.linear(h, w)
+        if self.tp is not None:                    # each rank's slice of the vocabulary, side by side
+            logits = self.tp.gather(logits, self.cfg.vocab_size)
+        logits = logits.float()
         if cap := self.cfg.final_softcap:
             logits = torch.tanh(logits / cap) * cap
         return logits

@@ -8,7 +8,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from lmbatch.model.config import ModelConfig
 from lmbatch.model.network import Transformer
+from lmbatch.model.tensor_parallel import shard_tensor
 
 # HF name suffix -> (our parameter suffix, index of the shard within a fused parameter, or None)
 _FUSED = {
@@ -70,13 +72,15 @@ def _checkpoint_tensors(path: Path):
 
 
 @torch.no_grad()
-def load_weights(model: Transformer, source) -> None:
+def load_weights(model: Transformer, source, full: ModelConfig | None = None) -> None:
     """Copy every tensor of a checkpoint folder (or of a HF state dict) into the model; fail if any
-    parameter is left unset."""
+    parameter is left unset. Under tensor parallelism (`model.tp`) each tensor's slice for this rank
+    is copied; `full` is then the unsplit config."""
     tensors = source.items() if isinstance(source, dict) else _checkpoint_tensors(Path(source))
     params = dict(model.named_parameters())
     pending = set(params)
-    for name, tensor in tensors:
+    tp = model.tp
+    for name, whole in tensors:
         ours = name.removeprefix("model.")
         if "rotary_emb" in ours or (ours == "lm_head.weight" and model.lm_head is None):
             continue
@@ -84,6 +88,7 @@ def load_weights(model: Transformer, source) -> None:
             ours = ours.replace(theirs, mine)
         if (slot := _expert_slot(model, ours)) is not None:
             key, expert, rows = slot
+            tensor = whole if tp is None else shard_tensor(key, whole, full or model.cfg, tp)
             params[key][expert, rows].copy_(tensor)
             pending.discard(key)
             continue
@@ -91,13 +96,14 @@ def load_weights(model: Transformer, source) -> None:
         for hf_sfx, (our_sfx, shard) in _FUSED.items():
             if module.endswith(hf_sfx):
                 key = module[: -len(hf_sfx)] + our_sfx + "." + kind
+                tensor = whole if tp is None else shard_tensor(key, whole, full or model.cfg, tp)
                 params[key][_fused_slice(model, our_sfx, shard)].copy_(tensor)
                 pending.discard(key)
                 break
         else:
             if ours not in params:
                 raise KeyError(f"checkpoint tensor {name} has no place in the model")
-            params[ours].copy_(tensor)
+            params[ours].copy_(whole if tp is None else shard_tensor(ours, whole, full or model.cfg, tp))
             pending.discard(ours)
     if pending:
         raise KeyError(f"checkpoint lacks: {', '.join(sorted(pending)[:5])}")

@@ -11,6 +11,7 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
+from conftest import make_tiny_with_tokenizer
 
 from lmbatch.runner import RunOptions, run
 
@@ -61,7 +62,8 @@ def test_two_workers_give_one_process_results(case, tmp_path, program_path):
         assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4), a["id"]
         assert a["prompt_tokens"] == b["prompt_tokens"]
     assert s2["accuracy"] == s1["accuracy"] and s2["metrics"] == s1["metrics"]
-    assert s1["data_parallel"] == {"workers": 1, "duplicated_tokens": 0, "optimal_hit_rate": s1["optimal_hit_rate"]}
+    assert s1["data_parallel"] == {"workers": 1, "tensor_parallel": 1, "duplicated_tokens": 0,
+                                   "optimal_hit_rate": s1["optimal_hit_rate"]}
     dp = s2["data_parallel"]
     assert dp["workers"] == 2 and dp["duplicated_tokens"] >= 0
     assert s2["tokens"]["prompt"] == s1["tokens"]["prompt"]
@@ -83,3 +85,28 @@ def test_bad_data_parallel_is_one_line(tmp_path):
         assert p.returncode == 2, p.stderr
         assert p.stderr.strip().splitlines() == [f"error: --data-parallel {bad}: use a number of workers (at least "
                                                  "1) or auto"], p.stderr
+
+
+def test_tensor_parallel_run_equals_one_process(tmp_path):
+    """`lmbatch run --tensor-parallel 2` (gloo on CPU) on a tiny model: MMLU's predictions and scores
+    as one process gives them, to float32 reduction order."""
+    model = make_tiny_with_tokenizer(tmp_path / "tiny", 2048)
+    dirs = [run(RunOptions(task="mmlu", shots=2, limit=2, subjects=["anatomy", "virology"], model=str(model),
+                           out=tmp_path, run_id=f"tp{t}", device="cpu", quiet=True, tensor_parallel=t))
+            for t in (1, 2)]
+    one, two = (pq.read_table(d / "instances.parquet").to_pylist() for d in dirs)
+    assert [(r["id"], r["prediction"]) for r in two] == [(r["id"], r["prediction"]) for r in one]
+    for a, b in zip(two, one):
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
+    summary = json.loads((dirs[1] / "summary.json").read_text())
+    assert summary["data_parallel"]["tensor_parallel"] == 2
+    assert summary["hit_rate"] == pytest.approx(summary["optimal_hit_rate"], abs=1e-12)
+
+
+def test_a_model_that_does_not_split_is_one_line(tmp_path):
+    p = subprocess.run([sys.executable, "-c", "from lmbatch.cli import main; main()", "run", "mmlu", "--limit", "1",
+                        "--out", str(tmp_path), "--tensor-parallel", "2", "--device", "cpu"],
+                       capture_output=True, text=True)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines() == ["error: --tensor-parallel 2: 2 ranks do not divide the model's "
+                                             "num_heads (9)"], p.stderr
