@@ -61,6 +61,8 @@ class RunOptions:
     data_parallel: str = _option("1", "Worker processes, each with its own copy of the model on its own device, "
                                       "each running whole subtrees of the radix tree: a number, or auto (every "
                                       "visible GPU; 1 on CPU).")
+    ray_address: str | None = _option(None, "Place the workers on this Ray cluster (host:port, or auto) instead of "
+                                            "local processes.")
     tensor_parallel: int = _option(1, "Devices (processes on CPU) each model is split over: attention heads, MLP "
                                       "and vocabulary slices. Workers times this must not exceed the GPUs.")
     schedule: str = _option("dfs", "dfs (radix-tree order), fcfs or random: the last two for ablations.")
@@ -202,7 +204,7 @@ class _Loader(threading.Thread):
             cfg = ModelConfig.from_dir(self.model_dir)
             kv = kv_tokens(self.o.kv_cache_tokens, cfg, device, dtype_name)
             batch = batch_tokens(self.o.max_tokens_per_batch, cfg, device, dtype_name)
-            self.workers = data_parallel_size(self.o.data_parallel, device, self.o.tensor_parallel)
+            self.workers = data_parallel_size(self.o.data_parallel, device, self.o.tensor_parallel, self.o.ray_address)
             engine = _build_engine(self.o, self.model_dir, device, dtype_name, self.encoder, kv, batch, self.workers)
             self.loaded = Loaded(engine, device, dtype_name, batch, kv, self.encoder.matches_hf())
         except BaseException as e:  # noqa: BLE001  re-raised on the main thread
@@ -226,14 +228,17 @@ class _Loader(threading.Thread):
         return ld
 
 
-def data_parallel_size(wanted: str, device: str, tp: int = 1) -> int:
-    """Workers of --data-parallel: auto is every visible GPU over --tensor-parallel (1 on CPU); on
-    CUDA each worker needs its own `tp` GPUs."""
+def data_parallel_size(wanted: str, device: str, tp: int = 1, ray_address: str | None = None) -> int:
+    """Workers of --data-parallel: auto is every visible GPU (of the Ray cluster, with `ray_address`)
+    over --tensor-parallel (1 on CPU); on CUDA each worker needs its own `tp` GPUs."""
     if device != "cuda":
         return 1 if wanted == "auto" else int(wanted)
-    import torch
-
-    visible = torch.cuda.device_count()
+    if ray_address is not None:
+        from lmbatch.engine.cluster import cluster_gpus
+        visible = cluster_gpus(ray_address)
+    else:
+        import torch
+        visible = torch.cuda.device_count()
     n = max(1, visible // tp) if wanted == "auto" else int(wanted)
     if n * tp > visible:
         what = f"--data-parallel {wanted}" + (f" x --tensor-parallel {tp}" if tp > 1 else "")
@@ -254,7 +259,7 @@ def _build_engine(o: RunOptions, model_dir: Path, device: str, dtype_name: str, 
 
     from lmbatch.engine import Engine, EngineOptions
 
-    if workers > 1 or o.tensor_parallel > 1:
+    if workers > 1 or o.tensor_parallel > 1 or o.ray_address is not None:
         from lmbatch.engine.parallel import ParallelEngine, WorkerSpec
         from lmbatch.model.config import ModelConfig
 
@@ -265,7 +270,8 @@ def _build_engine(o: RunOptions, model_dir: Path, device: str, dtype_name: str, 
                           jump_forward=o.jump_forward, vocab_size=cfg.vocab_size,
                           threads=max(1, (os.cpu_count() or 1) // procs) if device == "cpu" else None,
                           relay_s=min(1.0, o.checkpoint_s), tensor_parallel=tp)
-        return ParallelEngine(spec, workers, cfg, _gpus(procs) if device == "cuda" else None)
+        return ParallelEngine(spec, workers, cfg, _gpus(procs) if device == "cuda" and not o.ray_address else None,
+                              ray_address=o.ray_address)
 
     options = EngineOptions(kv_cache_tokens=kv_tokens, max_tokens_per_batch=batch_tokens, cache=not o.no_cache,
                             jump_forward=o.jump_forward)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
@@ -89,7 +90,8 @@ def _counts(stats: RunStats) -> TokenCounts:
 def _serve(rank: int, spec: WorkerSpec, conn: Connection, gpu: str | None, port: int) -> None:
     """A worker process (`rank` of its tensor-parallel group): build the engine, then run what the
     parent sends (rank 0 reads it and passes it to the other ranks) until it says close."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu          # before torch starts CUDA: this worker's device
     try:
@@ -177,30 +179,31 @@ class ParallelEngine:
     """`n` engines in worker processes, used as one (`run`, `match_lens`, `kv_slots`, `cfg`). Each
     engine is `spec.tensor_parallel` processes (a tensor-parallel group, one device each)."""
 
-    def __init__(self, spec: WorkerSpec, n: int, cfg: Any, gpus: Sequence[str] | None = None):
+    def __init__(self, spec: WorkerSpec, n: int, cfg: Any, gpus: Sequence[str] | None = None,
+                 ray_address: str | None = None):
+        """`gpus`: the CUDA_VISIBLE_DEVICES entry of each process (worker k's rank r: k * tp + r);
+        `ray_address`: place the processes on that Ray cluster instead (engine/cluster.py)."""
         self.cfg, self.spec, self.data_parallel, self.tensor_parallel = cfg, spec, n, spec.tensor_parallel
         self.home: dict[Hashable, int] = {}       # group -> the worker that ran its earlier calls
         self.duplicated_tokens = 0                 # computed by more than one worker, over all runs
         self.running = False
-        t = spec.tensor_parallel
-        ctx = mp.get_context("spawn")              # CUDA cannot be forked; a fresh interpreter each
-        self.conns: list[Connection] = []          # rank 0 of each worker: requests and results
-        self.side: list[Connection] = []           # the other ranks: only their errors
-        self.procs: list[Any] = []
-        self.names: dict[Any, str] = {}            # a connection or process sentinel -> whose
-        for k in range(n):
-            port = _free_port() if t > 1 else 0
-            for r in range(t):
-                parent, child = ctx.Pipe()
-                gpu = gpus[k * t + r] if gpus else None
-                p = ctx.Process(target=_serve, args=(r, spec, child, gpu, port), name=f"lmbatch-dp{k}-tp{r}",
-                                daemon=True)
-                p.start()
-                child.close()
-                (self.conns if r == 0 else self.side).append(parent)
-                self.procs.append(p)
-                name = f"data-parallel worker {k}" + (f" (tensor-parallel rank {r})" if t > 1 else "")
-                self.names[parent] = self.names[p.sentinel] = name
+        self.procs: list[Any] = []                 # local processes (none on Ray)
+        self.cluster: Any = None
+        if ray_address is not None:
+            from lmbatch.engine.cluster import RayWorkers
+            self.cluster = RayWorkers(ray_address, spec, n)
+            groups = self.cluster.groups
+        else:
+            groups, self.procs = _launch(spec, n, gpus)
+        self.conns = [g[0] for g in groups]               # rank 0 of each worker: requests and results
+        self.side = [c for g in groups for c in g[1:]]    # the other ranks: only their errors
+        self.names: dict[Any, str] = {}                   # a connection or process sentinel -> whose
+        for k, g in enumerate(groups):
+            for r, c in enumerate(g):
+                name = f"data-parallel worker {k}" + (f" (tensor-parallel rank {r})" if len(g) > 1 else "")
+                self.names[c] = name
+                if self.procs:
+                    self.names[self.procs[k * len(g) + r].sentinel] = name
         try:
             self.slots = [self._recv(c, "ready") for c in self.conns]
             for c in self.side:
@@ -229,7 +232,9 @@ class ParallelEngine:
         name = self.names[who]
         if msg is not None:
             raise (UserError if msg[1] else RuntimeError)(f"{name}: {msg[2]}")
-        proc = next(p for p in self.procs if self.names[p.sentinel] == name)
+        proc = next((p for p in self.procs if self.names[p.sentinel] == name), None)
+        if proc is None:
+            raise RuntimeError(f"{name} closed its connection (it exited)")
         proc.join(5)
         raise RuntimeError(f"{name} exited (code {proc.exitcode})")
 
@@ -304,6 +309,29 @@ class ParallelEngine:
             if p.is_alive():
                 p.terminate()
                 p.join(5)
+        if self.cluster is not None:
+            self.cluster.close(at_once=self.running)
+
+
+def _launch(spec: WorkerSpec, n: int, gpus: Sequence[str] | None) -> tuple[list[list[Connection]], list[Any]]:
+    """`n` workers of `spec.tensor_parallel` local processes: each one's connections (rank 0 first),
+    and the processes."""
+    t = spec.tensor_parallel
+    ctx = mp.get_context("spawn")              # CUDA cannot be forked; a fresh interpreter each
+    groups: list[list[Connection]] = []
+    procs = []
+    for k in range(n):
+        port = _free_port() if t > 1 else 0
+        groups.append([])
+        for r in range(t):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_serve, args=(r, spec, child, gpus[k * t + r] if gpus else None, port),
+                            name=f"lmbatch-dp{k}-tp{r}", daemon=True)
+            p.start()
+            child.close()
+            groups[-1].append(parent)
+            procs.append(p)
+    return groups, procs
 
 
 def _free_port() -> int:

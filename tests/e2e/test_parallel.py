@@ -6,8 +6,10 @@ on one worker."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -110,3 +112,44 @@ def test_a_model_that_does_not_split_is_one_line(tmp_path):
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip().splitlines() == ["error: --tensor-parallel 2: 2 ranks do not divide the model's "
                                              "num_heads (9)"], p.stderr
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """A Ray head on the loopback address, with room for two one-CPU workers; stopped after."""
+    ray = str(Path(sys.executable).parent / "ray")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    subprocess.run([ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
+                    "--num-gpus=0", "--include-dashboard=false", "--object-store-memory=100000000",
+                    "--disable-usage-stats"], check=True, capture_output=True)
+    yield f"127.0.0.1:{port}"
+    subprocess.run([ray, "stop", "--force"], capture_output=True)
+
+
+def test_two_workers_on_a_ray_cluster(tmp_path, program_path, ray_head):
+    """The same run with its two workers placed by Ray (each connects back to the driver): the
+    results of one local process."""
+    one, s1, _ = _run(tmp_path, "mmlu", 1, program_path)
+    d = run(RunOptions(**CASES["mmlu"], out=tmp_path, run_id="ray", device="cpu", quiet=True, data_parallel="2",
+                       ray_address=ray_head, checkpoint_s=1e-6, max_tokens_per_batch=256))
+    two = pq.read_table(d / "instances.parquet").to_pylist()
+    s2 = json.loads((d / "summary.json").read_text())
+    assert [(r["id"], r["prediction"]) for r in two] == [(r["id"], r["prediction"]) for r in one]
+    for a, b in zip(two, one):
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4)
+    assert s2["accuracy"] == s1["accuracy"] and s2["data_parallel"]["workers"] == 2
+    assert s2["hit_rate"] == pytest.approx(s2["data_parallel"]["optimal_hit_rate"], abs=1e-12)
+
+
+def test_no_ray_cluster_is_one_line(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.run([sys.executable, "-c", "from lmbatch.cli import main; main()", "run", "mmlu", "--limit", "1",
+                        "--out", str(tmp_path), "--data-parallel", "2", "--device", "cpu", "--quiet",
+                        "--ray-address", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith(f"error: --ray-address 127.0.0.1:{port}: no Ray cluster"), \
+        p.stderr
