@@ -36,7 +36,9 @@ INSTANCES: list[LMBatch] = []   # backends made in this process (lm-eval makes i
 @register_model("lmbatch")
 class LMBatch(TemplateLM):
     """`--model lmbatch --model_args pretrained=DIR,dtype=...,device=...` (plus lmbatch's own
-    `max_tokens_per_batch`, `kv_cache_tokens`, `schedule`)."""
+    `max_tokens_per_batch`, `kv_cache_tokens`, `schedule`, and `data_parallel`, `tensor_parallel`,
+    `ray_address` as `lmbatch run` has them: each call's batch is cut along whole subtrees, never
+    handed out round-robin)."""
 
     backend = "causal"
 
@@ -44,15 +46,15 @@ class LMBatch(TemplateLM):
                  max_length: int | None = None, add_bos_token: bool | None = None,
                  prefix_token_id: int | None = None, max_tokens_per_batch: int | None = None,
                  kv_cache_tokens: int | None = None, schedule: str = "dfs", batch_size: Any = None,
-                 max_batch_size: Any = None, **unused: Any):
+                 max_batch_size: Any = None, data_parallel: int | str = 1, tensor_parallel: int = 1,
+                 ray_address: str | None = None, **unused: Any):
         super().__init__()
         start = time.perf_counter()
         from transformers import AutoTokenizer
 
-        from lmbatch.engine import Engine, EngineOptions
         from lmbatch.model.checkpoint import resolve_model
         from lmbatch.model.config import ModelConfig
-        from lmbatch.runner import batch_tokens, kv_tokens, pick_device
+        from lmbatch.runner import batch_tokens, data_parallel_size, kv_tokens, make_engine, pick_device
 
         if batch_size not in (None, 1, "1") or max_batch_size is not None:
             log.info("lmbatch: batch_size/max_batch_size have no effect: each call's requests run as one batch, "
@@ -71,11 +73,9 @@ class LMBatch(TemplateLM):
         kv = kv_tokens(int(kv_cache_tokens) if kv_cache_tokens else None, cfg, dev, dtype_name)
         if kv_cache_tokens is None:
             kv = max(kv, self._max_length + 1 + batch)      # the longest request lm-eval can send, plus a batch
-        import torch
-
-        self.engine = Engine.from_pretrained(model_dir, EngineOptions(kv_cache_tokens=kv, max_tokens_per_batch=batch),
-                                             device=dev, dtype=getattr(torch, dtype_name), tokenizer=self.tokenizer)
-        self.engine.warm_up()
+        workers = data_parallel_size(str(data_parallel), dev, int(tensor_parallel), ray_address)
+        self.engine = make_engine(model_dir, dev, dtype_name, kv, batch, self.tokenizer, workers=workers,
+                                  tensor_parallel=int(tensor_parallel), ray_address=ray_address)
         self.stats = RunStats()     # every call's counts, for the run's report
         self.seconds: dict[str, float] = {"load": time.perf_counter() - start}
         INSTANCES.append(self)
@@ -166,7 +166,8 @@ class LMBatch(TemplateLM):
                 "tokens": {"prompt": st.prompt_tokens, "cached": st.cached_tokens, "computed": st.computed_tokens,
                            "unique": st.unique_tokens, "decode": st.decode_tokens},
                 "model": str(self.engine.cfg.model_type), "model_runtime": self.engine.cfg.runtime,
-                "device": str(self.engine.device), "time_s": dict(self.seconds)}
+                "device": str(self.engine.device), "data_parallel": self.engine.data_parallel,
+                "tensor_parallel": self.engine.tensor_parallel, "time_s": dict(self.seconds)}
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """`TemplateLM.loglikelihood`'s token ids (its `_encode_pair`: trailing spaces of the context

@@ -255,28 +255,36 @@ def _gpus(n: int) -> list[str]:
 
 def _build_engine(o: RunOptions, model_dir: Path, device: str, dtype_name: str, encoder, kv_tokens: int,
                   batch_tokens: int, workers: int = 1):
+    return make_engine(model_dir, device, dtype_name, kv_tokens, batch_tokens, encoder.hf, cache=not o.no_cache,
+                       jump_forward=o.jump_forward, workers=workers, tensor_parallel=o.tensor_parallel,
+                       ray_address=o.ray_address, relay_s=min(1.0, o.checkpoint_s))
+
+
+def make_engine(model_dir: Path, device: str, dtype_name: str, kv_tokens: int, batch_tokens: int, tokenizer, *,
+                cache: bool = True, jump_forward: bool = True, workers: int = 1, tensor_parallel: int = 1,
+                ray_address: str | None = None, relay_s: float = 1.0):
+    """An engine in this process, or `workers` of `tensor_parallel` processes each (ParallelEngine),
+    on this machine or placed by the Ray cluster at `ray_address`; warmed up."""
     import torch
 
     from lmbatch.engine import Engine, EngineOptions
 
-    if workers > 1 or o.tensor_parallel > 1 or o.ray_address is not None:
+    if workers > 1 or tensor_parallel > 1 or ray_address is not None:
         from lmbatch.engine.parallel import ParallelEngine, WorkerSpec
         from lmbatch.model.config import ModelConfig
 
         cfg = ModelConfig.from_dir(model_dir)
-        tp = o.tensor_parallel      # the model splits so (checked in _run)
-        procs = workers * tp
-        spec = WorkerSpec(str(model_dir), device, dtype_name, kv_tokens, batch_tokens, cache=not o.no_cache,
-                          jump_forward=o.jump_forward, vocab_size=cfg.vocab_size,
+        procs = workers * tensor_parallel
+        spec = WorkerSpec(str(model_dir), device, dtype_name, kv_tokens, batch_tokens, cache=cache,
+                          jump_forward=jump_forward, vocab_size=cfg.vocab_size,
                           threads=max(1, (os.cpu_count() or 1) // procs) if device == "cpu" else None,
-                          relay_s=min(1.0, o.checkpoint_s), tensor_parallel=tp)
-        return ParallelEngine(spec, workers, cfg, _gpus(procs) if device == "cuda" and not o.ray_address else None,
-                              ray_address=o.ray_address)
-
-    options = EngineOptions(kv_cache_tokens=kv_tokens, max_tokens_per_batch=batch_tokens, cache=not o.no_cache,
-                            jump_forward=o.jump_forward)
+                          relay_s=relay_s, tensor_parallel=tensor_parallel)
+        return ParallelEngine(spec, workers, cfg, _gpus(procs) if device == "cuda" and not ray_address else None,
+                              ray_address=ray_address)
+    options = EngineOptions(kv_cache_tokens=kv_tokens, max_tokens_per_batch=batch_tokens, cache=cache,
+                            jump_forward=jump_forward)
     engine = Engine.from_pretrained(model_dir, options, device=device, dtype=getattr(torch, dtype_name),
-                                    tokenizer=encoder.hf)
+                                    tokenizer=tokenizer)
     engine.warm_up()
     return engine
 

@@ -184,6 +184,7 @@ class ParallelEngine:
         """`gpus`: the CUDA_VISIBLE_DEVICES entry of each process (worker k's rank r: k * tp + r);
         `ray_address`: place the processes on that Ray cluster instead (engine/cluster.py)."""
         self.cfg, self.spec, self.data_parallel, self.tensor_parallel = cfg, spec, n, spec.tensor_parallel
+        self.device = spec.device
         self.home: dict[Hashable, int] = {}       # group -> the worker that ran its earlier calls
         self.duplicated_tokens = 0                 # computed by more than one worker, over all runs
         self.running = False

@@ -90,3 +90,25 @@ def test_batched_tokenization_gives_lm_evals_ids(backends, monkeypatch):
         monkeypatch.undo()
     assert seen["batched"] == seen["one by one"] == seen["hf"]
     assert len(seen["batched"]) == len(pairs) and all(cont for _, _, cont in seen["batched"])
+
+
+def test_data_parallel_backend_matches_hf(backends):
+    """`data_parallel=2` in model_args: the batch's subtrees on two worker processes, lm-eval's
+    numbers unchanged (stop strings decoded in the workers, too)."""
+    _, theirs = backends
+    ours = LMBatch(pretrained=str(embedded_model_dir()), device="cpu", dtype="float32", max_length=MAX_LENGTH,
+                   data_parallel=2)
+    try:
+        got = ours.loglikelihood(_instances("loglikelihood", PAIRS))
+        want = theirs.loglikelihood(_instances("loglikelihood", PAIRS))
+        for (a, greedy_a), (b, greedy_b) in zip(got, want):
+            assert abs(a - b) < 1e-4, (a, b)
+            assert greedy_a == greedy_b
+        args = [(STEM, {"until": ["."], "max_gen_toks": 24, "do_sample": False}),
+                (STEM + " it", {"until": ["\n\n", "!"], "max_gen_toks": 12, "do_sample": False})]
+        gen = _instances("generate_until", args)
+        assert ours.generate_until(gen) == theirs.generate_until(gen)
+        report = ours.report()
+        assert report["data_parallel"] == 2 and report["tokens"]["prompt"] > 0
+    finally:
+        ours.engine.close()
