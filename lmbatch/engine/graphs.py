@@ -114,6 +114,7 @@ class DecodeGraphs:
         if total > len(self.kv_indices):  # shared prefixes counted per sequence: grow, recapture
             self.kv_indices = torch.full((2 * total,), self.scratch, dtype=torch.int32, device=self.ids.device)
             self.graphs.clear()
+            self.pool_handle = None     # the graphs' memory pool went with them: capturing into it asserts
             self.capture_all()
             return self._replay(tokens, positions, seqs)
         host = np.empty(3 * b + b + 1 + total, dtype=np.int64)

@@ -196,6 +196,21 @@ def test_decode_with_cuda_graphs_matches_eager(tiny_graphed, n):
     assert same >= n - max(1, n // 8)  # bf16: a GEMM of another row count may flip a near-tie
 
 
+def test_decode_graphs_recaptured_for_longer_rows(tmp_path):
+    """Rows whose KV (shared prefixes counted per row) outgrow the graphs' index buffer: the graphs
+    are captured again into a new memory pool (capturing into the freed one failed an allocator
+    assert in tot-gsm8k with a 64k-token pool), with the eager run's tokens."""
+    make_tiny_hf("llama", tmp_path, hidden_size=256, head_dim=64)
+    prompt = [5 + i % 50 for i in range(300)]
+    reqs = [GenerateRequest(prompt + [i], SamplingParams(max_new_tokens=8, ignore_eos=True)) for i in range(16)]
+    eager, _ = _engine(tmp_path, "triton", cuda_graphs=False, kv_cache_tokens=1024).generate(reqs)
+    eng = _engine(tmp_path, "triton", kv_cache_tokens=1024)
+    before = len(eng.graphs.kv_indices)
+    graphed, _ = eng.generate(reqs)
+    assert len(eng.graphs.kv_indices) > before, "the index buffer did not grow"
+    assert sum(a.token_ids == b.token_ids for a, b in zip(eager, graphed)) >= 14
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_jump_forward_rows_in_decode_graphs_match_eager(tmp_path, dtype):
     """Jump-forward tokens run as extra rows of the decode graphs (several rows of one sequence in
