@@ -128,7 +128,7 @@ class Interpreter:
 
     def execute(self, engine: Engine, wave_tokens: int | None = None) -> list[ProgramRun]:
         """Run waves until every program has finished."""
-        t0, tokenized = time.perf_counter(), self.tokenize_s
+        t0, tokenized, planned = time.perf_counter(), self.tokenize_s, self.stats.plan_s
         self.engine = engine
         self.wave_tokens = wave_tokens or engine.kv_slots * engine.data_parallel * 3 // 4
         self._save()                # programs that finished before any model work
@@ -139,7 +139,10 @@ class Interpreter:
                 run.complete = True
                 self._unsaved.append(run)
         self._save()
-        self.stats.execute_s = time.perf_counter() - t0 - self.stats.plan_s - (self.tokenize_s - tokenized)
+        # planning and tokenizing done in here are their own phases (the first wave's plan, made ahead
+        # while the model loaded, is not in here: subtracting it made a fast run's execute negative)
+        self.stats.execute_s = (time.perf_counter() - t0 - (self.stats.plan_s - planned)
+                                - (self.tokenize_s - tokenized))
         t1 = time.perf_counter()
         self.tally.finish()
         self.stats.plan_s += time.perf_counter() - t1

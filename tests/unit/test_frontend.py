@@ -2,6 +2,7 @@
 results equal the engine's, forks compute their shared prefix once, waves change no result, the
 post-hoc optimum is exact, and user program files run from the CLI."""
 import json
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -227,8 +228,11 @@ def test_a_first_wave_of_selects_planned_ahead_runs_that_plan(tiny_tok, monkeypa
     interp.start(program, [Instance(str(k), x) for k, x in enumerate(inputs)])
     interp.plan_ahead()
     assert calls == {"interpreter": 1, "engine": 0}
+    interp.stats.plan_s += 100.0        # as if planning ahead had taken longer than the execution
+    t = time.perf_counter()
     interp.execute(Engine.from_pretrained(tiny_tok, tokenizer=tok))
     assert calls == {"interpreter": 1, "engine": 1}, "the second wave is planned by the engine"
+    assert 0 < interp.stats.execute_s < time.perf_counter() - t     # the plan made ahead is not in here
     assert [r.state.variables() for r in interp.runs] == [r.state.variables() for r in plain.runs]
     assert [(r.state.meta("a"), r.state.meta("b")) for r in interp.runs] == \
         [(r.state.meta("a"), r.state.meta("b")) for r in plain.runs]
