@@ -696,11 +696,13 @@ def _summary(o: RunOptions, w: Workload, run_id: str, model_dir: Path, device: s
 
 
 def _data_parallel(engine, stats) -> dict[str, Any]:
-    """Workers and the devices each spans, and the tokens more than one worker computed (the
-    prefixes their parts share): the best hit rate they reach together is the optimum less that share."""
-    dup = getattr(engine, "duplicated_tokens", 0)
-    return {"workers": engine.data_parallel, "tensor_parallel": engine.tensor_parallel, "duplicated_tokens": dup,
-            "optimal_hit_rate": stats.optimal_hit_rate - (dup / stats.prompt_tokens if stats.prompt_tokens else 0.0)}
+    """Workers and the devices each spans; the fewest tokens they had to compute between them (each
+    its own parts' optimum) and how many of those more than one worker computed (the prefixes their
+    parts share): the best hit rate they reach together."""
+    unique = engine.optimal_unique_tokens() if hasattr(engine, "optimal_unique_tokens") else stats.unique_tokens
+    return {"workers": engine.data_parallel, "tensor_parallel": engine.tensor_parallel,
+            "duplicated_tokens": unique - stats.unique_tokens,
+            "optimal_hit_rate": 1 - unique / stats.prompt_tokens if stats.prompt_tokens else 0.0}
 
 
 def _throughput(stats, programs: int) -> dict[str, float]:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
 from lmbatch.errors import UserError
 from lmbatch.requests import GenerateRequest, GenerateResult, RunStats, ScoreRequest, ScoreResult, TokenCounts
 from lmbatch.scheduler.partition import partition
+from lmbatch.scheduler.planner import posthoc_unique
 
 if TYPE_CHECKING:
     from lmbatch.engine.engine import Handover
@@ -186,8 +187,9 @@ class ParallelEngine:
         self.cfg, self.spec, self.data_parallel, self.tensor_parallel = cfg, spec, n, spec.tensor_parallel
         self.device = spec.device
         self.home: dict[Hashable, int] = {}       # group -> the worker that ran its earlier calls
-        self.duplicated_tokens = 0                 # computed by more than one worker, over all runs
         self.running = False
+        self._prompts: list[list[list[int]]] = [[] for _ in range(n)]     # each worker's executed prompts
+        self._generated: list[list[tuple[list[int], int]]] = [[] for _ in range(n)]  # and generations
         self.procs: list[Any] = []                 # local processes (none on Ray)
         self.cluster: Any = None
         if ray_address is not None:
@@ -242,6 +244,12 @@ class ParallelEngine:
     def match_len(self, ids: list[int]) -> int:
         return self.match_lens([ids])[0]
 
+    def optimal_unique_tokens(self) -> int:
+        """The fewest prompt tokens the workers had to compute, each over what it executed in every
+        run so far (`planner.posthoc_unique` per worker: shared prefixes once per worker that needs
+        them, text a worker generated free): the data-parallel counterpart of the run's optimum."""
+        return sum(posthoc_unique(p, g) for p, g in zip(self._prompts, self._generated))
+
     def match_lens(self, seqs: list[list[int]]) -> list[int]:
         """Each sequence's longest cached prefix on any worker."""
         for c in self.conns:
@@ -260,7 +268,6 @@ class ParallelEngine:
         if groups is not None:
             for k, idx in enumerate(part.parts):
                 self.home.update((groups[i], k) for i in idx)
-        self.duplicated_tokens += part.duplicated_tokens
         for k, idx in enumerate(part.parts):
             if idx:
                 self.conns[k].send(("run", [_pack(requests[i]) for i in idx], schedule, seed))
@@ -272,6 +279,12 @@ class ParallelEngine:
         self._gather(gather, {k for k, idx in enumerate(part.parts) if idx})
         self.running = False
         gather.stats.plan_s, gather.stats.execute_s = t1 - t0, time.perf_counter() - t1
+        for k, executed in enumerate(gather.executed):
+            for j in executed:
+                prompt, r = requests[j].prompt, gather.results[j]
+                self._prompts[k].append(prompt)
+                if isinstance(r, GenerateResult):
+                    self._generated[k].append((prompt + r.token_ids[:-1], len(prompt)))
         return gather.results, gather.stats
 
     def _gather(self, gather: _Gather, busy: set[int]) -> None:
@@ -355,6 +368,7 @@ class _Gather:
         self.stats = RunStats(requests=len(requests))
         self.counts = [TokenCounts() for _ in parts]
         self.handed = bytearray(len(requests))
+        self.executed: list[list[int]] = [[] for _ in parts]     # each worker's executed requests
 
     def _merge(self, k: int, pairs: Sequence[tuple[int, Any]], members: dict[int, list[int]]) -> list[int]:
         idx, final = self.parts[k], []
@@ -364,6 +378,7 @@ class _Gather:
         for j, ms in members.items():
             self.stats.members[idx[j]] = [idx[m] for m in ms]
             self.stats.order.append(idx[j])
+            self.executed[k].append(idx[j])
         return final
 
     def _totals(self) -> None:
