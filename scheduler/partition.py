@@ -20,7 +20,7 @@ from typing import Hashable, NamedTuple, Sequence
 
 import numpy as np
 
-from lmbatch.scheduler.planner import sorted_lcps, summarize
+from lmbatch.scheduler.planner import sorted_lcps, summarize_sorted
 
 WINDOW = 1.0        # a cut may move up to this share of a part's target to find a shallower boundary
 
@@ -94,11 +94,24 @@ def partition(prompts: Sequence[Sequence[int]], n: int, groups: Sequence[Hashabl
             parts[part].extend(units[u])
     for p in parts:
         p.sort()
-    flags = list(mergeable) if mergeable is not None else None
-    whole = summarize(prompts, flags)
-    per = [summarize([prompts[i] for i in p], [flags[i] for i in p] if flags is not None else None).unique_tokens
-           for p in parts]
+    whole = summarize_sorted(prompts, order, lcps, mergeable)
+    rank = np.empty(count, dtype=np.int64)
+    rank[np.asarray(order, dtype=np.int64)] = np.arange(count)
+    per = []
+    for p in parts:         # each part's own tree, from the whole one's sorted order: no sort again
+        ranks = np.sort(rank[np.asarray(p, dtype=np.int64)])
+        per.append(summarize_sorted(prompts, [order[r] for r in ranks], _sub_lcps(lcps, ranks), mergeable).unique_tokens
+                   if len(p) else 0)
     return Partition(parts, whole.unique_tokens, per, whole.prompt_tokens)
+
+
+def _sub_lcps(lcps: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """Adjacent common prefixes of the sorted prompts at `ranks` (ascending) of the whole sorted
+    order: two sorted prompts share the least of the adjacent common prefixes between them."""
+    out = np.zeros(len(ranks), dtype=np.int64)
+    if len(ranks) > 1:
+        out[1:] = np.minimum.reduceat(lcps[:ranks[-1] + 1], ranks[:-1] + 1)
+    return out
 
 
 def _cuts(cost: list[int], boundary: list[int], base: list[int]) -> list[tuple[int, int]]:

@@ -155,6 +155,13 @@ def summarize(prompts: Sequence[Sequence[int]], mergeable: Sequence[bool] | None
     prefixes in numpy: the tree's edges are each prompt's tokens past its common prefix with the
     prompt before it in sorted order (a DFS of the trie)."""
     order, lcps = sorted_lcps(prompts)
+    return summarize_sorted(prompts, order, lcps, mergeable, logit_rows)
+
+
+def summarize_sorted(prompts: Sequence[Sequence[int]], order: Sequence[int], lcps: np.ndarray,
+                     mergeable: Sequence[bool] | None = None, logit_rows: Sequence[int] | None = None) -> PlanSummary:
+    """`summarize` of the prompts `order` names (in sorted order; others are left out), given each
+    one's common prefix with the one before it (`sorted_lcps`)."""
     n = len(order)
     lens = np.fromiter((len(prompts[i]) for i in order), dtype=np.int64, count=n)
     flags = np.fromiter((bool(mergeable[i]) for i in order) if mergeable is not None else iter(()),
