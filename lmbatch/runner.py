@@ -262,7 +262,7 @@ def _build_engine(o: RunOptions, model_dir: Path, device: str, dtype_name: str, 
 
 def make_engine(model_dir: Path, device: str, dtype_name: str, kv_tokens: int, batch_tokens: int, tokenizer, *,
                 cache: bool = True, jump_forward: bool = True, workers: int = 1, tensor_parallel: int = 1,
-                ray_address: str | None = None, relay_s: float = 1.0):
+                ray_address: str | None = None, relay_s: float = 1.0, load_format: str = "auto"):
     """An engine in this process, or `workers` of `tensor_parallel` processes each (ParallelEngine),
     on this machine or placed by the Ray cluster at `ray_address`; warmed up."""
     import torch
@@ -278,13 +278,13 @@ def make_engine(model_dir: Path, device: str, dtype_name: str, kv_tokens: int, b
         spec = WorkerSpec(str(model_dir), device, dtype_name, kv_tokens, batch_tokens, cache=cache,
                           jump_forward=jump_forward, vocab_size=cfg.vocab_size,
                           threads=max(1, (os.cpu_count() or 1) // procs) if device == "cpu" else None,
-                          relay_s=relay_s, tensor_parallel=tensor_parallel)
+                          relay_s=relay_s, tensor_parallel=tensor_parallel, load_format=load_format)
         return ParallelEngine(spec, workers, cfg, _gpus(procs) if device == "cuda" and not ray_address else None,
                               ray_address=ray_address)
     options = EngineOptions(kv_cache_tokens=kv_tokens, max_tokens_per_batch=batch_tokens, cache=cache,
                             jump_forward=jump_forward)
     engine = Engine.from_pretrained(model_dir, options, device=device, dtype=getattr(torch, dtype_name),
-                                    tokenizer=tokenizer)
+                                    tokenizer=tokenizer, load_format=load_format)
     engine.warm_up()
     return engine
 
