@@ -1,4 +1,4 @@
-"""Constrained decoding over xgrammar: regex / JSON-schema grammars, one matcher per request.
+"""Constrained decoding over xgrammar: regex / JSON-schema / EBNF grammars, one matcher per request.
 
 A `GrammarCompiler` is built once per run and compiles each distinct constraint once; each generation
 request gets its own `Constraint`. Per decode step: `fill_mask` the request's row of a CPU bitmask,
@@ -103,33 +103,43 @@ class GrammarCompiler:
         self.never = frozenset(self.info.special_token_ids) - frozenset(self.info.stop_token_ids)
         self.utf8 = Utf8Tokens(self.info.decoded_vocab, self.vocab_size)
 
-    def compile(self, regex: str | None = None,
-                json_schema: str | dict[str, Any] | None = None) -> xgr.CompiledGrammar:
-        """The compiled grammar of exactly one of `regex`, `json_schema`; ValueError if invalid."""
-        if (regex is None) == (json_schema is None):
-            raise ValueError("give exactly one of regex, json_schema")
-        key = ("regex", regex) if regex is not None else ("json_schema", _schema_text(cast("str | dict", json_schema)))
+    def compile(self, regex: str | None = None, json_schema: str | dict[str, Any] | None = None,
+                ebnf: str | None = None) -> xgr.CompiledGrammar:
+        """The compiled grammar of exactly one of `regex`, `json_schema`, `ebnf` (xgrammar's EBNF
+        dialect, GBNF-like, rule `root` first); ValueError if invalid."""
+        kind, source = _one_of(regex, json_schema, ebnf)
+        key = (kind, _schema_text(source) if kind == "json_schema" else source)
         if self.cache and key in self._compiled:
             return self._compiled[key]
         try:
-            if regex is not None:
-                compiled = self._compiler.compile_regex(regex)
+            if kind == "regex":
+                compiled = self._compiler.compile_regex(source)
+            elif kind == "ebnf":
+                compiled = self._compiler.compile_grammar(source)
             else:
                 compiled = self._compiler.compile_json_schema(key[1], any_whitespace=False,
                                                               separators=self.separators)
         except RuntimeError as e:
-            what = f"regex {regex!r}" if regex is not None else "JSON schema"
+            what = {"regex": f"regex {regex!r}", "json_schema": "JSON schema", "ebnf": "EBNF grammar"}[kind]
             raise ValueError(f"invalid {what}: {_one_line(e)}") from None
         self.compiled_count += 1
         if self.cache:
             self._compiled[key] = compiled
         return compiled
 
-    def constraint(self, regex: str | None = None,
-                   json_schema: str | dict[str, Any] | None = None) -> Constraint:
-        c = Constraint(self.compile(regex, json_schema), self.never, self.utf8)
-        c.spec = ("regex", regex) if regex is not None else ("json_schema", json_schema)
+    def constraint(self, regex: str | None = None, json_schema: str | dict[str, Any] | None = None,
+                   ebnf: str | None = None) -> Constraint:
+        c = Constraint(self.compile(regex, json_schema, ebnf), self.never, self.utf8)
+        c.spec = _one_of(regex, json_schema, ebnf)
         return c
+
+
+def _one_of(regex: str | None, json_schema: str | dict[str, Any] | None, ebnf: str | None) -> tuple[str, Any]:
+    """(kind, source) of the one constraint given."""
+    given = [(k, v) for k, v in (("regex", regex), ("json_schema", json_schema), ("ebnf", ebnf)) if v is not None]
+    if len(given) != 1:
+        raise ValueError("give exactly one of regex, json_schema, ebnf")
+    return given[0]
 
 
 class Constraint:

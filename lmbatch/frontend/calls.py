@@ -65,7 +65,7 @@ class CallPreparer:
             if isinstance(p.op, Select):
                 selects.append(p)
                 continue
-            if p.op.regex is not None or p.op.json_schema is not None:
+            if p.op.constrained:
                 try:
                     self._constrain(p)
                 except ValueError as e:
@@ -96,7 +96,7 @@ class CallPreparer:
         if self.grammars is None:
             self.grammars = GrammarCompiler(self.encoder.hf, self.vocab_size, cache=self.grammar_cache)
         op = cast(Gen, p.op)       # only gen calls are constrained
-        c = self.grammars.constraint(op.regex, op.json_schema)
+        c = self.grammars.constraint(op.regex, op.json_schema, op.ebnf)
         forced = c.jump_forward() if self.jump_forward else ""
         if forced:
             c.accept_string(forced)

@@ -45,6 +45,11 @@ class Gen(_Plus):
     top_p: float = 1.0
     regex: str | None = None
     json_schema: str | None = None
+    ebnf: str | None = None
+
+    @property
+    def constrained(self) -> bool:
+        return self.regex is not None or self.json_schema is not None or self.ebnf is not None
 
 
 @dataclass(frozen=True)
@@ -67,15 +72,19 @@ def _items(x) -> list:
 
 
 def gen(name: str, max_tokens: int = 32, stop: str | list[str] | tuple[str, ...] = (), temperature: float = 0.0,
-        top_p: float = 1.0, regex: str | None = None, json_schema: str | dict | None = None) -> Gen:
-    """Generate text into `s[name]`; stops at EOS, at a stop string (cut from the text) or after max_tokens."""
+        top_p: float = 1.0, regex: str | None = None, json_schema: str | dict | None = None,
+        ebnf: str | None = None) -> Gen:
+    """Generate text into `s[name]`; stops at EOS, at a stop string (cut from the text) or after max_tokens.
+    At most one constraint: `regex`, `json_schema` or `ebnf` (a grammar in xgrammar's EBNF, rule `root`)."""
     if max_tokens < 1:
         raise ValueError(f"gen({name!r}): max_tokens must be at least 1")
+    if sum(c is not None for c in (regex, json_schema, ebnf)) > 1:
+        raise ValueError(f"gen({name!r}): give at most one of regex, json_schema, ebnf")
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if isinstance(json_schema, dict):
         import json
         json_schema = json.dumps(json_schema)   # key order kept: it is the order of the output
-    return Gen(name, max_tokens, stop, temperature, top_p, regex, json_schema)
+    return Gen(name, max_tokens, stop, temperature, top_p, regex, json_schema, ebnf)
 
 
 def select(name: str, choices: list[str] | tuple[str, ...]) -> Select:

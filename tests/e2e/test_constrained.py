@@ -134,6 +134,7 @@ def test_validator_rejects_what_the_schema_forbids():
 
 @pytest.mark.parametrize("constraint, needle", [
     ("regex='[a-'", "invalid regex"),
+    ("ebnf='root ::= number'", "invalid EBNF grammar"),
     ("json_schema={'type': 'object', 'properties': {'a': {'type': 'nosuchtype'}}}", "invalid JSON schema"),
 ])
 def test_invalid_constraints_fail_before_model_work(tiny_tok, tmp_path, constraint, needle):
@@ -161,3 +162,100 @@ def test_invalid_constraint_in_a_later_stage_fails_its_instances(tiny_tok, tmp_p
     assert r.exit_code == 0, r.output
     df = pd.read_parquet(tmp_path / "r" / "instances.parquet")
     assert len(df) == 2 and all("invalid regex" in e for e in df["error"]), df["error"].tolist()
+
+
+# xgrammar's EBNF: arithmetic over integers with parentheses (recursive: no regex says it), and one
+# line of CSV with quoted fields
+ARITH = """root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= factor (("*" | "/") factor)*
+factor ::= [0-9] [0-9]* | "(" expr ")"
+"""
+CSV = """root ::= field ("," field)* "\\n"
+field ::= [a-z0-9 ]* | "\\"" ([^"\\n] | "\\"\\"")* "\\""
+"""
+
+
+def _arith(text: str) -> bool:
+    """A recursive-descent parser of ARITH's language (the whole text)."""
+    pos = 0
+
+    def expr() -> bool:
+        nonlocal pos
+        if not term():
+            return False
+        while pos < len(text) and text[pos] in "+-":
+            pos += 1
+            if not term():
+                return False
+        return True
+
+    def term() -> bool:
+        nonlocal pos
+        if not factor():
+            return False
+        while pos < len(text) and text[pos] in "*/":
+            pos += 1
+            if not factor():
+                return False
+        return True
+
+    def factor() -> bool:
+        nonlocal pos
+        if pos < len(text) and text[pos].isdigit():
+            while pos < len(text) and text[pos].isdigit():
+                pos += 1
+            return True
+        if pos < len(text) and text[pos] == "(":
+            pos += 1
+            if not expr() or pos >= len(text) or text[pos] != ")":
+                return False
+            pos += 1
+            return True
+        return False
+
+    return expr() and pos == len(text)
+
+
+CSV_LINE = re.compile(r'(?:[a-z0-9 ]*|"(?:[^"\n]|"")*")(?:,(?:[a-z0-9 ]*|"(?:[^"\n]|"")*"))*\n')
+
+
+def ebnf_program(s, n):
+    s += f"Question {n}: compute something. Expression: "
+    s += gen("expr", max_tokens=40, ebnf=ARITH, temperature=0.9)
+    s += "\nA row of the table: "
+    s += gen("row", max_tokens=40, ebnf=CSV, temperature=0.9)
+    s += "\n"
+    s += gen("answer", max_tokens=12, ebnf='root ::= "The answer is " [0-9] [0-9]? "."')
+
+
+def _finish_arith(text: str) -> str:
+    """The shortest ending that makes a prefix of ARITH's language whole."""
+    return text + ("1" if not text or text[-1] in "+-*/(" else "") + ")" * (text.count("(") - text.count(")"))
+
+
+def _finish_csv(text: str) -> str:
+    return text + ('"' if text.count('"') % 2 else "") + "\n"
+
+
+def test_ebnf_outputs_parse_under_their_grammar(tiny_tok):
+    interp = run_programs(tiny_tok, ebnf_program, [{"n": k} for k in range(12)])
+    assert interp.grammars is not None and interp.grammars.compiled_count == 3     # once per distinct grammar
+    complete = cut = 0
+    for run in interp.runs:
+        s = run.state
+        assert run.error is None, run.error
+        for name, ok, finish in (("expr", _arith, _finish_arith), ("row", CSV_LINE.fullmatch, _finish_csv)):
+            if s.meta(name).get("incomplete"):       # cut by max_tokens, marked: a prefix of the language
+                cut += 1
+                assert not ok(s[name]) or name == "expr", (name, s[name])
+                assert ok(finish(s[name])), (name, s[name])
+            else:
+                complete += 1
+                assert ok(s[name]), (name, s[name])
+    assert complete >= 6 and cut >= 1
+    for run in interp.runs:        # forced text is jumped over, and the grammar ends the output
+        s = run.state
+        assert s.meta("answer")["forced"] == "The answer is " and re.fullmatch(r"The answer is \d\d?\.", s["answer"])
+    assert not _arith("1+(2*") and not _arith("(1)2") and CSV_LINE.fullmatch('a,"b""c",\n')
+    assert _arith(_finish_arith("(1+(2*")) and not CSV_LINE.fullmatch('a,"b')

@@ -104,7 +104,11 @@ def test_compile_is_cached_per_constraint(tok) -> None:
     (dict(regex="a{3,2}"), r"^invalid regex 'a\{3,2\}': .*Lower bound is larger than upper bound"),
     (dict(json_schema={"type": "strin"}), r'^invalid JSON schema: Unsupported type "strin"$'),
     (dict(json_schema="{not json"), r"^invalid JSON schema: Failed to parse JSON"),
-    (dict(), r"^give exactly one of regex, json_schema$"),
+    (dict(), r"^give exactly one of regex, json_schema, ebnf$"),
+    (dict(ebnf="root ::= expr"), r'^invalid EBNF grammar: EBNF parser error at line 1, column 10: Rule "expr" is '
+                                 r'not defined$'),
+    (dict(ebnf='root ::= "a" | '), r"^invalid EBNF grammar: EBNF parser error"),
+    (dict(regex="a", ebnf='root ::= "a"'), r"^give exactly one of"),
     (dict(regex="a", json_schema={"type": "string"}), r"^give exactly one of"),
 ])
 def test_invalid_constraint_is_one_line_value_error(gc, kwargs, message) -> None:
