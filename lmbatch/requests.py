@@ -16,6 +16,15 @@ class SamplingParams:
     seed: int = 0
     stop: tuple[str, ...] = ()      # stop strings (need the engine's tokenizer)
     ignore_eos: bool = False
+    # thinking first (empty: none): unconstrained tokens up to the end-of-thinking marker `think_end`
+    # (forced after `think_budget` tokens); then the constraint, stop strings and max_new_tokens apply
+    think_end: tuple[int, ...] = ()
+    think_budget: int = 0
+
+    @property
+    def most_tokens(self) -> int:
+        """The most tokens the output can take: thinking, its marker and the answer."""
+        return self.max_new_tokens + (self.think_budget + len(self.think_end) if self.think_end else 0)
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,8 @@ class GenerateResult(TokenCounts):
     steps: int = 0                  # forward passes that sampled its tokens (fewer with jump-forward)
     jumped_tokens: int = 0          # tokens appended by jump-forward, not decoded
     grammar_complete: bool | None = None   # constrained: the grammar matched to its end
+    think_tokens: int = 0           # leading tokens that are thinking and its end marker (text: the rest)
+    thinking: str | None = None     # the thinking's text, without its marker
 
 
 @dataclass

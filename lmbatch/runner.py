@@ -77,6 +77,8 @@ class RunOptions:
     truncate_left: bool = _option(False, "Drop the oldest tokens of prompts longer than the model's context.")
     save_token_ids: bool = _option(False, "Store each request's token ids in requests.parquet.")
     quiet: bool = _option(False, "No progress bar or closing line.")
+    think_budget: int | None = _option(None, "Thinking models: every gen first thinks, unconstrained, up to this many "
+                                             "tokens; its constraint applies after </think>.")
     jump_forward: bool = _option(True, "Decode grammar-forced text token by token (ablation).", "--no-jump-forward")
     dry_run: bool = _option(False, "Load, tokenize and plan only; print the plan's figures as JSON (no weights "
                                    "loaded, nothing written).")
@@ -114,6 +116,8 @@ def _check(o: RunOptions, w: Workload) -> None:
         raise UserError(f"--dtype {o.dtype}: use one of {', '.join(DTYPES)}")
     if o.max_tokens_per_batch is not None and o.max_tokens_per_batch < 1:
         raise UserError("--max-tokens-per-batch must be at least 1")
+    if o.think_budget is not None and o.think_budget < 0:
+        raise UserError("--think-budget must be at least 0")
     if not o.checkpoint_s > 0:
         raise UserError("--checkpoint-s must be more than 0")
     if o.kv_cache_tokens is not None and o.kv_cache_tokens < 1:
@@ -412,7 +416,8 @@ def _fingerprint(o: RunOptions, w: Workload, model_dir: Path) -> dict[str, Any]:
 
     fp: dict[str, Any] = {"task": w.name, "shots": o.shots, "limit": o.limit, "subjects": o.subjects, "seed": o.seed,
                           "truncate_left": o.truncate_left, "jump_forward": o.jump_forward,
-                          "save_token_ids": o.save_token_ids, "lmbatch_version": lmbatch.__version__,
+                          "save_token_ids": o.save_token_ids, "think_budget": o.think_budget,
+                          "lmbatch_version": lmbatch.__version__,
                           "model": model_identity(model_dir)}
     if o.task.endswith(".py"):
         fp["program"] = hashlib.sha256(Path(o.task).read_bytes()).hexdigest()
@@ -575,7 +580,7 @@ def _prepare(o: RunOptions, w: Workload, encoder, shape, clock: Phases, rundir=N
         # a context length of 0: the config names none (ALiBi models run through transformers, e.g. BLOOM)
         interp = Interpreter(encoder, max_len=shape.max_position_embeddings or 1 << 30, schedule=o.schedule,
                              seed=o.seed, truncate_left=o.truncate_left,
-                             vocab_size=shape.vocab_size, jump_forward=o.jump_forward)
+                             vocab_size=shape.vocab_size, jump_forward=o.jump_forward, think_budget=o.think_budget)
         interp.start(w.program, [instances[k] for k in numbers], numbers)   # first-stage calls, before model work
     clock.seconds["data"] -= interp.tokenize_s
     clock.add("tokenize", interp.tokenize_s)

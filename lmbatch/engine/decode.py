@@ -64,7 +64,8 @@ class Decode:
 
     def _new_run(self, q: Queued) -> Running:
         req = cast(GenerateRequest, self.state.requests[q.index])
-        return Running(q.index, q.node, q.slots, len(q.slots), req.params, req.constraint)
+        return Running(q.index, q.node, q.slots, len(q.slots), req.params, req.constraint,
+                       thinking=bool(req.params.think_end))
 
     # ---- steps -----------------------------------------------------------------------------------
     def run_all(self) -> None:
@@ -143,6 +144,7 @@ class Decode:
         res = cast(GenerateResult, self.state.results[r.index])
         res.token_ids, res.finish_reason, res.decode_tokens = r.out, r.finish, len(r.out)
         res.steps, res.jumped_tokens = r.steps, r.jumped
+        res.think_tokens, res.thinking = r.think_len, self.sampler.thinking(r)
         if r.constraint is not None:
             res.grammar_complete = r.constraint.is_terminated() or r.constraint.is_completed()
         res.text = self.sampler.text(r)

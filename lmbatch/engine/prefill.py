@@ -85,7 +85,7 @@ class Prefill:
     def _enqueue(self, i: int, req: GenerateRequest) -> None:
         """Hold the prompt's KV, promise its decode slots, and queue it for a decode row."""
         n = len(req.prompt)
-        reserve = max(req.params.max_new_tokens - 1, 0)
+        reserve = max(req.params.most_tokens - 1, 0)
         while True:
             slots, node, _ = self.kv.match(i, req.prompt)
             self.kv.lock(node)

@@ -52,7 +52,7 @@ class Sampler:
         unconstrained pick, and only the rejected ones fill a mask and pick again (a second round on
         the device)."""
         from lmbatch.grammar import accept_tokens
-        grammar = [k for k, r in enumerate(rows) if r.constraint is not None]
+        grammar = [k for k, r in enumerate(rows) if r.constraint is not None and not r.thinking]
         ahead = self._mask_ahead(rows, grammar, logits) if grammar else []
         tokens = sample(logits, [r.params for r in rows], [r.steps for r in rows])
         ok = accept_tokens(_constraints(rows, grammar), [tokens[k] for k in grammar])
@@ -118,14 +118,33 @@ class Sampler:
         p = r.params
         if not p.ignore_eos and token in self.cfg.eos_token_ids:
             r.finish = "eos"
+        elif r.thinking:
+            self._think(r)
         elif r.constraint is not None and token in r.constraint.stops and r.constraint.is_terminated():
             r.finish = "eos"                                            # the grammar's own stop token
-        elif p.stop and self.tokenizer is not None and any(s in self.tokenizer.decode(r.out) for s in p.stop):
+        elif p.stop and self.tokenizer is not None and any(s in self.tokenizer.decode(r.out[r.think_len:])
+                                                           for s in p.stop):
             r.finish = "stop"
-        elif len(r.out) >= p.max_new_tokens:
+        elif len(r.out) - r.think_len >= p.max_new_tokens:
             r.finish = "length"
         elif r.constraint is not None and self.jump_forward:
             self._jump(r)
+
+    def _think(self, r: Running) -> None:
+        """A thinking row's token: the thinking ends where its output ends with the end marker, or the
+        marker is appended once the thinking budget is spent; the answer (constrained) follows."""
+        end = r.params.think_end
+        if tuple(r.out[-len(end):]) == end:
+            r.think_start = len(r.out) - len(end)
+        elif len(r.out) >= r.params.think_budget:
+            r.think_start = len(r.out)
+            r.out += end            # fed with the next step, as jump-forward text is
+            r.jumped += len(end)
+        else:
+            return
+        r.thinking, r.think_len = False, len(r.out)
+        if r.constraint is not None and self.jump_forward:
+            self._jump(r)           # the text the grammar forces at its start
 
     def _jump(self, r: Running) -> None:
         """Append the text the grammar forces, retokenized at the boundary, without decoding it; and
@@ -135,13 +154,14 @@ class Sampler:
         if forced:          # most steps force nothing: checked before any other work, for every grammar row
             from lmbatch.grammar import retokenize_jump
 
-            new, n = retokenize_jump(self.tokenizer, c, r.out, forced, memo=self._retok_memo)
+            # the answer's tokens only: the boundary never reaches into the thinking or its marker
+            new, n = retokenize_jump(self.tokenizer, c, r.out[r.think_len:], forced, memo=self._retok_memo)
             if new or n:
                 r.fed = min(r.fed, len(r.out) - n)
                 r.out = r.out[:len(r.out) - n] + new
                 r.jumped += len(new)
-                if len(r.out) >= r.params.max_new_tokens:
-                    r.out, r.finish = r.out[:r.params.max_new_tokens], "length"
+                if len(r.out) - r.think_len >= r.params.max_new_tokens:
+                    r.out, r.finish = r.out[:r.think_len + r.params.max_new_tokens], "length"
                     return
         stop = c.forced_stop()
         if stop is not None and c.accept(stop):     # the stop token would be the only pick
@@ -150,13 +170,25 @@ class Sampler:
             r.finish = "eos"
 
     def text(self, r: Running) -> str | None:
-        """The output's text: without the stop token it ended on, cut before the stop string it ended at."""
+        """The output's text (the answer, after any thinking): without the stop token it ended on, cut
+        before the stop string it ended at."""
         if self.tokenizer is None:
             return None
-        text = self.tokenizer.decode(r.out[:-1] if r.finish == "eos" else r.out)
+        if r.thinking:              # ended before its thinking did: no answer
+            return ""
+        out = r.out[r.think_len:]
+        text = self.tokenizer.decode(out[:-1] if r.finish == "eos" and out else out)
         if r.finish == "stop":
             text = text[:min(text.find(s) for s in r.params.stop if s in text)]
         return text
+
+
+    def thinking(self, r: Running) -> str | None:
+        """The thinking's text, without its end marker (None: the request did not think)."""
+        if not r.params.think_end or self.tokenizer is None:
+            return None
+        out = r.out if r.thinking else r.out[:r.think_start]
+        return self.tokenizer.decode(out[:-1] if r.thinking and r.finish == "eos" else out)
 
 
 def _device_busy(logits: torch.Tensor) -> Callable[[], bool] | None:

@@ -58,6 +58,9 @@ class Running:
     jumped: int = 0                 # tokens appended by jump-forward
     rejected: bool = False          # its grammar rejected its last unconstrained pick
     finish: str = ""
+    thinking: bool = False          # in its thinking: no constraint, no stop strings yet
+    think_start: int = 0            # where the end-of-thinking marker begins in `out`
+    think_len: int = 0              # tokens of `out` before the answer (thinking and marker)
 
 
 class RunState:

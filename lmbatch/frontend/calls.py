@@ -3,6 +3,7 @@ its grammar compiled for a constrained gen), the engine requests it becomes, and
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 from lmbatch.errors import UserError
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     from lmbatch.grammar import GrammarCompiler  # imports xgrammar: loaded on the first constraint
 
 EngineRequest = ScoreRequest | GenerateRequest
+THINK_END = "</think>"      # the end-of-thinking marker of Qwen3, DeepSeek-R1 and most thinking models
 
 
 def gen_ids(p: Pending) -> list[int]:
@@ -35,7 +37,13 @@ def call_tokens(p: Pending) -> int:
     if isinstance(p.op, Select):
         ctx, conts = select_ids(p)
         return len(ctx) + max(len(c) for c in conts)
-    return len(gen_ids(p)) + p.op.max_tokens
+    return len(gen_ids(p)) + new_tokens(p)
+
+
+def new_tokens(p: Pending) -> int:
+    """The most tokens a gen can write: its thinking and marker, then max_tokens."""
+    op = cast(Gen, p.op)
+    return op.max_tokens + (op.think_budget + len(p.think_ids) if op.think else 0)
 
 
 class CallPreparer:
@@ -44,8 +52,10 @@ class CallPreparer:
     is off."""
 
     def __init__(self, encoder: TextEncoder, *, max_len: int, truncate_left: bool, vocab_size: int | None,
-                 jump_forward: bool, grammar_cache: bool):
+                 jump_forward: bool, grammar_cache: bool, think_budget: int | None = None):
+        """`think_budget`: every gen thinks first, up to that many tokens (a run's --think-budget)."""
         self.encoder, self.max_len, self.truncate_left = encoder, max_len, truncate_left
+        self.think_budget = think_budget
         self.vocab_size, self.jump_forward, self.grammar_cache = vocab_size, jump_forward, grammar_cache
         self.grammars: GrammarCompiler | None = None    # made on the first constraint
         self.truncated = 0              # selects whose context lost its oldest tokens
@@ -65,11 +75,15 @@ class CallPreparer:
             if isinstance(p.op, Select):
                 selects.append(p)
                 continue
-            if p.op.constrained:
-                try:
+            if self.think_budget is not None and not p.op.think:
+                p.op = replace(p.op, think=True, think_budget=self.think_budget)
+            try:
+                if p.op.think:
+                    p.think_ids = self._think_ids(p.op)
+                if p.op.constrained:
                     self._constrain(p)
-                except ValueError as e:
-                    p.bad = str(e)
+            except ValueError as e:
+                p.bad = str(e)
             gens.append(p)
         ids: dict[int, CallIds] = {}
         pairs = [(p.prompt, cast(Select, p.op).choices) for p in selects]
@@ -97,11 +111,28 @@ class CallPreparer:
             self.grammars = GrammarCompiler(self.encoder.hf, self.vocab_size, cache=self.grammar_cache)
         op = cast(Gen, p.op)       # only gen calls are constrained
         c = self.grammars.constraint(op.regex, op.json_schema, op.ebnf)
-        forced = c.jump_forward() if self.jump_forward else ""
+        # after thinking, the forced text comes after the marker (the engine jumps it there)
+        forced = c.jump_forward() if self.jump_forward and not op.think else ""
         if forced:
             c.accept_string(forced)
         p.constraint, p.forced = c, forced
         p.meta["forced"] = forced       # shown by s.meta(name), as it always was
+
+    def _think_ids(self, op: Gen) -> tuple[int, ...]:
+        """The end-of-thinking marker's ids: `think_end`, else `</think>` where the tokenizer has it
+        (a token of its own, or in its chat template)."""
+        hf = self.encoder.hf
+        text = op.think_end
+        if text is None:
+            template = getattr(hf, "chat_template", None) or ""
+            if THINK_END not in hf.get_vocab() and THINK_END not in str(template):
+                raise ValueError(f"think=True: the tokenizer has no {THINK_END} marker (no such token, not in its "
+                                 "chat template); pass think_end='...'")
+            text = THINK_END
+        ids = tuple(hf.encode(text, add_special_tokens=False))
+        if not ids:
+            raise ValueError("think_end is empty")
+        return ids
 
     def _check(self, p: Pending, ids: CallIds) -> CallIds:
         inst = p.owner.instance.id
@@ -118,8 +149,8 @@ class CallPreparer:
             return ctx, conts
         if not ids:
             raise UserError(f"instance {inst}: gen {p.op.name!r} has an empty prompt")
-        if len(ids) + p.op.max_tokens > self.max_len:
-            raise UserError(f"instance {inst}: gen {p.op.name!r} needs {len(ids)} prompt + {p.op.max_tokens} "
+        if len(ids) + new_tokens(p) > self.max_len:
+            raise UserError(f"instance {inst}: gen {p.op.name!r} needs {len(ids)} prompt + {new_tokens(p)} "
                             f"new tokens, more than the model's {self.max_len}-token context")
         return ids
 
@@ -137,7 +168,8 @@ def engine_requests(calls: list[Pending], seed: int) -> tuple[list[EngineRequest
         else:
             op = p.op
             call_seed = hash((seed, p.owner.number, p.seq)) & 0x7FFFFFFF   # the same when resumed
-            params = SamplingParams(op.max_tokens, op.temperature, op.top_p, call_seed, op.stop)
+            params = SamplingParams(op.max_tokens, op.temperature, op.top_p, call_seed, op.stop,
+                                    think_end=p.think_ids, think_budget=op.think_budget if op.think else 0)
             requests.append(GenerateRequest(gen_ids(p), params, p.constraint))
             owner.append(p)
     return requests, owner
@@ -159,5 +191,7 @@ def resolve(p: Pending, results: Sequence[Any]) -> None:
                       steps=r.steps, jumped_tokens=r.jumped_tokens)
         if r.grammar_complete is not None:     # a constrained gen cut short is marked, never accepted
             p.meta["incomplete"] = not r.grammar_complete
+        if r.thinking is not None:
+            p.meta.update(thinking=r.thinking, think_tokens=r.think_tokens)
     p.ids = None
     p.done = True

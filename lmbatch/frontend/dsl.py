@@ -46,6 +46,9 @@ class Gen(_Plus):
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    think: bool = False             # thinking first, unconstrained, up to think_budget tokens
+    think_budget: int = 1024
+    think_end: str | None = None    # the end-of-thinking marker's text (default: the tokenizer's "</think>")
 
     @property
     def constrained(self) -> bool:
@@ -73,18 +76,26 @@ def _items(x) -> list:
 
 def gen(name: str, max_tokens: int = 32, stop: str | list[str] | tuple[str, ...] = (), temperature: float = 0.0,
         top_p: float = 1.0, regex: str | None = None, json_schema: str | dict | None = None,
-        ebnf: str | None = None) -> Gen:
+        ebnf: str | None = None, think: bool = False, think_budget: int = 1024, think_end: str | None = None) -> Gen:
     """Generate text into `s[name]`; stops at EOS, at a stop string (cut from the text) or after max_tokens.
-    At most one constraint: `regex`, `json_schema` or `ebnf` (a grammar in xgrammar's EBNF, rule `root`)."""
+    At most one constraint: `regex`, `json_schema` or `ebnf` (a grammar in xgrammar's EBNF, rule `root`).
+
+    `think=True` (thinking models): the model first writes its thinking, unconstrained, until it
+    writes the end-of-thinking marker (`think_end`, default the tokenizer's `</think>`) or has written
+    `think_budget` tokens (then the marker is appended for it); the constraint, stop strings and
+    `max_tokens` apply to what follows. `s[name]` is that answer, `s.meta(name)["thinking"]` the
+    thinking's text."""
     if max_tokens < 1:
         raise ValueError(f"gen({name!r}): max_tokens must be at least 1")
+    if think_budget < 0:
+        raise ValueError(f"gen({name!r}): think_budget must be at least 0")
     if sum(c is not None for c in (regex, json_schema, ebnf)) > 1:
         raise ValueError(f"gen({name!r}): give at most one of regex, json_schema, ebnf")
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if isinstance(json_schema, dict):
         import json
         json_schema = json.dumps(json_schema)   # key order kept: it is the order of the output
-    return Gen(name, max_tokens, stop, temperature, top_p, regex, json_schema, ebnf)
+    return Gen(name, max_tokens, stop, temperature, top_p, regex, json_schema, ebnf, think, think_budget, think_end)
 
 
 def select(name: str, choices: list[str] | tuple[str, ...]) -> Select:
@@ -124,6 +135,7 @@ class Pending:
     bad: str | None = None          # why its constraint cannot compile
     constraint: Constraint | None = None    # its grammar's matcher (a constrained gen)
     forced: str = ""                # text its grammar forces at the start (jump-forward): joins the prompt
+    think_ids: tuple[int, ...] = () # a thinking gen's end-of-thinking marker
 
 
 class Runner(Protocol):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Callable, Sequence, cast
+from typing import Callable, Sequence
 
-from lmbatch.frontend.calls import gen_ids
+from lmbatch.frontend.calls import gen_ids, new_tokens
 from lmbatch.frontend.dsl import Gen, Pending, Select
 from lmbatch.frontend.runs import ProgramRun
 
@@ -50,7 +50,7 @@ def _admit(fresh: list[Pending], wave: list[Pending], runs: Sequence[ProgramRun]
     left: list[Pending] = []
     for p in fresh:
         if p.owner.index not in admitted:
-            cost = max(grown, len(gen_ids(p)) - matched[id(p)] + cast(Gen, p.op).max_tokens)
+            cost = max(grown, len(gen_ids(p)) - matched[id(p)] + new_tokens(p))
             if (wave or admitted) and live + cost > budget.wave_tokens:
                 left.append(p)
                 continue
