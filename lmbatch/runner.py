@@ -77,6 +77,12 @@ class RunOptions:
     truncate_left: bool = _option(False, "Drop the oldest tokens of prompts longer than the model's context.")
     save_token_ids: bool = _option(False, "Store each request's token ids in requests.parquet.")
     quiet: bool = _option(False, "No progress bar or closing line.")
+    apply_chat_template: bool = _option(False, "mmlu, hellaswag: render prompts through the model's chat template, "
+                                               "as lm-eval's --apply_chat_template does.")
+    system_instruction: str | None = _option(None, "mmlu, hellaswag: a system message before the prompt (lm-eval's "
+                                                   "--system_instruction).")
+    fewshot_as_multiturn: bool = _option(False, "With --apply-chat-template: each few-shot example as its own user and "
+                                                "assistant turns (lm-eval's --fewshot_as_multiturn).")
     think_budget: int | None = _option(None, "Thinking models: every gen first thinks, unconstrained, up to this many "
                                              "tokens; its constraint applies after </think>.")
     jump_forward: bool = _option(True, "Decode grammar-forced text token by token (ablation).", "--no-jump-forward")
@@ -116,6 +122,11 @@ def _check(o: RunOptions, w: Workload) -> None:
         raise UserError(f"--dtype {o.dtype}: use one of {', '.join(DTYPES)}")
     if o.max_tokens_per_batch is not None and o.max_tokens_per_batch < 1:
         raise UserError("--max-tokens-per-batch must be at least 1")
+    if (o.apply_chat_template or o.system_instruction is not None or o.fewshot_as_multiturn) and not w.chat:
+        raise UserError(f"--apply-chat-template, --system-instruction and --fewshot-as-multiturn apply to mmlu and "
+                        f"hellaswag, not {w.name} (a program renders its own messages with s.chat)")
+    if o.fewshot_as_multiturn and not o.apply_chat_template:
+        raise UserError("--fewshot-as-multiturn needs --apply-chat-template")
     if o.think_budget is not None and o.think_budget < 0:
         raise UserError("--think-budget must be at least 0")
     if not o.checkpoint_s > 0:
@@ -417,6 +428,8 @@ def _fingerprint(o: RunOptions, w: Workload, model_dir: Path) -> dict[str, Any]:
     fp: dict[str, Any] = {"task": w.name, "shots": o.shots, "limit": o.limit, "subjects": o.subjects, "seed": o.seed,
                           "truncate_left": o.truncate_left, "jump_forward": o.jump_forward,
                           "save_token_ids": o.save_token_ids, "think_budget": o.think_budget,
+                          "apply_chat_template": o.apply_chat_template, "system_instruction": o.system_instruction,
+                          "fewshot_as_multiturn": o.fewshot_as_multiturn,
                           "lmbatch_version": lmbatch.__version__,
                           "model": model_identity(model_dir)}
     if o.task.endswith(".py"):
@@ -567,10 +580,14 @@ def _complete(o: RunOptions, w: Workload, rundir, model_dir: Path, loaded: Loade
 def _prepare(o: RunOptions, w: Workload, encoder, shape, clock: Phases, rundir=None):
     """The task's instances and an interpreter holding the first-stage calls of every program to run
     (of a resumed run, those of the instances its parts do not hold yet), tokenized."""
+    from lmbatch.frontend.chat import ChatOptions, has_template
     from lmbatch.frontend.interpreter import Interpreter
 
     with clock("data"):
-        instances = w.instances(LoadArgs(encoder, o.shots, o.limit, o.subjects, o.seed))
+        chat = ChatOptions(o.apply_chat_template, o.system_instruction, o.fewshot_as_multiturn)
+        if chat.apply and not has_template(encoder.hf):
+            raise UserError("--apply-chat-template: the model's tokenizer has no chat template")
+        instances = w.instances(LoadArgs(encoder, o.shots, o.limit, o.subjects, o.seed, chat))
         if not instances:
             raise UserError(f"{w.name} has no instances to run")
         numbers = list(range(len(instances)))

@@ -12,6 +12,7 @@ from functools import lru_cache
 
 from lmbatch.data.hellaswag import HellaSwagDoc, all_docs, count_docs, load_docs
 from lmbatch.frontend import select
+from lmbatch.frontend.chat import ChatOptions, render
 from lmbatch.frontend.workload import Instance, LoadArgs, Workload
 
 TARGET_DELIMITER = " "
@@ -35,16 +36,23 @@ def _prefix(shots: int, seed: int, skip: int) -> str:
     return "".join(_shot_text(docs[i]) + FEWSHOT_DELIMITER for i in chosen)
 
 
-def build_context(doc: HellaSwagDoc, shots: int, seed: int = DEFAULT_SEED) -> str:
-    """lm-eval ``hellaswag`` context: ``shots`` validation examples (never ``doc`` itself), then the query."""
+def build_context(doc: HellaSwagDoc, shots: int, seed: int = DEFAULT_SEED, chat: ChatOptions = ChatOptions(),
+                  tokenizer=None) -> str:
+    """lm-eval ``hellaswag`` context: ``shots`` validation examples (never ``doc`` itself), then the query;
+    with `chat`, as lm-eval renders them (frontend/chat.py)."""
     pool = shot_indices(len(all_docs()), shots, seed)
     skip = doc.index if doc.index in pool else -1  # -1: every non-shot doc shares one cached prefix
-    return _prefix(shots, seed, skip) + doc.query
+    if not chat.apply and not chat.system_instruction:
+        return _prefix(shots, seed, skip) + doc.query
+    docs = all_docs()
+    examples = [(docs[i].query, docs[i].choices[docs[i].gold]) for i in pool if i != skip][:shots]
+    return render(getattr(tokenizer, "hf", tokenizer), chat, "", examples, doc.query)
 
 
-def continuations(doc: HellaSwagDoc) -> list[str]:
-    """The four continuations: target_delimiter " " + choice."""
-    return [TARGET_DELIMITER + c for c in doc.choices]
+def continuations(doc: HellaSwagDoc, chat: ChatOptions = ChatOptions()) -> list[str]:
+    """The four continuations: target_delimiter " " + choice (the choice alone after a chat template)."""
+    delimiter = TARGET_DELIMITER if chat.target_delimiter is None else chat.target_delimiter
+    return [delimiter + c for c in doc.choices]
 
 
 def lm_eval_acc_norm(logprobs: list[float], continuations: list[str]) -> int:
@@ -57,8 +65,9 @@ def lm_eval_acc_norm(logprobs: list[float], continuations: list[str]) -> int:
     """
     if len(logprobs) != len(continuations) or not logprobs:
         raise ValueError(f"need one logprob per continuation, got {len(logprobs)} and {len(continuations)}")
-    if not all(c.startswith(TARGET_DELIMITER) for c in continuations):
-        raise ValueError("continuations must start with the target delimiter ' ' (see continuations())")
+    if not all(c.startswith(TARGET_DELIMITER) for c in continuations) and any(c[:1].isspace() for c in continuations):
+        raise ValueError("continuations must all start with the target delimiter ' ' (see continuations()), or "
+                         "none (after a chat template)")
     scores = [lp / len(c.removeprefix(TARGET_DELIMITER)) for lp, c in zip(logprobs, continuations)]
     return scores.index(max(scores))
 
@@ -71,7 +80,8 @@ def program(s, context: str, choices: list[str]) -> None:
 
 
 def instances(args: LoadArgs) -> list[Instance]:
-    return [Instance(str(d.index), {"context": build_context(d, args.shots, args.seed), "choices": continuations(d)},
+    return [Instance(str(d.index), {"context": build_context(d, args.shots, args.seed, args.chat, args.tokenizer),
+                                    "choices": continuations(d, args.chat)},
                      gold=d.gold) for d in load_docs(args.limit)]
 
 
@@ -83,4 +93,5 @@ def score(inst: Instance, s) -> dict[str, float]:
 
 WORKLOAD = Workload("hellaswag", "HellaSwag, 10,042 validation questions; acc and acc_norm (lm-evaluation-harness "
                     "prompt); shots drawn once from validation, excluding the question", program, instances, score,
-                    max_shots=None, answer="answer", shot_pool=count_docs, shot_pool_name="HellaSwag validation docs")
+                    max_shots=None, answer="answer", shot_pool=count_docs, shot_pool_name="HellaSwag validation docs",
+                    chat=True)

@@ -7,6 +7,7 @@ from typing import Protocol
 
 from lmbatch.data.mmlu import MMLUQuestion, dev_shots, load_questions, subject_names
 from lmbatch.frontend import select
+from lmbatch.frontend.chat import ChatOptions, render
 from lmbatch.frontend.tokenize import choice_texts, split_choices
 from lmbatch.frontend.workload import Instance, LoadArgs, Workload
 
@@ -27,13 +28,21 @@ def doc_to_text(d: MMLUQuestion) -> str:
 @lru_cache(maxsize=None)
 def _prefix(subject: str, shots: int) -> str:
     pool = dev_shots(subject)
-    desc = f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
-    return desc + "".join(f"{doc_to_text(d)} {LETTERS[d.answer]}\n\n" for d in pool[:shots])
+    return _description(subject) + "".join(f"{doc_to_text(d)} {LETTERS[d.answer]}\n\n" for d in pool[:shots])
 
 
-def build_context(subject: str, shots: int, question: MMLUQuestion) -> str:
-    """lm-eval ``mmlu`` context: description, first ``shots`` dev examples (first_n), then the question."""
-    return _prefix(subject, shots) + doc_to_text(question)
+def _description(subject: str) -> str:
+    return f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
+
+
+def build_context(subject: str, shots: int, question: MMLUQuestion, chat: ChatOptions = ChatOptions(),
+                  tokenizer=None) -> str:
+    """lm-eval ``mmlu`` context: description, first ``shots`` dev examples (first_n), then the question;
+    with `chat`, as lm-eval renders them (system instruction, chat template: frontend/chat.py)."""
+    if not chat.apply and not chat.system_instruction:
+        return _prefix(subject, shots) + doc_to_text(question)
+    examples = [(doc_to_text(d), LETTERS[d.answer]) for d in dev_shots(subject)[:shots]]
+    return render(getattr(tokenizer, "hf", tokenizer), chat, _description(subject), examples, doc_to_text(question))
 
 
 def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -49,14 +58,17 @@ def encode_choices(tokenizer: Tokenizer, context: str, continuations) -> tuple[l
                          [tokenizer.encode(w, add_special_tokens=False) for w in wholes])
 
 
-def program(s, context: str) -> None:
-    """The MMLU program: the few-shot context, then a select over the four letters."""
+def program(s, context: str, choices: tuple[str, ...] = CONTINUATIONS) -> None:
+    """The MMLU program: the few-shot context, then a select over the four letters (after a chat
+    template's generation prompt: the letters alone, as lm-eval sends them)."""
     s += context
-    s += select("answer", CONTINUATIONS)
+    s += select("answer", choices)
 
 
 def instances(args: LoadArgs) -> list[Instance]:
-    return [Instance(f"{q.subject}/{q.index}", {"context": build_context(q.subject, args.shots, q)},
+    extra = {"choices": LETTERS} if args.chat.apply else {}
+    return [Instance(f"{q.subject}/{q.index}", {"context": build_context(q.subject, args.shots, q, args.chat,
+                                                                         args.tokenizer), **extra},
                      q.subject, q.answer)
             for q in load_questions(args.subjects, args.limit)]
 
@@ -67,4 +79,4 @@ def score(inst: Instance, s) -> dict[str, float]:
 
 WORKLOAD = Workload("mmlu", "MMLU, 57 subjects, 14,042 test questions; shots from each subject's dev split "
                     "(lm-evaluation-harness prompt)", program, instances, score, max_shots=5, answer="answer",
-                    subjects=subject_names)
+                    subjects=subject_names, chat=True)

@@ -143,6 +143,8 @@ class Runner(Protocol):
 
     def wait(self, pending: list[Pending]) -> None: ...
 
+    def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str: ...
+
 
 class State:
     """The prompt state of one program (or of one fork of it)."""
@@ -187,6 +189,13 @@ class State:
         value = self._vars[name]
         self._runner.wait([p for p in _pendings(value) if not p.done])
         return _resolve(value, lambda p: p.meta)
+
+    def chat(self, messages: list, add_generation_prompt: bool = True) -> str:
+        """`messages` ({"role": ..., "content": ...} dicts or (role, content) pairs) rendered through the
+        model's chat template, ending with the assistant's generation prompt: `s += s.chat([...])`.
+        Programs that put the same first turns first share them as a prefix, as any text."""
+        msgs = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
+        return self._runner.chat(msgs, add_generation_prompt)
 
     def variables(self) -> dict[str, Any]:
         """Every named value, results resolved (waits for them)."""

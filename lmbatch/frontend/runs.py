@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import greenlet
 
@@ -16,6 +16,7 @@ class CallQueue(Protocol):
     """Where a program's calls go (the `Interpreter`): its queue, and the greenlet that runs waves."""
     ready: list[Pending]
     hub: greenlet.greenlet
+    encoder: Any                    # a TextEncoder: its `hf` tokenizer renders chat messages
 
 
 @dataclass(eq=False)
@@ -45,6 +46,14 @@ class ProgramRun:
         self.calls.append(p)
         self.interp.ready.append(p)
         return p
+
+    def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        from lmbatch.frontend.chat import apply_template, has_template
+
+        hf = self.interp.encoder.hf
+        if not has_template(hf):
+            raise UserError(f"instance {self.instance.id}: s.chat: the model's tokenizer has no chat template")
+        return apply_template(hf, messages, add_generation_prompt)
 
     def wait(self, pending: list[Pending]) -> None:
         if not pending:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, cast
 
 from lmbatch.errors import UserError, first_line
+from lmbatch.frontend.chat import ChatOptions
 
 if TYPE_CHECKING:
     from importlib.abc import Loader
@@ -32,6 +33,7 @@ class LoadArgs:
     limit: int | None = None
     subjects: list[str] | None = None
     seed: int = 0
+    chat: ChatOptions = ChatOptions()   # chat template, system instruction (built-in tasks that take them)
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class Workload:
     # what those rows are; the runner checks --shots against them before any work
     shot_pool: Callable[[], int] | None = None
     shot_pool_name: str = ""
+    chat: bool = False              # takes --apply-chat-template, --system-instruction, --fewshot-as-multiturn
 
 
 RESERVED = ("id", "gold", "subject")
