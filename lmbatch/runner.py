@@ -85,6 +85,8 @@ class RunOptions:
                                                 "assistant turns (lm-eval's --fewshot_as_multiturn).")
     think_budget: int | None = _option(None, "Thinking models: every gen first thinks, unconstrained, up to this many "
                                              "tokens; its constraint applies after </think>.")
+    think_end: str | None = _option(None, "With --think-budget: the end-of-thinking marker (default: </think>, where "
+                                          "the tokenizer or its chat template has it).")
     jump_forward: bool = _option(True, "Decode grammar-forced text token by token (ablation).", "--no-jump-forward")
     dry_run: bool = _option(False, "Load, tokenize and plan only; print the plan's figures as JSON (no weights "
                                    "loaded, nothing written).")
@@ -127,6 +129,8 @@ def _check(o: RunOptions, w: Workload) -> None:
                         f"hellaswag, not {w.name} (a program renders its own messages with s.chat)")
     if o.fewshot_as_multiturn and not o.apply_chat_template:
         raise UserError("--fewshot-as-multiturn needs --apply-chat-template")
+    if o.think_end is not None and o.think_budget is None:
+        raise UserError("--think-end goes with --think-budget")
     if o.think_budget is not None and o.think_budget < 0:
         raise UserError("--think-budget must be at least 0")
     if not o.checkpoint_s > 0:
@@ -427,7 +431,7 @@ def _fingerprint(o: RunOptions, w: Workload, model_dir: Path) -> dict[str, Any]:
 
     fp: dict[str, Any] = {"task": w.name, "shots": o.shots, "limit": o.limit, "subjects": o.subjects, "seed": o.seed,
                           "truncate_left": o.truncate_left, "jump_forward": o.jump_forward,
-                          "save_token_ids": o.save_token_ids, "think_budget": o.think_budget,
+                          "save_token_ids": o.save_token_ids, "think_budget": o.think_budget, "think_end": o.think_end,
                           "apply_chat_template": o.apply_chat_template, "system_instruction": o.system_instruction,
                           "fewshot_as_multiturn": o.fewshot_as_multiturn,
                           "lmbatch_version": lmbatch.__version__,
@@ -597,7 +601,8 @@ def _prepare(o: RunOptions, w: Workload, encoder, shape, clock: Phases, rundir=N
         # a context length of 0: the config names none (ALiBi models run through transformers, e.g. BLOOM)
         interp = Interpreter(encoder, max_len=shape.max_position_embeddings or 1 << 30, schedule=o.schedule,
                              seed=o.seed, truncate_left=o.truncate_left,
-                             vocab_size=shape.vocab_size, jump_forward=o.jump_forward, think_budget=o.think_budget)
+                             vocab_size=shape.vocab_size, jump_forward=o.jump_forward, think_budget=o.think_budget,
+                             think_end=o.think_end)
         interp.start(w.program, [instances[k] for k in numbers], numbers)   # first-stage calls, before model work
     clock.seconds["data"] -= interp.tokenize_s
     clock.add("tokenize", interp.tokenize_s)
@@ -703,7 +708,8 @@ def _summary(o: RunOptions, w: Workload, run_id: str, model_dir: Path, device: s
         "metrics": {k: _mean(r["metrics"][k] for r in ok if k in r["metrics"]) for k in names},
         "accuracy_by_subject": {s: sum(v) / len(v) for s, v in sorted(by_subject.items())},
         "tokens": {"prompt": stats.prompt_tokens, "cached": stats.cached_tokens, "computed": stats.computed_tokens,
-                   "unique": stats.unique_tokens, "decode": stats.decode_tokens},
+                   "unique": stats.unique_tokens, "decode": stats.decode_tokens,
+                   "thinking": interp.tally.think_tokens},
         "hit_rate": stats.hit_rate,
         "optimal_hit_rate": stats.optimal_hit_rate,
         "prompt_tree_optimal_hit_rate": interp.prompt_tree_optimal_hit_rate,

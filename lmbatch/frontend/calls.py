@@ -52,10 +52,12 @@ class CallPreparer:
     is off."""
 
     def __init__(self, encoder: TextEncoder, *, max_len: int, truncate_left: bool, vocab_size: int | None,
-                 jump_forward: bool, grammar_cache: bool, think_budget: int | None = None):
-        """`think_budget`: every gen thinks first, up to that many tokens (a run's --think-budget)."""
+                 jump_forward: bool, grammar_cache: bool, think_budget: int | None = None,
+                 think_end: str | None = None):
+        """`think_budget`: every gen thinks first, up to that many tokens, until `think_end` (a run's
+        --think-budget, --think-end)."""
         self.encoder, self.max_len, self.truncate_left = encoder, max_len, truncate_left
-        self.think_budget = think_budget
+        self.think_budget, self.think_end = think_budget, think_end
         self.vocab_size, self.jump_forward, self.grammar_cache = vocab_size, jump_forward, grammar_cache
         self.grammars: GrammarCompiler | None = None    # made on the first constraint
         self.truncated = 0              # selects whose context lost its oldest tokens
@@ -76,7 +78,7 @@ class CallPreparer:
                 selects.append(p)
                 continue
             if self.think_budget is not None and not p.op.think:
-                p.op = replace(p.op, think=True, think_budget=self.think_budget)
+                p.op = replace(p.op, think=True, think_budget=self.think_budget, think_end=self.think_end)
             try:
                 if p.op.think:
                     p.think_ids = self._think_ids(p.op)

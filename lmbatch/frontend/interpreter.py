@@ -67,13 +67,13 @@ class Interpreter:
     def __init__(self, tokenizer: TextEncoder | Any, *, max_len: int, schedule: str = "dfs", seed: int = 0,
                  truncate_left: bool = False, progress: TokenProgress | None = None,
                  vocab_size: int | None = None, jump_forward: bool = True, grammar_cache: bool = True,
-                 think_budget: int | None = None):
+                 think_budget: int | None = None, think_end: str | None = None):
         # a TextEncoder, or a transformers fast tokenizer it is made from
         self.encoder = tokenizer if isinstance(tokenizer, TextEncoder) else TextEncoder.from_hf(tokenizer)
         self.max_len = max_len
         self.preparer = CallPreparer(self.encoder, max_len=max_len, truncate_left=truncate_left,
                                      vocab_size=vocab_size, jump_forward=jump_forward, grammar_cache=grammar_cache,
-                                     think_budget=think_budget)
+                                     think_budget=think_budget, think_end=think_end)
         self.schedule, self.seed, self.progress = schedule, seed, progress
         self.engine: Engine | None = None
         self._ahead: tuple[list[Pending], Plan] | None = None     # the first wave, planned ahead

@@ -28,6 +28,7 @@ class Tally:
         self.stats = RunStats()
         self.stages: dict[int, StageCounts] = {}
         self.requests_accounted = 0
+        self.think_tokens = 0           # of generated tokens, those of thinking and its end marker
         self.rows_by_run: dict[int, list[dict]] = {}   # one row per executed request, by ProgramRun.index
         self._first: dict[int, int] = {}                # id(call) -> its first engine request in the wave
         self.prompt_tree_optimal_hit_rate = 0.0
@@ -58,6 +59,7 @@ class Tally:
             self._prompts.append(prompt)
             if isinstance(r, GenerateResult) and isinstance(p.op, Gen):
                 self._generated.append((prompt + r.token_ids[:-1], len(prompt)))
+                self.think_tokens += r.think_tokens
             select = isinstance(p.op, Select)
             row = dict(
                 order=self.requests_accounted, wave=wave, instance_id=p.owner.instance.id, stage=p.stage,

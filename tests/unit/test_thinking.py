@@ -126,3 +126,4 @@ def test_run_level_think_budget_for_a_built_in_task(tiny_tok, tmp_path):
     assert summary["counts"]["instances"] == 3 and summary["counts"]["failed_instances"] == 0
     assert summary["tokens"]["decode"] >= 3 * (6 + marker)
     assert summary["options"]["think_budget"] == 6
+    assert summary["tokens"]["thinking"] == 3 * (6 + marker)
