@@ -217,7 +217,10 @@ class _Loader(threading.Thread):
     def run(self) -> None:
         t = time.perf_counter()
         try:
-            from lmbatch.model.config import ModelConfig
+            with lmbatch.IMPORT_LOCK:       # what both threads use of transformers, before the main one may
+                from transformers import AutoConfig, PreTrainedTokenizerBase  # noqa: F401
+
+                from lmbatch.model.config import ModelConfig
 
             device, dtype_name = pick_device(self.o.device, self.o.dtype)
             cfg = ModelConfig.from_dir(self.model_dir)

@@ -105,8 +105,11 @@ class CallPreparer:
     def _constrain(self, p: Pending) -> None:
         """Compile the call's grammar and give it its own matcher; with jump-forward, the text the
         grammar forces at the start joins the prompt."""
+        import lmbatch
+
         try:
-            from lmbatch.grammar import GrammarCompiler
+            with lmbatch.IMPORT_LOCK:       # xgrammar imports transformers, as the model's thread does
+                from lmbatch.grammar import GrammarCompiler
         except ImportError as e:
             raise ValueError(f"constrained gen needs xgrammar ({e}): pip install --no-deps xgrammar==0.2.8") from None
         if self.grammars is None:

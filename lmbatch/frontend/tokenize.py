@@ -154,8 +154,10 @@ class TextEncoder:
         check_tokenizer_files(model_dir)
 
         def load_hf() -> Any:
-            from transformers import AutoTokenizer
+            import lmbatch
 
+            with lmbatch.IMPORT_LOCK:       # see there: the model's thread imports transformers too
+                from transformers import AutoTokenizer
             return AutoTokenizer.from_pretrained(str(model_dir))
 
         cached = tokenizer_cache_file(model_dir)
