@@ -292,7 +292,8 @@ def make_engine(model_dir: Path, device: str, dtype_name: str, kv_tokens: int, b
     from lmbatch.engine import Engine, EngineOptions
 
     if workers > 1 or tensor_parallel > 1 or ray_address is not None:
-        from lmbatch.engine.parallel import ParallelEngine, WorkerSpec
+        from lmbatch.engine.parallel import ParallelEngine
+        from lmbatch.engine.worker import WorkerSpec
         from lmbatch.model.config import ModelConfig
 
         cfg = ModelConfig.from_dir(model_dir)

@@ -18,7 +18,7 @@ import time
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
-from lmbatch.engine.parallel import WorkerSpec, _serve
+from lmbatch.engine.worker import WorkerSpec, _serve
 from lmbatch.errors import UserError
 
 START_S = 600.0         # a cluster that cannot place or start every rank in this long is an error

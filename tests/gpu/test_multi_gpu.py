@@ -14,7 +14,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.gpu2]
 from conftest import make_tiny_hf, make_tiny_with_tokenizer, random_requests  # noqa: E402
 
 from lmbatch.engine import Engine, EngineOptions  # noqa: E402
-from lmbatch.engine.parallel import ParallelEngine, WorkerSpec  # noqa: E402
+from lmbatch.engine.parallel import ParallelEngine  # noqa: E402
+from lmbatch.engine.worker import WorkerSpec  # noqa: E402
 from lmbatch.model.config import ModelConfig  # noqa: E402
 from lmbatch.requests import GenerateRequest, SamplingParams  # noqa: E402
 from lmbatch.runner import RunOptions, run  # noqa: E402

@@ -11,7 +11,8 @@ import torch
 from conftest import make_tiny_hf, random_requests
 
 from lmbatch.engine import Engine, EngineOptions
-from lmbatch.engine.parallel import ParallelEngine, WorkerSpec
+from lmbatch.engine.parallel import ParallelEngine
+from lmbatch.engine.worker import WorkerSpec
 from lmbatch.model.config import ModelConfig
 from lmbatch.model.tensor_parallel import shard_config
 from lmbatch.requests import GenerateRequest, SamplingParams
