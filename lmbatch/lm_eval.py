@@ -140,6 +140,16 @@ class LMBatch(TemplateLM):
             else:
                 os.environ["TOKENIZERS_PARALLELISM"] = before
 
+    # ---- chat templates (--apply_chat_template), as lm-eval's HF backend renders them ------------
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.tokenizer.name_or_path).replace("/", "__")
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        from lmbatch.frontend.chat import apply_template
+
+        return apply_template(self.tokenizer, chat_history, add_generation_prompt)
+
     def tok_decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 

@@ -112,3 +112,21 @@ def test_lm_evals_own_models_still_load(task_dir, tmp_path):
                           "--output_path", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert list((tmp_path / "out").rglob("results_*.json"))
+
+
+def test_chat_template_options_match_lm_evals_hf_backend(task_dir):
+    """--apply_chat_template with --fewshot_as_multiturn and --system_instruction: lmbatch renders
+    through the same template (its apply_chat_template), so the requests and scores are the HF
+    backend's."""
+    path = str(embedded_model_dir())
+    kw = dict(tasks=["mmlu_offline_anatomy"], task_manager=TaskManager(include_path=str(task_dir)), limit=2,
+              num_fewshot=2, log_samples=True, apply_chat_template=True, fewshot_as_multiturn=True,
+              system_instruction="Answer with one letter.", random_seed=0, numpy_random_seed=0,
+              torch_random_seed=0, fewshot_random_seed=0)
+    ours = lm_eval.simple_evaluate(model=LMBatch(pretrained=path, device="cpu", dtype="float32"), **kw)
+    theirs = lm_eval.simple_evaluate(model=HFLM(pretrained=path, device="cpu", dtype="float32", batch_size=4), **kw)
+    task = "mmlu_offline_anatomy"
+    for sa, sb in zip(ours["samples"][task], theirs["samples"][task]):
+        assert sa["arguments"] == sb["arguments"] and "<|im_start|>system" in sa["arguments"][0][0]
+        for (lp_a, _), (lp_b, _) in ((r[0], s[0]) for r, s in zip(sa["resps"], sb["resps"])):
+            assert abs(float(lp_a) - float(lp_b)) < 1e-4
