@@ -107,8 +107,10 @@ def test_acc_norm_excludes_delimiter() -> None:
     # lengths 1 and 3: -1/1 < -2.6/3 picks 1; with the delimiter counted (2, 4) it would pick 0
     assert hellaswag.lm_eval_acc_norm([-1.0, -2.6], [" a", " abc"]) == 1
     assert hellaswag.lm_eval_acc_norm([-2.0, -4.0], [" ab", " abcd"]) == 0  # tie: first, as np.argmax
-    with pytest.raises(ValueError):
-        hellaswag.lm_eval_acc_norm([-1.0], ["a"])
+    # after a chat template the continuations have no delimiter: the same lengths
+    assert hellaswag.lm_eval_acc_norm([-1.0, -2.6], ["a", "abc"]) == 1
+    with pytest.raises(ValueError):             # some with the delimiter, some without
+        hellaswag.lm_eval_acc_norm([-1.0, -2.0], ["a", " abc"])
     with pytest.raises(ValueError):
         hellaswag.lm_eval_acc_norm([-1.0, -2.0], [" a"])
 
