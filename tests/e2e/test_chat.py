@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from lm_eval.tasks import TaskManager
@@ -30,18 +29,19 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def task_dir(tmp_path_factory) -> Path:
+def tasks(tmp_path_factory) -> TaskManager:
+    """lm-eval's task index over its own task YAMLs pointed at the packaged data (made once: seconds)."""
     d = tmp_path_factory.mktemp("tasks")
     write_offline_tasks(d)
-    return d
+    return TaskManager(include_path=str(d))
 
 
-def _lm_eval_requests(task_dir: Path, name: str, tok, opts: ChatOptions, shots: int, limit: int):
+def _lm_eval_requests(tasks: TaskManager, name: str, tok, opts: ChatOptions, shots: int, limit: int):
     """lm-eval's (context, continuation) pairs of each document, rendered by lm-eval itself."""
     def template(messages, add_generation_prompt=True):       # lm-eval's HFLM.apply_chat_template
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                        continue_final_message=not add_generation_prompt)
-    task = TaskManager(include_path=str(task_dir)).load([name])["tasks"][name]
+    task = tasks.load([name])["tasks"][name]
     task.set_config("num_fewshot", shots)
     task.set_fewshot_seed(1234)
     task.build_all_requests(limit=limit, system_instruction=opts.system_instruction,
@@ -54,8 +54,8 @@ def _lm_eval_requests(task_dir: Path, name: str, tok, opts: ChatOptions, shots: 
 
 
 @pytest.mark.parametrize("opts", OPTIONS)
-def test_mmlu_prompts_are_lm_evals(task_dir, tok, opts):
-    theirs = _lm_eval_requests(task_dir, "mmlu_offline_anatomy", tok, opts, shots=3, limit=3)
+def test_mmlu_prompts_are_lm_evals(tasks, tok, opts):
+    theirs = _lm_eval_requests(tasks, "mmlu_offline_anatomy", tok, opts, shots=3, limit=3)
     ours = mmlu.instances(LoadArgs(tok, 3, 3, ["anatomy"], chat=opts))
     assert len(ours) == len(theirs) == 3
     for inst, pairs in zip(ours, theirs):
@@ -66,11 +66,11 @@ def test_mmlu_prompts_are_lm_evals(task_dir, tok, opts):
         assert (opts.system_instruction or "") in ours[0].inputs["context"]
 
 
-def test_hellaswag_prompts_are_lm_evals(task_dir, tok):
+def test_hellaswag_prompts_are_lm_evals(tasks, tok):
     """HellaSwag's shots come from validation in lmbatch (its package has no train split) and from train
     in lm-eval: the prompt layout is compared on a 0-shot question."""
     for opts in OPTIONS[:2]:
-        theirs = _lm_eval_requests(task_dir, "hellaswag_offline", tok, opts, shots=0, limit=2)
+        theirs = _lm_eval_requests(tasks, "hellaswag_offline", tok, opts, shots=0, limit=2)
         ours = hellaswag.instances(LoadArgs(tok, 0, 2, chat=opts))
         for inst, pairs in zip(ours, theirs):
             assert [(inst.inputs["context"], c) for c in inst.inputs["choices"]] == [tuple(p) for p in pairs]
