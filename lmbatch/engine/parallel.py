@@ -7,10 +7,11 @@ the results come back in the order of the requests, as from one engine. Requests
 multi-stage program's calls) go to one worker: its later calls find their prefix in that worker's
 cache.
 
-Workers hand over their finished results every `relay_s` seconds (at most RELAY_S), so the caller's handover (the
-runner's result parts, and so a stop) and progress go on as with one engine. A worker that fails
-raises here, naming it. Workers ignore SIGINT: Ctrl-C in a terminal reaches the whole process
-group, and it is the parent that stops a run (`close` ends workers still running).
+Workers (`engine/worker.py`) hand over their finished results every `WorkerSpec.relay_s` seconds,
+so the caller's handover (the runner's result parts, and so a stop) and progress go on as with one
+engine. A worker that fails raises here, naming it. Workers ignore SIGINT: Ctrl-C in a terminal
+reaches the whole process group, and it is the parent that stops a run (`close` ends workers still
+running).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from lmbatch.scheduler.planner import posthoc_unique
 if TYPE_CHECKING:
     from lmbatch.engine.engine import Handover
     from lmbatch.scheduler.planner import Plan
+
 
 class ParallelEngine:
     """`n` engines in worker processes, used as one (`run`, `match_lens`, `kv_slots`, `cfg`). Each
