@@ -96,9 +96,6 @@ class ParallelEngine:
         proc.join(5)
         raise RuntimeError(f"{name} exited (code {proc.exitcode})")
 
-    def match_len(self, ids: list[int]) -> int:
-        return self.match_lens([ids])[0]
-
     def optimal_unique_tokens(self) -> int:
         """The fewest prompt tokens the workers had to compute, each over what it executed in every
         run so far (`planner.posthoc_unique` per worker: shared prefixes once per worker that needs
@@ -260,8 +257,7 @@ class _Gather:
         """Worker k's run ended: the rest of its results and its counters."""
         idx = self.parts[k]
         pairs = [(i, results[i]) for i in range(len(idx)) if not self.handed[idx[i]]]
-        done_before = {m for m in self.stats.members}
-        members = {j: st.members[j] for j in st.order if idx[j] not in done_before}
+        members = {j: st.members[j] for j in st.order if idx[j] not in self.stats.members}
         self._merge(k, pairs, members)
         self.counts[k] = _counts(st)
         self._totals()

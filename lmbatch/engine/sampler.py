@@ -182,7 +182,6 @@ class Sampler:
             text = text[:min(text.find(s) for s in r.params.stop if s in text)]
         return text
 
-
     def thinking(self, r: Running) -> str | None:
         """The thinking's text, without its end marker (None: the request did not think)."""
         if not r.params.think_end or self.tokenizer is None:

@@ -90,7 +90,7 @@ def _serve(rank: int, spec: WorkerSpec, conn: Connection, gpu: str | None, port:
         while True:
             msg = conn.recv() if rank == 0 else None
             if msg is not None and msg[0] == "match":       # each rank's cache is the same: rank 0 answers
-                conn.send(("match", [engine.match_len(ids) for ids in msg[1]]))
+                conn.send(("match", engine.match_lens(msg[1])))
                 continue
             if ctrl is not None:
                 msg = _broadcast(msg, ctrl)
