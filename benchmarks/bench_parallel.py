@@ -36,13 +36,15 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from lmbatch.baseline import first_selects
+    from lmbatch.engine.build import make_engine
+    from lmbatch.engine.options import EngineOptions, EngineSpec
     from lmbatch.frontend.workload import LoadArgs
     from lmbatch.model.checkpoint import embedded_model_dir
     from lmbatch.model.config import ModelConfig
     from lmbatch.programs import mmlu
     from lmbatch.requests import ScoreRequest
-    from lmbatch.runner import estimate_flops, make_engine
     from lmbatch.scheduler.planner import summarize
+    from lmbatch.summary import estimate_flops
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer or str(embedded_model_dir()))
     instances = first_selects(mmlu.program, mmlu.instances(LoadArgs(tok, args.shots, args.limit, None)), tok)
@@ -58,8 +60,10 @@ def main() -> None:
     for name in args.variants.split(","):
         dp = int(name[2:]) if name.startswith("dp") else 1
         tp = int(name[2:]) if name.startswith("tp") else 1
-        engine = make_engine(model_dir, "cuda", "bfloat16", args.kv_cache_tokens, args.max_tokens_per_batch, None,
-                             workers=dp, tensor_parallel=tp, load_format="dummy")
+        options = EngineOptions(kv_cache_tokens=args.kv_cache_tokens, max_tokens_per_batch=args.max_tokens_per_batch,
+                                attention="triton")
+        engine = make_engine(EngineSpec(str(model_dir), "cuda", "bfloat16", options, data_parallel=dp,
+                                        tensor_parallel=tp, load_format="dummy", graphs_ahead=False))
         try:
             engine.run(reqs[:256])              # warm-up: kernels, allocator, a cached prefix or two
             t = time.perf_counter()

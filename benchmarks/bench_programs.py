@@ -52,22 +52,22 @@ def _phases(lmbatch, name, instances) -> None:
     clock = time.perf_counter
     acc: dict[str, float] = {}
     marks: dict[str, float] = {}
-    run, decode_all, step, execute = Engine.run, Decode.run_all, Decode.step, Interpreter.execute
+    stream, decode_all, step, execute = Engine.stream, Decode.run_all, Decode.step, Interpreter.execute
 
     def add(key, dt):
         acc[key] = acc.get(key, 0.0) + dt
 
-    def t_run(self, *a, **k):
+    def t_stream(self, *a, **k):        # generators: the time between their first and last step
         marks["run"] = clock()
         try:
-            return run(self, *a, **k)
+            yield from stream(self, *a, **k)
         finally:
             add("engine", clock() - marks["run"])
 
     def t_decode_all(self):
         t = clock()
         add("prefill", t - marks["run"])
-        decode_all(self)
+        yield from decode_all(self)
         add("decode", clock() - t)
 
     def t_step(self):
@@ -88,7 +88,7 @@ def _phases(lmbatch, name, instances) -> None:
         picked = sample_rows(self, rows, logits)
         add("first_tokens" if rows[0].steps == 1 else "sampling", clock() - t)
         return picked
-    patched = [(Engine, "run", t_run), (Decode, "run_all", t_decode_all), (Decode, "step", t_step),
+    patched = [(Engine, "stream", t_stream), (Decode, "run_all", t_decode_all), (Decode, "step", t_step),
                (Interpreter, "execute", _timed(acc, "execute", execute)), (Sampler, "pick", t_sample)]
     patched += [(o, a, _timed(acc, a, getattr(o, a))) for o, a in
                 [(Decode, "_release"), (Sampler, "_jump"), (ModelRunner, "decode"), (Decode, "admit"),
@@ -201,6 +201,7 @@ def main() -> None:
 
     from lmbatch.baseline import first_selects, score_pairs
     from lmbatch.engine import Engine
+    from lmbatch.frontend.calls import CallOptions
     from lmbatch.frontend.interpreter import Interpreter
     from lmbatch.frontend.registry import get_workload
     from lmbatch.frontend.workload import LoadArgs
@@ -216,9 +217,9 @@ def main() -> None:
 
     def lmbatch(name: str, insts):
         jump = name != "nojump"
-        interp = Interpreter(tok, max_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
-                             schedule={"fcfs": "fcfs", "random": "random"}.get(name, "dfs"), jump_forward=jump,
-                             grammar_cache=name != "percall")
+        interp = Interpreter(tok, CallOptions(max_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
+                                              jump_forward=jump, grammar_cache=name != "percall"),
+                             schedule={"fcfs": "fcfs", "random": "random"}.get(name, "dfs"))
         t = time.perf_counter()
         interp.start(w.program, insts)              # first pass of every program: tokenizes stage 0
         t_start = time.perf_counter() - t

@@ -17,8 +17,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _extend_kernel(Q, K, V, O, kv_indices, qo_indptr, kv_indptr, scale, window,
-                   stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh,
+def _extend_kernel(Q, K, V, O, kv_indices, qo_indptr, kv_indptr,  # type: ignore[no-untyped-def]
+                   scale, window, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh,
                    SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     seq, head, mblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)

@@ -10,7 +10,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _add_rmsnorm_kernel(X, R, W, Y, N, eps, HAS_RES: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rmsnorm_kernel(X, R, W, Y, N, eps,  # type: ignore[no-untyped-def]
+                        HAS_RES: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -40,7 +41,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
 
 
 @triton.jit
-def _act_mul_kernel(GU, Y, I, GELU: tl.constexpr, BLOCK: tl.constexpr):
+def _act_mul_kernel(GU, Y, I, GELU: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < I
@@ -65,7 +66,8 @@ def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
 
 
 @triton.jit
-def _rope_kernel(Q, K, COS, SIN, stride_qt, stride_kt, NQ: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+def _rope_kernel(Q, K, COS, SIN, stride_qt, stride_kt,  # type: ignore[no-untyped-def]
+                 NQ: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK)

@@ -11,14 +11,16 @@ summed in float32 and rounded once.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _grouped_gemm_kernel(A, B, C, sorted_slots, block_expert, route_w, num_slots, N, K,
-                         stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+def _grouped_gemm_kernel(A, B, C, sorted_slots, block_expert, route_w,  # type: ignore[no-untyped-def]
+                         num_slots, N, K, stride_am, stride_be, stride_bn, stride_bk, stride_cm,
                          A_ROW_DIV: tl.constexpr, WEIGHTED: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """C[slot, n] = sum_k A[slot // A_ROW_DIV, k] * B[expert, n, k] (times route_w[slot] if WEIGHTED)."""
@@ -70,7 +72,8 @@ def _sort_slots(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     return sorted_slots, block_expert
 
 
-def _gemm(a, b, c, sorted_slots, block_expert, route_w, num_slots, row_div, block_m):
+def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, sorted_slots: torch.Tensor, block_expert: torch.Tensor,
+          route_w: torch.Tensor | None, num_slots: int, row_div: int, block_m: int) -> None:
     E, N, K = b.shape
     grid = (block_expert.numel(), triton.cdiv(N, 64))
     _grouped_gemm_kernel[grid](a, b, c, sorted_slots, block_expert, route_w if route_w is not None else a,
@@ -80,7 +83,7 @@ def _gemm(a, b, c, sorted_slots, block_expert, route_w, num_slots, row_div, bloc
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-              experts: torch.Tensor, act_mul) -> torch.Tensor:
+              experts: torch.Tensor, act_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I]; weights/experts: [T, k] routing (weights float32
     or the model dtype). act_mul: [S, 2I] -> [S, I]. Returns [T, H] in x's dtype."""
     T, H = x.shape

@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from lmbatch.frontend.interpreter import Instance
 
 
 @dataclass
@@ -16,13 +22,14 @@ class ChoiceInstance:
     continuations: list[list[int]]
 
 
-def first_selects(program, instances, tokenizer, max_len: int = 1 << 30) -> list[ChoiceInstance]:
+def first_selects(program: Callable[..., None], instances: list[Instance], tokenizer: Any,
+                  max_len: int = 1 << 30) -> list[ChoiceInstance]:
     """The token ids of each instance's first select, exactly as lmbatch runs it (its first pass)."""
     from lmbatch.frontend import Select
-    from lmbatch.frontend.calls import select_ids
+    from lmbatch.frontend.calls import CallOptions, select_ids
     from lmbatch.frontend.interpreter import Interpreter
 
-    interp = Interpreter(tokenizer, max_len=max_len)
+    interp = Interpreter(tokenizer, CallOptions(max_len=max_len))
     interp.start(program, instances)
     first: dict[int, ChoiceInstance] = {}
     for p in interp.ready:
@@ -39,15 +46,15 @@ class BaselineRun:
     prompt_tokens: int
 
 
-def load_hf(path, device="cpu", dtype=torch.float32):
+def load_hf(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
+    model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
     return model.to(device).eval()
 
 
 @torch.inference_mode()
-def score_pairs(model, instances: list[ChoiceInstance], batch_tokens: int = 8192,
+def score_pairs(model: Any, instances: list[ChoiceInstance], batch_tokens: int = 8192,
                 full_logits: bool = True) -> BaselineRun:
     """lm-eval's loglikelihood for continuations of any length: each (context + continuation)[:-1]
     runs padded on the right; the continuation's tokens are scored at their positions. With
@@ -100,7 +107,7 @@ def score_pairs(model, instances: list[ChoiceInstance], batch_tokens: int = 8192
 
 
 @torch.inference_mode()
-def score_choices(model, instances: list[ChoiceInstance], batch_tokens: int = 8192) -> BaselineRun:
+def score_choices(model: Any, instances: list[ChoiceInstance], batch_tokens: int = 8192) -> BaselineRun:
     """Each instance's context once; logprob of each one-token choice at the last position."""
     assert all(len(c) == 1 for inst in instances for c in inst.continuations), "one-token choices only"
     device = next(model.parameters()).device

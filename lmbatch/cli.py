@@ -12,7 +12,7 @@ from typing import Any, List, Optional, Tuple, get_type_hints
 import typer
 
 from lmbatch.errors import Interrupted, UserError
-from lmbatch.runner import RunOptions
+from lmbatch.options import RunOptions
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Offline batch evaluation of LM programs, executed in DFS order over a radix tree.")
@@ -44,7 +44,7 @@ def _metavar(name: str, annotation: Any) -> str:
 
 
 def _run_parameters() -> list[inspect.Parameter]:
-    """`lmbatch run`'s parameters, one per `RunOptions` field (each option is declared once, in runner.py),
+    """`lmbatch run`'s parameters, one per `RunOptions` field (each option is declared once, in options.py),
     in field order. A bool is a single flag: typer would otherwise add a --no-... twin."""
     hints = get_type_hints(RunOptions)
     params = []
@@ -74,7 +74,7 @@ def _options(values: dict[str, Any]) -> RunOptions:
 
 def run(**values: Any) -> None:
     """Run a task's every instance through the engine; write results/<run_id>/."""
-    from lmbatch.runner import run as do_run
+    from lmbatch.run import run as do_run
 
     opts = _options(values)
     try:

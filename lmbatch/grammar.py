@@ -89,7 +89,7 @@ class GrammarCompiler:
     counts real compilations.
     """
 
-    def __init__(self, tokenizer, vocab_size: int | None = None, *, cache: bool = True,
+    def __init__(self, tokenizer: Any, vocab_size: int | None = None, *, cache: bool = True,
                  max_threads: int = 8, separators: tuple[str, str] = JSON_SEPARATORS):
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.vocab_size: int = self.info.vocab_size
@@ -293,14 +293,14 @@ def apply_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | No
             logits[torch.as_tensor(rows, device=logits.device), width:] = float("-inf")
 
 
-def _decode(tokenizer, ids: list[int]) -> str:
+def _decode(tokenizer: Any, ids: list[int]) -> str:
     fast = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: 4x less overhead per call
     if fast is not None:
         return fast.decode(ids, skip_special_tokens=False)
     return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def _encode(tokenizer, text: str) -> list[int]:
+def _encode(tokenizer: Any, text: str) -> list[int]:
     fast = getattr(tokenizer, "backend_tokenizer", None)
     if fast is not None:
         return fast.encode(text, add_special_tokens=False).ids
@@ -310,7 +310,8 @@ def _encode(tokenizer, text: str) -> list[int]:
 MEMO_ENTRIES = 1 << 16
 
 
-def _retokenized(tokenizer, tail: tuple[int, ...], forced: str, memo: dict | None) -> tuple[int, list[int]] | None:
+def _retokenized(tokenizer: Any, tail: tuple[int, ...], forced: str,
+                 memo: dict | None) -> tuple[int, list[int]] | None:
     """How `tail` + `forced` retokenize: (how many leading tokens of `tail` stay, the tokens after
     them), or None where the text does not round-trip. A pure function of the tokenizer, memoized in
     `memo` (a workload's jumps repeat a few boundaries: '"' before ',"country":"', and so on)."""
@@ -333,7 +334,7 @@ def _retokenized(tokenizer, tail: tuple[int, ...], forced: str, memo: dict | Non
     return res
 
 
-def retokenize_jump(tokenizer, constraint: Constraint, out_ids: list[int], forced: str,
+def retokenize_jump(tokenizer: Any, constraint: Constraint, out_ids: list[int], forced: str,
                     k: int = 2, memo: dict | None = None) -> tuple[list[int], int]:
     """Append the forced string to a request's generated tokens, retokenizing their last `k` tokens
     with it so the boundary merges as the tokenizer would ('"' then ',"' becomes '","').

@@ -20,13 +20,16 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import lm_eval.models  # noqa: F401  (lm-eval's own names first: it loads them only into an empty registry)
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from lmbatch.requests import GenerateRequest, RunStats, SamplingParams, ScoreRequest
+from lmbatch.requests import GenerateRequest, RunStats, SamplingParams, ScoreRequest, optimal_hit_rate
+
+if TYPE_CHECKING:
+    from lm_eval.api.instance import Instance
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_GEN_TOKS = 256      # lm-eval's HF backend's default
@@ -47,14 +50,15 @@ class LMBatch(TemplateLM):
                  prefix_token_id: int | None = None, max_tokens_per_batch: int | None = None,
                  kv_cache_tokens: int | None = None, schedule: str = "dfs", batch_size: Any = None,
                  max_batch_size: Any = None, data_parallel: int | str = 1, tensor_parallel: int = 1,
-                 ray_address: str | None = None, **unused: Any):
+                 ray_address: str | None = None, attention: str = "auto", **unused: Any):
         super().__init__()
         start = time.perf_counter()
         from transformers import AutoTokenizer
 
+        from lmbatch.engine.build import fit, fit_pool, make_engine
+        from lmbatch.engine.options import EngineOptions, EngineSpec
         from lmbatch.model.checkpoint import resolve_model
         from lmbatch.model.config import ModelConfig
-        from lmbatch.runner import batch_tokens, data_parallel_size, kv_tokens, make_engine, pick_device
 
         if batch_size not in (None, 1, "1") or max_batch_size is not None:
             log.info("lmbatch: batch_size/max_batch_size have no effect: each call's requests run as one batch, "
@@ -66,16 +70,18 @@ class LMBatch(TemplateLM):
         self.add_bos_token, self.custom_prefix_token_id = add_bos_token, prefix_token_id
         self._prefix_text = str(self.tokenizer.decode(self.prefix_token_id))
         self.schedule = schedule
-        dev, dtype_name = pick_device(str(device or "auto"), dtype if dtype not in (None, "auto") else None)
         cfg = ModelConfig.from_dir(model_dir)
         self._max_length = int(max_length) if max_length else _context_length(model_dir, self.tokenizer)
-        batch = batch_tokens(int(max_tokens_per_batch) if max_tokens_per_batch else None, cfg, dev, dtype_name)
-        kv = kv_tokens(int(kv_cache_tokens) if kv_cache_tokens else None, cfg, dev, dtype_name)
-        if kv_cache_tokens is None:
-            kv = max(kv, self._max_length + 1 + batch)      # the longest request lm-eval can send, plus a batch
-        workers = data_parallel_size(str(data_parallel), dev, int(tensor_parallel), ray_address)
-        self.engine = make_engine(model_dir, dev, dtype_name, kv, batch, self.tokenizer, workers=workers,
-                                  tensor_parallel=int(tensor_parallel), ray_address=ray_address)
+        options = EngineOptions(kv_cache_tokens=int(kv_cache_tokens) if kv_cache_tokens else None,
+                                max_tokens_per_batch=int(max_tokens_per_batch) if max_tokens_per_batch else None,
+                                attention=str(attention))
+        spec, self.attention = fit(EngineSpec(str(model_dir), str(device or "auto"),
+                                              dtype if dtype not in (None, "auto") else None, options,
+                                              data_parallel=str(data_parallel), tensor_parallel=int(tensor_parallel),
+                                              ray_address=ray_address), cfg)
+        # the longest request lm-eval can send (max_length + 1 tokens), plus a batch
+        spec = fit_pool(spec, self._max_length + 1, user_set=kv_cache_tokens is not None)
+        self.engine = make_engine(spec, self.tokenizer)
         self.stats = RunStats()     # every call's counts, for the run's report
         self.seconds: dict[str, float] = {"load": time.perf_counter() - start}
         INSTANCES.append(self)
@@ -159,7 +165,6 @@ class LMBatch(TemplateLM):
 
         bar = TokenProgress("lmbatch", disable=disable_tqdm or len(requests) < 2)
         results, stats = self.engine.run(requests, schedule=self.schedule, progress=bar)
-        bar.wave_done(stats)
         bar.close()
         self.stats.add_run(stats)
         self.stats.unique_tokens += stats.unique_tokens
@@ -172,14 +177,15 @@ class LMBatch(TemplateLM):
         tokens computed vs prompt tokens, seconds by phase."""
         st = self.stats
         return {"requests": st.requests, "executed_requests": st.executed, "hit_rate": st.hit_rate,
-                "optimal_hit_rate": 1 - st.unique_tokens / st.prompt_tokens if st.prompt_tokens else 0.0,
+                "optimal_hit_rate": optimal_hit_rate(st.unique_tokens, st.prompt_tokens),
                 "tokens": {"prompt": st.prompt_tokens, "cached": st.cached_tokens, "computed": st.computed_tokens,
                            "unique": st.unique_tokens, "decode": st.decode_tokens},
                 "model": str(self.engine.cfg.model_type), "model_runtime": self.engine.cfg.runtime,
+                "attention": {"backend": self.attention.name, "why": self.attention.why},
                 "device": str(self.engine.device), "data_parallel": self.engine.data_parallel,
                 "tensor_parallel": self.engine.tensor_parallel, "time_s": dict(self.seconds)}
 
-    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+    def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """`TemplateLM.loglikelihood`'s token ids (its `_encode_pair`: trailing spaces of the context
         moved to the continuation, the whole text encoded and split at the context's length; an empty
         context replaced by the prefix token), with each distinct text encoded once and in batches:
@@ -209,7 +215,8 @@ class LMBatch(TemplateLM):
         self.seconds["tokenize"] = self.seconds.get("tokenize", 0.0) + time.perf_counter() - start
         return self._loglikelihood_tokens(new_reqs, disable_tqdm=disable_tqdm)
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(self, requests: Sequence[tuple[tuple[str, str] | None, list[int], list[int]]],
+                              disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
         """(logprob, is_greedy) of each (context, continuation) pair of token ids; a pair longer than
         max_length + 1 keeps its last max_length + 1 tokens (the context is cut on the left)."""
         reqs = []
@@ -224,7 +231,7 @@ class LMBatch(TemplateLM):
                 self.cache_hook.add_partial("loglikelihood", key, answer)
         return out
 
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
         """Each text's loglikelihood over lm-eval's disjoint rolling windows; the windows of every
         text go to the engine together."""
         from lm_eval import utils
@@ -244,7 +251,7 @@ class LMBatch(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
         return totals
 
-    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         """Each context continued until a stop string (the task's `until` and the EOS text) or
         `max_gen_toks`; greedy unless the task samples. The text is cut at the first stop string."""
         from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
@@ -270,7 +277,7 @@ class LMBatch(TemplateLM):
         return out
 
 
-def _context_length(model_dir, tokenizer) -> int:
+def _context_length(model_dir: str | Path, tokenizer: Any) -> int:
     """The model's context as lm-eval's HF backend resolves it (its config's, else the tokenizer's,
     else 2048)."""
     from lm_eval.models.utils import resolve_max_length

@@ -1,8 +1,7 @@
 """What a user watches while the model works: prompt tokens computed of those planned so far (each
 wave's plan adds its unique tokens), their rate, the hit rate and tokens decoded, so progress is told
 from a hang.
-Fed by the engine's per-request callback; a run of several waves (multi-stage programs) calls
-`wave_done` after each."""
+Fed by the engine's per-request callback."""
 from __future__ import annotations
 
 import time
@@ -12,19 +11,26 @@ REDRAW_S = 0.1
 
 
 class TokenProgress:
+    """The engine's progress callback (`progress(i, stats)`: a request needs nothing more; `stats` are
+    its run's counts so far). A run of several waves (multi-stage programs) is several engine runs,
+    each with counts of its own: a new one starts when other counts arrive."""
+
     def __init__(self, desc: str = "execute", disable: bool = False):
         from tqdm import tqdm
 
         self.bar = tqdm(total=0, unit="tok", unit_scale=True, desc=desc, dynamic_ncols=True, disable=disable)
-        self.computed = self.cached = self.decoded = 0      # of the waves done
+        self.computed = self.cached = self.decoded = 0      # of the engine runs done
         self.n = 0                                          # computed so far
+        self._run: Any = None                               # the counts of the engine run under way
         self._redraw = 0.0
 
     def __call__(self, i: int, stats: Any) -> None:
-        """The engine's progress callback (a request needs nothing more); `stats` is its run's so far.
-        Called per request: it keeps the counts, and draws at most every REDRAW_S."""
-        done = self.computed + stats.computed_tokens
-        self.n, self.bar.total = done, self.computed + max(stats.unique_tokens, stats.computed_tokens)
+        """Keeps the counts, and draws at most every REDRAW_S."""
+        if stats is not self._run:
+            self._fold()
+            self._run = stats
+        done = self.n = self.computed + stats.computed_tokens
+        self.bar.total = self.computed + max(stats.unique_tokens, stats.computed_tokens)
         now = time.monotonic()
         if now < self._redraw:
             return
@@ -34,14 +40,18 @@ class TokenProgress:
         self.bar.set_postfix(post, refresh=False)    # tqdm's own rate is the computed tokens/s
         self.bar.update(done - self.bar.n)
 
-    def wave_done(self, stats: Any) -> None:
-        """A wave's run ended: its counts join the totals (it computed less than its plan's unique
+    def _fold(self) -> None:
+        """An engine run ended: its counts join the totals (it computed less than its plan's unique
         tokens where an earlier wave had cached a prefix)."""
-        self.computed += stats.computed_tokens
-        self.cached += stats.cached_tokens
-        self.decoded += stats.decode_tokens
+        s, self._run = self._run, None
+        if s is None:
+            return
+        self.computed += s.computed_tokens
+        self.cached += s.cached_tokens
+        self.decoded += s.decode_tokens
         self.n = self.bar.total = self.computed
         self.bar.update(self.computed - self.bar.n)
 
     def close(self) -> None:
+        self._fold()
         self.bar.close()

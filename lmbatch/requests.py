@@ -107,6 +107,10 @@ class RunStats(TokenCounts):
         order, members and optima are its own: not added."""
         self.add(other)
         self.requests += other.requests
+        self.add_engine_counts(other)
+
+    def add_engine_counts(self, other: RunStats) -> None:
+        """Add what another engine executed and how (one worker's run into a data-parallel run's)."""
         self.executed += other.executed
         self.forward_batches += other.forward_batches
         self.evicted_tokens += other.evicted_tokens
@@ -116,3 +120,9 @@ class RunStats(TokenCounts):
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def optimal_hit_rate(unique_tokens: int, prompt_tokens: int) -> float:
+    """Theorem 3.1's hit rate: every distinct prefix computed once (`unique_tokens`, the radix tree's
+    edge lengths summed) of `prompt_tokens`."""
+    return 1 - unique_tokens / prompt_tokens if prompt_tokens else 0.0

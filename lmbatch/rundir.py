@@ -20,12 +20,14 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, cast
+from typing import Any, Callable, NamedTuple, cast
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lmbatch.errors import UserError, first_line
+from lmbatch.frontend.workload import Instance, Workload
+from lmbatch.options import RunOptions
 from lmbatch.outputs import INSTANCE_SCHEMA, clean_stale, file_record, request_schema, sha256
 
 MARKER = "INCOMPLETE"
@@ -111,6 +113,99 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def check_out(out: Path) -> None:
+    """The parent of run directories can take one, before any work: the results are written last."""
+    import tempfile
+
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".lmbatch-probe-"):
+            pass
+    except OSError as e:
+        raise UserError(f"--out {out} is not writable: {e.strerror or e}") from None
+
+
+def fingerprint(o: RunOptions, w: Workload, model_dir: Path) -> dict[str, Any]:
+    """What decides a run's results (a resumed run must have the same): the task and its options,
+    the model's files, lmbatch's version. The dtype is checked once the device is known."""
+    import lmbatch
+
+    fp: dict[str, Any] = {"task": w.name, "shots": o.shots, "limit": o.limit, "subjects": o.subjects, "seed": o.seed,
+                          "truncate_left": o.truncate_left, "jump_forward": o.jump_forward,
+                          "save_token_ids": o.save_token_ids, "think_budget": o.think_budget, "think_end": o.think_end,
+                          "apply_chat_template": o.apply_chat_template, "system_instruction": o.system_instruction,
+                          "fewshot_as_multiturn": o.fewshot_as_multiturn,
+                          "lmbatch_version": lmbatch.__version__,
+                          "model": model_identity(model_dir)}
+    if o.task.endswith(".py"):
+        fp["program"] = sha256(Path(o.task))
+    return fp
+
+
+def for_run(o: RunOptions, w: Workload, model_dir: Path) -> RunDir:
+    """The run's directory, `--out`/`--run-id` (default: task-shots-model-time), checked: a complete run
+    needs --overwrite, an incomplete one with the same fingerprint is resumed."""
+    name = o.run_id or "{}-{}shot-{}-{}".format(w.name, o.shots, model_dir.name,
+                                                dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    check_out(Path(o.out))
+    return RunDir(Path(o.out) / name, fingerprint(o, w, model_dir), o.overwrite, o.save_token_ids,
+                  named=o.run_id is not None)
+
+
+class Merged(NamedTuple):
+    rows: list[dict[str, Any]]      # every instance's row (with its number and attempt)
+    record: dict[str, Any]          # run.json: the fingerprint, dtype, attempts and parts
+
+
+def read_parts(run: Path, parts: dict[str, Any]) -> dict[int, str]:
+    """Check every part of an incomplete run against run.json's records (`parts`, completed here for a
+    part written whole but not recorded: killed between the two writes) and read which instances they
+    hold (number -> id). Leftovers of a kill (temporary files; a requests file whose instances file never
+    came) are removed."""
+    parts_dir = run / "parts"
+    parts_dir.mkdir(exist_ok=True)
+    for f in parts_dir.glob(".*.tmp"):
+        f.unlink()
+    names = {f.name.split(".")[0] for f in parts_dir.glob("*.instances.parquet")}
+    for f in parts_dir.glob("*.requests.parquet"):
+        if f.name.split(".")[0] not in names and f.name.split(".")[0] not in parts:
+            f.unlink()
+    saved: dict[int, str] = {}
+    for name in sorted(set(parts) | names):
+        files = {kind: parts_dir / f"{name}.{kind}.parquet" for kind in ("requests", "instances")}
+        for kind, f in files.items():
+            _check_part(run, f, parts.get(name, {}).get(kind))
+        if name not in parts:
+            parts[name] = {kind: file_record(f, pq.ParquetFile(f).metadata.num_rows) for kind, f in files.items()}
+        table = pq.read_table(files["instances"], columns=["number", "id"])
+        for number, iid in zip(table.column("number").to_pylist(), table.column("id").to_pylist()):
+            if number in saved:
+                raise _damaged(run, files["instances"], f"instance {iid} is in two parts")
+            saved[number] = iid
+    return saved
+
+
+def _damaged(run: Path, f: Path, what: str) -> UserError:
+    return UserError(f"run {run} cannot resume: part {f.relative_to(run)} {what}; delete that part's two files to "
+                     "run its instances again, or pass --overwrite to start the run over")
+
+
+def _check_part(run: Path, f: Path, rec: dict | None) -> None:
+    if not f.is_file():
+        raise _damaged(run, f, "is missing")
+    if rec is not None:
+        size = f.stat().st_size
+        if size != rec.get("bytes") or sha256(f) != rec.get("sha256"):
+            raise _damaged(run, f, f"is damaged ({size} bytes, checksum differs from run.json)")
+        return
+    try:
+        pq.read_table(f)
+    except (OSError, pa.ArrowException) as e:
+        raise _damaged(run, f, f"is unreadable ({first_line(e)})") from None
+
+
 class RunDir:
     """One run directory, from the check of its name before any work to its completion."""
 
@@ -122,8 +217,8 @@ class RunDir:
         self.parts_dir = path / "parts"
         self.replace = False                 # an existing directory is moved aside at the first write
         self.record: dict[str, Any] | None = None    # run.json, once this attempt has one
-        self.kept: dict[int, str] = {}       # instance number -> id, of every whole part
-        self.kept_now = 0                    # of those, written by this attempt
+        self.saved: dict[int, str] = {}      # instance number -> id, of every whole part
+        self.saved_now = 0                   # of those, written by this attempt
         self.total: int | None = None        # the task's instances, once loaded
         self.started = time.time()
         self.dtype: str | None = None
@@ -142,7 +237,7 @@ class RunDir:
 
     @property
     def resuming(self) -> bool:
-        return bool(self.kept)
+        return bool(self.saved)
 
     # ---- resume -----------------------------------------------------------------------------------
     def _open_incomplete(self, overwrite: bool) -> None:
@@ -174,56 +269,22 @@ class RunDir:
                             f"{', ...' if len(diff) > 4 else ''} differ): re-run its own command to resume it, "
                             "pass --overwrite to start it over, or --run-id to name another")
         self.record = record
-        self._load_parts()
+        self.saved = read_parts(self.path, record.setdefault("parts", {}))
 
-    def _load_parts(self) -> None:
-        """Check every part against run.json and read which instances they hold. Leftovers of a kill
-        (temporary files; a requests file whose instances file never came) are removed."""
-        record = self.record
-        assert record is not None
-        parts = record.setdefault("parts", {})
-        self.parts_dir.mkdir(exist_ok=True)
-        for f in self.parts_dir.glob(".*.tmp"):
-            f.unlink()
-        names = {f.name.split(".")[0] for f in self.parts_dir.glob("*.instances.parquet")}
-        for f in self.parts_dir.glob("*.requests.parquet"):
-            if f.name.split(".")[0] not in names and f.name.split(".")[0] not in parts:
-                f.unlink()
-        for name in sorted(set(parts) | names):
-            for kind in ("requests", "instances"):
-                f = self.parts_dir / f"{name}.{kind}.parquet"
-                rec = parts.get(name, {}).get(kind)
-                self._check_part(f, rec)
-            if name not in parts:       # whole (renamed after its fsync), but killed before run.json said so
-                files = {kind: self.parts_dir / f"{name}.{kind}.parquet" for kind in ("requests", "instances")}
-                parts[name] = {kind: file_record(f, pq.ParquetFile(f).metadata.num_rows) for kind, f in files.items()}
-            table = pq.read_table(self.parts_dir / f"{name}.instances.parquet", columns=["number", "id"])
-            for number, iid in zip(table.column("number").to_pylist(), table.column("id").to_pylist()):
-                if number in self.kept:
-                    raise self._damaged(self.parts_dir / f"{name}.instances.parquet", f"instance {iid} is in two parts")
-                self.kept[number] = iid
+    def unsaved(self, instances: list[Instance]) -> list[int]:
+        """The numbers of the task's instances no part holds (all of them, unless resuming), after checking
+        that the kept ones are the task's instances at their numbers."""
+        self.check_instances([inst.id for inst in instances])
+        return [k for k in range(len(instances)) if k not in self.saved]
 
-    def _damaged(self, f: Path, what: str) -> UserError:
-        return UserError(f"run {self.path} cannot resume: part {f.relative_to(self.path)} {what}; delete that part's "
-                         "two files to run its instances again, or pass --overwrite to start the run over")
-
-    def _check_part(self, f: Path, rec: dict | None) -> None:
-        if not f.is_file():
-            raise self._damaged(f, "is missing")
-        if rec is not None:
-            size = f.stat().st_size
-            if size != rec.get("bytes") or sha256(f) != rec.get("sha256"):
-                raise self._damaged(f, f"is damaged ({size} bytes, checksum differs from run.json)")
-            return
-        try:
-            pq.read_table(f)
-        except (OSError, pa.ArrowException) as e:
-            raise self._damaged(f, f"is unreadable ({first_line(e)})") from None
+    @property
+    def unsaved_count(self) -> int:
+        return (self.total or 0) - len(self.saved)
 
     def check_instances(self, ids: list[str]) -> None:
         """The kept instances are the task's instances at their numbers (the data did not change)."""
         self.total = len(ids)
-        for number, iid in self.kept.items():
+        for number, iid in self.saved.items():
             if number >= len(ids) or ids[number] != iid:
                 raise UserError(f"incomplete run {self.path} holds instance {iid} where the task now has "
                                 f"{ids[number] if number < len(ids) else 'none'}: its data changed; pass --overwrite "
@@ -237,7 +298,7 @@ class RunDir:
                 raise UserError(f"incomplete run {self.path} ran in {self.record['dtype']}, this attempt would run "
                                 f"{dtype}: pass --dtype {self.record['dtype']} to resume it, or --overwrite to start "
                                 "over")
-            self.record, self.kept, self.replace = None, {}, True
+            self.record, self.saved, self.replace = None, {}, True
             return False
         return True
 
@@ -264,8 +325,9 @@ class RunDir:
         self._materialized = True
         return self.record
 
-    def write_part(self, instances: list[dict], requests: list[dict]) -> None:
-        """Keep finished instances (rows of INSTANCE_SCHEMA with "number") and their requests' rows."""
+    def write_part(self, instances: list[dict], requests: list[dict], execute_s: float = 0.0) -> None:
+        """Keep finished instances (rows of INSTANCE_SCHEMA with "number") and their requests' rows;
+        `execute_s`: the seconds this attempt has executed so far (its throughput counts them)."""
         if not instances:
             return
         try:
@@ -286,24 +348,24 @@ class RunDir:
             _write_table(f_inst, instances, INSTANCE_PART_SCHEMA)
             _fsync_dir(self.parts_dir)
             for r in instances:
-                self.kept[r["number"]] = r["id"]
-            self.kept_now += len(instances)
+                self.saved[r["number"]] = r["id"]
+            self.saved_now += len(instances)
             record["parts"][name] = {"requests": file_record(f_req, len(requests)),
                                      "instances": file_record(f_inst, len(instances))}
             this = record["attempts"][-1]
             this["seconds"] = round(time.time() - self.started, 3)
-            this["instances"] = self.kept_now
+            this["instances"] = self.saved_now
+            this["execute_s"] = round(execute_s, 3)
             _at("run.json")
             _write_json(self.path / "run.json", record)
         except OSError as e:
-            raise UserError(f"cannot write results to {self.path}: {e.strerror or e}; {len(self.kept)} of "
+            raise UserError(f"cannot write results to {self.path}: {e.strerror or e}; {len(self.saved)} of "
                             f"{self.total or '?'} instances are kept in whole parts: {self.rerun} to resume once the "
                             "disk is writable") from None
 
-    def complete(self, summarize: Callable[[list[dict], dict[str, Any]], dict]) -> None:
-        """Merge the parts into instances.parquet and requests.parquet, write summary.json from
-        `summarize(instance rows with their number and attempt, this run's record)`, and remove what
-        only an incomplete run needs."""
+    def merge(self, execute_s: float) -> Merged:
+        """Merge the parts into instances.parquet and requests.parquet: the instance rows with their number
+        and attempt, and this run's record with every attempt (this one executed `execute_s`)."""
         try:
             record = self._materialize()
             names = sorted(record["parts"])
@@ -319,19 +381,34 @@ class RunDir:
             _write_atomic(self.path / "instances.parquet", lambda tmp: pq.write_table(final_inst, tmp))
             _at("requests.parquet")
             _write_atomic(self.path / "requests.parquet", lambda tmp: pq.write_table(reqs, tmp))
-            record["attempts"][-1]["seconds"] = round(time.time() - self.started, 3)
-            record["attempts"][-1]["instances"] = self.kept_now
-            summary = summarize(rows, record)
-            summary["files"] = {"instances.parquet": file_record(self.path / "instances.parquet", inst.num_rows),
-                                "requests.parquet": file_record(self.path / "requests.parquet", reqs.num_rows)}
+            this = record["attempts"][-1]
+            this["seconds"] = round(time.time() - self.started, 3)
+            this["instances"] = self.saved_now
+            this["execute_s"] = round(execute_s, 3)
+            self._files = {"instances.parquet": file_record(self.path / "instances.parquet", inst.num_rows),
+                           "requests.parquet": file_record(self.path / "requests.parquet", reqs.num_rows)}
+        except OSError as e:
+            raise self._unwritable(e) from None
+        for r in rows:
+            r["metrics"] = dict(r["metrics"])       # a Parquet map reads back as pairs
+        return Merged(rows, record)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """Write summary.json (with the merged files' records): the run is complete; then remove what only
+        an incomplete run needs."""
+        try:
+            summary["files"] = self._files
             _at("summary.json")
             _write_json(self.path / "summary.json", summary)      # the run is complete from here
             _fsync_dir(self.path)
             _at("cleanup")
             self._clean_up()
         except OSError as e:
-            raise UserError(f"cannot write results to {self.path}: {e.strerror or e}; the finished instances are "
-                            f"kept in whole parts: {self.rerun} once the disk is writable") from None
+            raise self._unwritable(e) from None
+
+    def _unwritable(self, e: OSError) -> UserError:
+        return UserError(f"cannot write results to {self.path}: {e.strerror or e}; the finished instances are "
+                         f"kept in whole parts: {self.rerun} once the disk is writable")
 
     def _clean_up(self) -> None:
         """What a complete run no longer needs: its parts, run.json, the marker, and the run it replaced."""

@@ -19,13 +19,18 @@ def process_age() -> float:
         return 0.0
 
 
+# a run's phases one after the other on its main line, from the process's start to its exit; the model's
+# side (imports, cuda_init, weights, compile, graphs; load_background in all) runs beside them
+MAIN_LINE = ("startup", "model_files", "data", "tokenize", "plan", "load", "execute", "write")
+
+
 class Phases:
     """Seconds per named phase. `startup` is the time from the process's start to this object's
-    (interpreter start, imports, option parsing)."""
+    (interpreter start, imports, option parsing); without `since_start`, it is a plain stopwatch."""
 
-    def __init__(self) -> None:
-        self._t0 = time.perf_counter() - process_age()
-        self.seconds: dict[str, float] = {"startup": time.perf_counter() - self._t0}
+    def __init__(self, since_start: bool = True) -> None:
+        self._t0 = time.perf_counter() - (process_age() if since_start else 0.0)
+        self.seconds: dict[str, float] = {"startup": time.perf_counter() - self._t0} if since_start else {}
 
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
@@ -43,8 +48,8 @@ class Phases:
         return {**self.seconds, "total": time.perf_counter() - self._t0}
 
 
-def largest(times: dict[str, float], n: int = 3) -> str:
-    """'execute 6.1s, load 2.0s, tokenize 1.5s': the n largest phases of the wall time (not `total`,
-    nor `load_background`, which overlaps the others)."""
-    parts = sorted(((v, k) for k, v in times.items() if k not in ("total", "load_background")), reverse=True)[:n]
+def largest(times: dict[str, float], n: int = 3, phases: tuple[str, ...] = MAIN_LINE) -> str:
+    """'execute 6.1s, load 2.0s, tokenize 1.5s': the n largest of `phases` (the main line's: the model's
+    side overlaps them)."""
+    parts = sorted(((v, k) for k, v in times.items() if k in phases), reverse=True)[:n]
     return ", ".join(f"{k} {v:.1f}s" for v, k in parts)

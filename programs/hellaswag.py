@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import random
 from functools import lru_cache
+from typing import Any
 
-from lmbatch.data.hellaswag import HellaSwagDoc, all_docs, count_docs, load_docs
-from lmbatch.frontend import select
+from lmbatch.data.hellaswag import HellaSwagDoc, all_docs, count_docs, data_dir, load_docs
+from lmbatch.frontend import State, select
 from lmbatch.frontend.chat import ChatOptions, render
 from lmbatch.frontend.workload import Instance, LoadArgs, Workload
 
@@ -37,7 +38,7 @@ def _prefix(shots: int, seed: int, skip: int) -> str:
 
 
 def build_context(doc: HellaSwagDoc, shots: int, seed: int = DEFAULT_SEED, chat: ChatOptions = ChatOptions(),
-                  tokenizer=None) -> str:
+                  tokenizer: Any = None) -> str:
     """lm-eval ``hellaswag`` context: ``shots`` validation examples (never ``doc`` itself), then the query;
     with `chat`, as lm-eval renders them (frontend/chat.py)."""
     pool = shot_indices(len(all_docs()), shots, seed)
@@ -73,7 +74,7 @@ def lm_eval_acc_norm(logprobs: list[float], continuations: list[str]) -> int:
 
 
 # ---- the workload ----------------------------------------------------------------------------
-def program(s, context: str, choices: list[str]) -> None:
+def program(s: State, context: str, choices: list[str]) -> None:
     """The shots and the question's context, then a select over the four endings."""
     s += context
     s += select("answer", choices)
@@ -85,7 +86,7 @@ def instances(args: LoadArgs) -> list[Instance]:
                      gold=d.gold) for d in load_docs(args.limit)]
 
 
-def score(inst: Instance, s) -> dict[str, float]:
+def score(inst: Instance, s: State) -> dict[str, float]:
     meta = s.meta("answer")
     norm = lm_eval_acc_norm(meta["logprobs"], inst.inputs["choices"])
     return {"acc": float(meta["index"] == inst.gold), "acc_norm": float(norm == inst.gold)}
@@ -94,4 +95,5 @@ def score(inst: Instance, s) -> dict[str, float]:
 WORKLOAD = Workload("hellaswag", "HellaSwag, 10,042 validation questions; acc and acc_norm (lm-evaluation-harness "
                     "prompt); shots drawn once from validation, excluding the question", program, instances, score,
                     max_shots=None, answer="answer", shot_pool=count_docs, shot_pool_name="HellaSwag validation docs",
-                    chat=True)
+                    chat=True, generates=False,
+                    data_files=lambda: sorted(f for f in data_dir().rglob("*") if f.is_file()))

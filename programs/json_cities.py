@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import re
 
-from lmbatch.data.wiki_cities import CityDoc, load_cities
-from lmbatch.frontend import gen
+from lmbatch.data.wiki_cities import CityDoc, data_file, load_cities
+from lmbatch.frontend import State, gen
 from lmbatch.frontend.workload import Instance, LoadArgs, Workload
 
 MAX_TOKENS = 256
@@ -50,7 +50,7 @@ def prompt(doc: CityDoc) -> str:
     return f"{INSTRUCTION}\n\nSummary: {doc.summary.strip()}\nJSON:\n"
 
 
-def program(s, prompt: str) -> None:
+def program(s: State, prompt: str) -> None:
     s += prompt
     s += gen("json", max_tokens=MAX_TOKENS, json_schema=SCHEMA)
 
@@ -59,7 +59,7 @@ def instances(args: LoadArgs) -> list[Instance]:
     return [Instance(f"{d.index}:{d.title}", {"prompt": prompt(d)}) for d in load_cities(args.limit)]
 
 
-def _valid(value, schema: dict) -> bool:
+def _valid(value: object, schema: dict) -> bool:
     """A validator for the schema shapes SCHEMA uses (object, string+pattern, integer, null, anyOf, array)."""
     if "anyOf" in schema:
         return any(_valid(value, s) for s in schema["anyOf"])
@@ -89,10 +89,11 @@ def valid(text: str) -> bool:
         return False
 
 
-def score(inst: Instance, s) -> dict[str, float]:
+def score(inst: Instance, s: State) -> dict[str, float]:
     complete = not s.meta("json").get("incomplete", False)
     return {"complete": float(complete), "valid": float(complete and valid(s["json"]))}
 
 
 WORKLOAD = Workload("json", "JSON extraction (name, country, population, founded, landmarks) from Wikipedia "
-                    "summaries of 457 cities, constrained by a JSON schema", program, instances, score, max_shots=0)
+                    "summaries of 457 cities, constrained by a JSON schema", program, instances, score, max_shots=0,
+                    data_files=lambda: [data_file()])

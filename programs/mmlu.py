@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Protocol
+from typing import Any, Protocol, Sequence
 
-from lmbatch.data.mmlu import MMLUQuestion, dev_shots, load_questions, subject_names
-from lmbatch.frontend import select
+from lmbatch.data.mmlu import MMLUQuestion, data_root, dev_shots, load_questions, subject_names
+from lmbatch.frontend import State, select
 from lmbatch.frontend.chat import ChatOptions, render
 from lmbatch.frontend.tokenize import choice_texts, split_choices
 from lmbatch.frontend.workload import Instance, LoadArgs, Workload
@@ -36,7 +36,7 @@ def _description(subject: str) -> str:
 
 
 def build_context(subject: str, shots: int, question: MMLUQuestion, chat: ChatOptions = ChatOptions(),
-                  tokenizer=None) -> str:
+                  tokenizer: Any = None) -> str:
     """lm-eval ``mmlu`` context: description, first ``shots`` dev examples (first_n), then the question;
     with `chat`, as lm-eval renders them (system instruction, chat template: frontend/chat.py)."""
     if not chat.apply and not chat.system_instruction:
@@ -51,14 +51,15 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[
     return ctx, cont
 
 
-def encode_choices(tokenizer: Tokenizer, context: str, continuations) -> tuple[list[int], list[list[int]]]:
+def encode_choices(tokenizer: Tokenizer, context: str,
+                   continuations: Sequence[str]) -> tuple[list[int], list[list[int]]]:
     """``encode_pair`` for several continuations of one context, encoding the context once."""
     context, wholes = choice_texts(context, continuations)
     return split_choices(tokenizer.encode(context, add_special_tokens=False),
                          [tokenizer.encode(w, add_special_tokens=False) for w in wholes])
 
 
-def program(s, context: str, choices: tuple[str, ...] = CONTINUATIONS) -> None:
+def program(s: State, context: str, choices: tuple[str, ...] = CONTINUATIONS) -> None:
     """The MMLU program: the few-shot context, then a select over the four letters (after a chat
     template's generation prompt: the letters alone, as lm-eval sends them)."""
     s += context
@@ -73,10 +74,11 @@ def instances(args: LoadArgs) -> list[Instance]:
             for q in load_questions(args.subjects, args.limit)]
 
 
-def score(inst: Instance, s) -> dict[str, float]:
+def score(inst: Instance, s: State) -> dict[str, float]:
     return {"acc": float(s.meta("answer")["index"] == inst.gold)}
 
 
 WORKLOAD = Workload("mmlu", "MMLU, 57 subjects, 14,042 test questions; shots from each subject's dev split "
                     "(lm-evaluation-harness prompt)", program, instances, score, max_shots=5, answer="answer",
-                    subjects=subject_names, chat=True)
+                    subjects=subject_names, chat=True, generates=False,
+                    data_files=lambda: sorted(f for f in data_root().rglob("*") if f.is_file()))

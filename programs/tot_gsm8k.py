@@ -14,8 +14,16 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
-from lmbatch.data.gsm8k import NUMBER, GSM8KQuestion, canonical_number, clean_numbers, load_questions, normalize_number
-from lmbatch.frontend import gen, select
+from lmbatch.data.gsm8k import (
+    NUMBER,
+    GSM8KQuestion,
+    canonical_number,
+    clean_numbers,
+    data_file,
+    load_questions,
+    normalize_number,
+)
+from lmbatch.frontend import State, gen, select
 from lmbatch.frontend.workload import Instance, LoadArgs, Workload
 
 LEVELS = 3
@@ -98,11 +106,11 @@ def _judge(states: list) -> list[float]:
     return [e.meta("ok")["logprobs"][0] - e.meta("ok")["logprobs"][1] for e in asked]
 
 
-def program(s, question: str) -> None:
+def program(s: State, question: str) -> None:
     s += FEWSHOT + question
     frontier = [s]
     for level in range(1, LEVELS + 1):
-        children = []
+        children: list[State] = []
         for state in frontier:
             forks = state.fork(BRANCHES)
             forks += f"Step {level}:" + gen("step", STEP_TOKENS, stop="\n", temperature=TEMPERATURE)
@@ -123,10 +131,10 @@ def instances(args: LoadArgs) -> list[Instance]:
     return [Instance(str(q.index), {"question": question_prompt(q)}, gold=q.gold) for q in load_questions(args.limit)]
 
 
-def score(inst: Instance, s) -> dict[str, float]:
+def score(inst: Instance, s: State) -> dict[str, float]:
     return {"acc": float(is_correct(extract_answer(s["answer"]), inst.gold))}
 
 
 WORKLOAD = Workload("tot-gsm8k", f"Tree of thought on GSM8K, 1,319 test questions: {LEVELS} levels of {BRANCHES} "
                     f"sampled next steps per kept state, self-judged, best {KEEP} kept", program, instances, score,
-                    max_shots=0)
+                    max_shots=0, data_files=lambda: [data_file()])

@@ -20,6 +20,7 @@ from typing import Hashable, NamedTuple, Sequence
 
 import numpy as np
 
+from lmbatch.requests import optimal_hit_rate
 from lmbatch.scheduler.planner import sorted_lcps, summarize_sorted
 
 WINDOW = 1.0        # a cut may move up to this share of a part's target to find a shallower boundary
@@ -39,12 +40,12 @@ class Partition(NamedTuple):
     @property
     def optimal_hit_rate(self) -> float:
         """Theorem 3.1's optimum of the whole batch on one device."""
-        return 1 - self.unique_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return optimal_hit_rate(self.unique_tokens, self.prompt_tokens)
 
     @property
     def hit_rate(self) -> float:
         """The best the parts reach together: each computes its own tree once."""
-        return 1 - sum(self.part_unique_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
+        return optimal_hit_rate(sum(self.part_unique_tokens), self.prompt_tokens)
 
 
 def partition(prompts: Sequence[Sequence[int]], n: int, groups: Sequence[Hashable] | None = None,

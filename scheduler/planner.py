@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple, Sequence, cast
 
 import numpy as np
 
-from lmbatch.requests import GenerateRequest, ScoreRequest
+from lmbatch.requests import GenerateRequest, ScoreRequest, optimal_hit_rate
 
 SCHEDULES = ("dfs", "fcfs", "random")
 
@@ -48,7 +48,7 @@ class Plan:
 
     @property
     def optimal_hit_rate(self) -> float:
-        return 1 - self.unique_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return optimal_hit_rate(self.unique_tokens, self.prompt_tokens)
 
     engine_optimal_hit_rate = optimal_hit_rate  # equal for one planned batch on a cold cache (see above)
 
@@ -146,7 +146,7 @@ class PlanSummary(NamedTuple):
 
     @property
     def optimal_hit_rate(self) -> float:
-        return 1 - self.unique_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return optimal_hit_rate(self.unique_tokens, self.prompt_tokens)
 
 
 def summarize(prompts: Sequence[Sequence[int]], mergeable: Sequence[bool] | None = None,
@@ -254,3 +254,44 @@ def posthoc_unique(prompts: list[list[int]], generated: list[tuple[list[int], in
         if has_prompt.get(id(node), False):
             total += max(0, min(node.end, gen_start.get(id(node), float("inf"))) - node.start)
     return int(total)
+
+
+def plan_to_arrays(plan: Plan) -> dict[str, Any]:
+    """A plan as flat arrays (a cached workload keeps its first wave's): its tree's nodes in preorder
+    (start, end, owner, parent), each request's end node, the order and who each executed request serves."""
+    nodes: list[PlanNode] = []
+    index: dict[int, int] = {}
+    stack = [plan.root]
+    while stack:
+        node = stack.pop()
+        index[id(node)] = len(nodes)
+        nodes.append(node)
+        stack.extend(reversed(node.children))
+    members = [(j, plan.members[j]) for j in sorted(plan.members)]
+    return {
+        "start": np.fromiter((n.start for n in nodes), np.int64, len(nodes)),
+        "end": np.fromiter((n.end for n in nodes), np.int64, len(nodes)),
+        "owner": np.fromiter((n.owner for n in nodes), np.int64, len(nodes)),
+        "parent": np.fromiter((-1 if n.parent is None else index[id(n.parent)] for n in nodes), np.int64, len(nodes)),
+        "ends": np.fromiter((index[id(n)] for n in plan.ends), np.int64, len(plan.ends)),
+        "order": np.asarray(plan.order, dtype=np.int64),
+        "member_of": np.asarray([j for j, ms in members for _ in ms], dtype=np.int64),
+        "members": np.asarray([m for _, ms in members for m in ms], dtype=np.int64),
+        "tokens": np.asarray([plan.prompt_tokens, plan.unique_tokens], dtype=np.int64),
+    }
+
+
+def plan_from_arrays(a: dict[str, Any]) -> Plan:
+    """The plan `plan_to_arrays` wrote (a tree of new nodes: a run registers its logit demands on them)."""
+    start, end, owner, parent = (a[k].tolist() for k in ("start", "end", "owner", "parent"))
+    nodes = [PlanNode(s, e, o) for s, e, o in zip(start, end, owner)]
+    for node, p in zip(nodes, parent):
+        if p >= 0:
+            node.parent = nodes[p]
+            nodes[p].children.append(node)
+    members: dict[int, list[int]] = {}
+    for j, m in zip(a["member_of"].tolist(), a["members"].tolist()):
+        members.setdefault(j, []).append(m)
+    prompt_tokens, unique_tokens = a["tokens"].tolist()
+    return Plan(a["order"].tolist(), members, nodes[0], [nodes[k] for k in a["ends"].tolist()], prompt_tokens,
+                unique_tokens)

@@ -30,13 +30,13 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
-    def to(self, device) -> "ForwardBatch":
+    def to(self, device: torch.device | str) -> "ForwardBatch":
         move = lambda t: to_device(t, device)  # noqa: E731
         return ForwardBatch(move(self.input_ids), move(self.positions), move(self.out_slots),
                             self.qo_indptr, self.kv_indptr, move(self.kv_indices), move(self.logit_rows))
 
 
-def to_device(t: torch.Tensor, device) -> torch.Tensor:
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """Host -> device without blocking the host: a copy from pageable memory would wait for all work
     queued on the stream, which would serialize scheduling with the batch in flight."""
     if torch.device(device).type != "cuda" or t.is_cuda:
@@ -81,16 +81,13 @@ BACKENDS = tuple(REGISTRY)
 
 
 def default_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
-    """FlashInfer on CUDA when installed, else our Triton kernels; the torch reference on CPU, and
-    for float32 on CUDA (FlashInfer has no float32 kernels, and Triton's dots would round float32
-    inputs to tf32, which is not the precision a float32 run asks for)."""
+    """Our Triton kernels on CUDA (FlashInfer compiles its kernels at first use: engine/build.py picks
+    it only where they are built); the torch reference on CPU, and for float32 on CUDA (FlashInfer has
+    no float32 kernels, and Triton's dots would round float32 inputs to tf32, which is not the
+    precision a float32 run asks for)."""
     if device.type != "cuda" or dtype == torch.float32:
         return "torch"
-    try:
-        import flashinfer  # noqa: F401
-        return "flashinfer"
-    except ImportError:
-        return "triton"
+    return "triton"
 
 
 def make_backend(name: str, pool: KVPool, num_heads: int, head_dim: int, scale: float | None = None,

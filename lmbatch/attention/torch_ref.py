@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from lmbatch.attention.base import AttentionBackend
 
 
-def _flash_cpu(q, k, v, causal: bool, scale: float):
+def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """[1, heads, n, D] x [1, heads, L, D] -> (out, logsumexp) via PyTorch's CPU flash kernel."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal,
                                                                           scale=scale)[:2]
@@ -22,7 +23,8 @@ class TorchBackend(AttentionBackend):
     the two are merged by their log-sum-exp, as cascade attention does.
     """
 
-    def forward(self, layer, q, k, v, window=None):
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
         # Store every new token's KV first: a sequence may read KV that another sequence of the
         # same batch writes (a shared prefix inserted into the tree earlier in this batch).
         self.store(layer, k, v)
@@ -38,7 +40,8 @@ class TorchBackend(AttentionBackend):
                 out[q0:q1] = self._attend_masked(q[q0:q1], keys, values, window)
         return out
 
-    def _attend_masked(self, q, k, v, window: int | None = None):
+    def _attend_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       window: int | None = None) -> torch.Tensor:
         n, L = q.shape[0], k.shape[0]
         keys, queries = torch.arange(L, device=q.device)[None, :], torch.arange(L - n, L, device=q.device)[:, None]
         mask = keys <= queries
@@ -54,7 +57,7 @@ class TorchBackend(AttentionBackend):
                                            attn_mask=mask, scale=self.scale, enable_gqa=True)
         return o.transpose(0, 1)
 
-    def _attend_cpu(self, q, k, v):
+    def _attend_cpu(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n, H, D = q.shape
         L, KVH = k.shape[0], k.shape[1]
         G, P = H // KVH, L - n

@@ -2,7 +2,7 @@
 (a placement group of one bundle per rank, STRICT_PACK: NCCL stays within a node) with a GPU per
 rank where the run is on CUDA, and each rank connects back to this process over TCP with Python's
 own `multiprocessing.connection` (authenticated), so the worker speaks the same messages as a local
-one (`parallel._serve`). Ray sets each rank's CUDA_VISIBLE_DEVICES.
+one (`worker.serve`). Ray sets each rank's CUDA_VISIBLE_DEVICES.
 
 The driver (this process) decides the device, dtype and default sizes as for local workers: run it
 on a node like the workers'.
@@ -16,10 +16,13 @@ import socket
 import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lmbatch.engine.worker import WorkerSpec, _serve
+from lmbatch.engine.worker import Hello, serve
 from lmbatch.errors import UserError
+
+if TYPE_CHECKING:
+    from lmbatch.engine.options import EngineSpec
 
 START_S = 600.0         # a cluster that cannot place or start every rank in this long is an error
 
@@ -49,15 +52,15 @@ def cluster_gpus(address: str) -> int:
     return int(connect(address).cluster_resources().get("GPU", 0))
 
 
-def _rank(k: int, r: int, spec: WorkerSpec, where: tuple[str, int], key: bytes, port: int) -> None:
+def _rank(k: int, r: int, spec: EngineSpec, where: tuple[str, int], key: bytes, port: int) -> None:
     """One rank, run by Ray: connect to the driver, say who it is, then serve as a local worker."""
     conn = Client(where, authkey=key)
-    conn.send(("hello", k, r))
-    _serve(r, spec, conn, None, port)
+    conn.send(Hello(k, r))
+    serve(r, spec, conn, None, port)
 
 
 class RayWorkers:
-    def __init__(self, address: str, spec: WorkerSpec, n: int):
+    def __init__(self, address: str, spec: EngineSpec, n: int):
         ray = self.ray = connect(address)
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -93,8 +96,8 @@ class RayWorkers:
             try:
                 while len(got) < n * t:
                     c = self.listener.accept()
-                    _, k, r = c.recv()
-                    got[k, r] = c
+                    hello = c.recv()
+                    got[hello.worker, hello.rank] = c
             except (OSError, EOFError) as e:
                 errors.append(e)
         threading.Thread(target=accept, daemon=True, name="lmbatch-ray-accept").start()

@@ -9,7 +9,7 @@ request is released (its output inserted into the tree) while the device compute
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, cast
+from typing import Iterator, cast
 
 import torch
 
@@ -25,15 +25,14 @@ FIRST_TOKEN_ROWS = 1024  # queued requests' first tokens sampled per round (boun
 
 
 class Decode:
-    def __init__(self, state: RunState, runner: ModelRunner, kv: KVSlots, capture: LogitCapture, sampler: Sampler,
+    def __init__(self, state: RunState, model_runner: ModelRunner, kv: KVSlots, capture: LogitCapture, sampler: Sampler,
                  max_running: int):
-        self.state, self.runner, self.kv, self.capture, self.sampler = state, runner, kv, capture, sampler
+        self.state, self.model_runner, self.kv, self.capture, self.sampler = state, model_runner, kv, capture, sampler
         self.max_running = max_running
         self.running: list[Running] = []
         self.queue: deque[Queued] = deque()
         self._unsampled: list[Queued] = []      # queued requests without their first token
         self._finished: list[Running] = []      # ended, released during the next step's forward
-        self.tick: Callable[[], None] | None = None     # called after every step (Engine.run's handover)
 
     # ---- the queue -------------------------------------------------------------------------------
     def enqueue(self, q: Queued) -> None:
@@ -68,10 +67,13 @@ class Decode:
                        thinking=bool(req.params.think_end))
 
     # ---- steps -----------------------------------------------------------------------------------
-    def run_all(self) -> None:
+    def run_all(self) -> Iterator[None]:
+        """Decode until every queued and running request has ended, pausing after each step (where the
+        engine may hand results over)."""
         while self.running or self.queue:
             self.admit()
             self.step()
+            yield
         self._release_finished()
 
     def decode_some(self) -> None:
@@ -91,7 +93,7 @@ class Decode:
         live = [r for r in self.running if not r.finish]
         if live:
             self.state.stats.forward_batches += 1
-            logits = self.runner.decode(live)
+            logits = self.model_runner.decode(live)
         self._release_finished()    # host work while the device computes the step
         if live:
             self._pick(live, logits)
@@ -99,8 +101,6 @@ class Decode:
         if done:
             self._finished += done
             self.running = [r for r in self.running if not r.finish]
-        if self.tick is not None:
-            self.tick()
         return len(done)
 
     def _pick(self, rows: list[Running], logits: torch.Tensor) -> None:
@@ -129,7 +129,7 @@ class Decode:
         rows = fresh + [cast(Running, q.run) for q in queued]
         # a prompt's last position demands its FULL_ROW: its captured row is there
         logits = [self.capture.row(self.state.prompt_key(r.index)) for r in rows]
-        self._pick(rows, torch.stack(logits).to(self.runner.device))
+        self._pick(rows, torch.stack(logits).to(self.model_runner.device))
 
     # ---- the end of a request ---------------------------------------------------------------------
     def _release_finished(self) -> None:

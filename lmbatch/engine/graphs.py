@@ -18,6 +18,9 @@ from lmbatch.attention import AttentionBackend, ForwardBatch, to_device
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
+    from lmbatch.attention.kv_pool import KVPool
+    from lmbatch.model.network import Transformer
+
 # steps of 8 rows up to 32, of 4 up to 64, then of 16, 32, 64: a step's rows grow past its requests by
 # the tokens that jump-forward appended (32 requests: ~41 rows), and a large model's step costs about
 # what its padded rows cost (8B shape, H200: 5.97 ms at 40 rows, 6.25 ms at 48)
@@ -28,14 +31,16 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 36, 40, 44, 48, 52, 56, 60, 64, 80, 96, 112, 
 class _GraphAttention(AttentionBackend):
     """Triton decode attention over static device buffers (no host work inside the graph)."""
 
-    def __init__(self, pool, num_heads, head_dim, scale, softcap, qo_indptr, kv_indptr, kv_indices):
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int, scale: float | None, softcap: float,
+                 qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
         super().__init__(pool, num_heads, head_dim, scale, softcap)
         self.qo, self.kv, self.kv_indices = qo_indptr, kv_indptr, kv_indices
 
-    def plan(self, batch):
+    def plan(self, batch: ForwardBatch) -> None:
         self.batch = batch
 
-    def forward(self, layer, q, k, v, window=None):
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
         from lmbatch.kernels.extend_attention import extend_attention
 
         self.store(layer, k, v)
@@ -44,7 +49,7 @@ class _GraphAttention(AttentionBackend):
 
 
 class DecodeGraphs:
-    def __init__(self, model, pool, scratch_slot: int, max_batch: int):
+    def __init__(self, model: Transformer, pool: KVPool, scratch_slot: int, max_batch: int) -> None:
         self.model, self.pool, self.scratch = model, pool, scratch_slot
         dev = pool.k.device
         self.buckets = [b for b in BUCKETS if b <= max(max_batch, 1)]
@@ -67,7 +72,7 @@ class DecodeGraphs:
             if b not in self.graphs:
                 self._capture(b)
 
-    def _capture(self, b: int):
+    def _capture(self, b: int) -> None:
         cfg = self.model.cfg
         attn = _GraphAttention(self.pool, cfg.num_heads, cfg.head_dim, cfg.attn_scale, cfg.attn_softcap,
                                self.qo_indptr[:b + 1],

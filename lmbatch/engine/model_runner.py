@@ -38,7 +38,8 @@ class TokenBatch:
     def num_tokens(self) -> int:
         return self.qo_indptr[-1]
 
-    def add(self, ids, start: int, out_slots, kv_slots, wanted: Sequence[tuple[int, Key | None]]) -> None:
+    def add(self, ids: list[int], start: int, out_slots: torch.Tensor, kv_slots: torch.Tensor,
+            wanted: Sequence[tuple[int, Key | None]]) -> None:
         row0 = self.num_tokens
         n = len(ids)
         self.ids.extend(ids)
@@ -75,11 +76,17 @@ class ModelRunner:
         self.attn = make_backend(attention, self.pool, cfg.num_heads, cfg.head_dim, cfg.attn_scale,
                                  cfg.attn_softcap)
         self.graphs: DecodeGraphs | None = None
+        self._captured = False      # graphs are captured at the first decode step unless asked before
         if use_graphs:
             from lmbatch.engine.graphs import DecodeGraphs
             # a row per token: a step's rows after jump-forwards may outnumber its requests
             self.graphs = DecodeGraphs(cast(Transformer, model), self.pool, int(self.pool.reserve(1)), 2 * max_running)
+
+    def capture_graphs(self) -> None:
+        """Capture every decode graph now (a run that only scores never needs them)."""
+        if self.graphs is not None and not self._captured:
             self.graphs.capture_all()
+            self._captured = True
 
     def forward(self, batch: TokenBatch) -> torch.Tensor:
         """Logits at the batch's logit rows (launched; the device may still be computing them)."""
@@ -91,6 +98,7 @@ class ModelRunner:
         the decode graphs: a row's tokens sit at consecutive positions, and every layer stores all
         rows' KV before attending, so each token attends to those before it in the same step."""
         if self.graphs is not None:
+            self.capture_graphs()
             toks, positions, seqs, last = [], [], [], []
             for r in rows:
                 start = r.prompt_len + r.fed

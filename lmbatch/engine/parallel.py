@@ -7,8 +7,8 @@ the results come back in the order of the requests, as from one engine. Requests
 multi-stage program's calls) go to one worker: its later calls find their prefix in that worker's
 cache.
 
-Workers (`engine/worker.py`) hand over their finished results every `WorkerSpec.relay_s` seconds,
-so the caller's handover (the runner's result parts, and so a stop) and progress go on as with one
+Workers (`engine/worker.py`) hand their finished results back every `EngineSpec.relay_s` seconds,
+so handovers to the caller (the run's result parts, and so a stop) and progress go on as with one
 engine. A worker that fails raises here, naming it. Workers ignore SIGINT: Ctrl-C in a terminal
 reaches the whole process group, and it is the parent that stops a run (`close` ends workers still
 running).
@@ -18,44 +18,47 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Sequence
 
-from lmbatch.engine.worker import WorkerSpec, _counts, _pack, _serve
+from lmbatch.engine.protocol import Handover, Progress, Request, Result, remaining
+from lmbatch.engine.worker import Close, Done, Failed, Matched, MatchQuery, Part, Ready, RunBatch, counts, pack, serve
 from lmbatch.errors import UserError
 from lmbatch.requests import GenerateRequest, GenerateResult, RunStats, ScoreRequest, ScoreResult, TokenCounts
 from lmbatch.scheduler.partition import partition
 from lmbatch.scheduler.planner import posthoc_unique
 
 if TYPE_CHECKING:
-    from lmbatch.engine.engine import Handover
+    import torch
+
+    from lmbatch.engine.options import EngineSpec
+    from lmbatch.model.config import ModelConfig
     from lmbatch.scheduler.planner import Plan
 
 
 class ParallelEngine:
-    """`n` engines in worker processes, used as one (`run`, `match_lens`, `kv_slots`, `cfg`). Each
-    engine is `spec.tensor_parallel` processes (a tensor-parallel group, one device each)."""
+    """`spec.workers` engines in worker processes, used as one (a `BatchEngine`). Each engine is
+    `spec.tensor_parallel` processes (a tensor-parallel group, one device each)."""
 
-    def __init__(self, spec: WorkerSpec, n: int, cfg: Any, gpus: Sequence[str] | None = None,
-                 ray_address: str | None = None):
+    def __init__(self, spec: EngineSpec, cfg: ModelConfig, gpus: Sequence[str] | None = None):
         """`gpus`: the CUDA_VISIBLE_DEVICES entry of each process (worker k's rank r: k * tp + r);
-        `ray_address`: place the processes on that Ray cluster instead (engine/cluster.py)."""
+        `spec.ray_address`: the processes are placed on that Ray cluster instead (engine/cluster.py)."""
+        n = spec.workers
         self.cfg, self.spec, self.data_parallel, self.tensor_parallel = cfg, spec, n, spec.tensor_parallel
-        self.device = spec.device
-        self.home: dict[Hashable, int] = {}       # group -> the worker that ran its earlier calls
+        self.group_worker: dict[Hashable, int] = {}     # group -> the worker that ran its earlier calls
         self.running = False
         self._prompts: list[list[list[int]]] = [[] for _ in range(n)]     # each worker's executed prompts
         self._generated: list[list[tuple[list[int], int]]] = [[] for _ in range(n)]  # and generations
         self.procs: list[Any] = []                 # local processes (none on Ray)
         self.cluster: Any = None
-        if ray_address is not None:
+        if spec.ray_address is not None:
             from lmbatch.engine.cluster import RayWorkers
-            self.cluster = RayWorkers(ray_address, spec, n)
+            self.cluster = RayWorkers(spec.ray_address, spec, n)
             groups = self.cluster.groups
         else:
             groups, self.procs = _launch(spec, n, gpus)
-        self.conns = [g[0] for g in groups]               # rank 0 of each worker: requests and results
-        self.side = [c for g in groups for c in g[1:]]    # the other ranks: only their errors
-        self.names: dict[Any, str] = {}                   # a connection or process sentinel -> whose
+        self.conns = [g[0] for g in groups]                 # rank 0 of each worker: requests and results
+        self.other_ranks = [c for g in groups for c in g[1:]]   # only their errors come from there
+        self.names: dict[Any, str] = {}                     # a connection or process sentinel -> whose
         for k, g in enumerate(groups):
             for r, c in enumerate(g):
                 name = f"data-parallel worker {k}" + (f" (tensor-parallel rank {r})" if len(g) > 1 else "")
@@ -63,40 +66,46 @@ class ParallelEngine:
                 if self.procs:
                     self.names[self.procs[k * len(g) + r].sentinel] = name
         try:
-            self.slots = [self._recv(c, "ready") for c in self.conns]
-            for c in self.side:
-                self._recv(c, "ready")
+            self.slots = [self._recv(c, Ready).kv_slots for c in self.conns]
+            for c in self.other_ranks:
+                self._recv(c, Ready)
         except BaseException:
             self.close()
             raise
+
+    @property
+    def device(self) -> torch.device:
+        import torch
+        return torch.device(self.spec.device)
 
     @property
     def kv_slots(self) -> int:
         """Tokens the smallest worker's pool holds (what one request may take)."""
         return min(self.slots)
 
-    def _recv(self, c: Connection, kind: str) -> Any:
-        """The next message from `c`, which must be of `kind`; a worker's error or exit raises."""
+    def _recv(self, c: Connection, kind: type) -> Any:
+        """The next message from `c`, which must be a `kind`; a worker's error or exit raises."""
         try:
             msg = c.recv()
         except (EOFError, OSError):
             msg = None
-        if msg is None or msg[0] == "error":
+        if not isinstance(msg, kind):
             self._failed(c, msg)
-        assert msg[0] == kind, msg[0]
-        return msg[1] if len(msg) == 2 else msg[1:]
+        return msg
 
     def _failed(self, who: Any, msg: Any) -> None:
         name = self.names[who]
+        if isinstance(msg, Failed):
+            raise (UserError if msg.user_error else RuntimeError)(f"{name}: {msg.text}")
         if msg is not None:
-            raise (UserError if msg[1] else RuntimeError)(f"{name}: {msg[2]}")
+            raise RuntimeError(f"{name} sent {type(msg).__name__} out of turn")
         proc = next((p for p in self.procs if self.names[p.sentinel] == name), None)
         if proc is None:
             raise RuntimeError(f"{name} closed its connection (it exited)")
         proc.join(5)
         raise RuntimeError(f"{name} exited (code {proc.exitcode})")
 
-    def optimal_unique_tokens(self) -> int:
+    def optimal_unique_tokens(self) -> int | None:
         """The fewest prompt tokens the workers had to compute, each over what it executed in every
         run so far (`planner.posthoc_unique` per worker: shared prefixes once per worker that needs
         them, text a worker generated free): the data-parallel counterpart of the run's optimum."""
@@ -105,30 +114,44 @@ class ParallelEngine:
     def match_lens(self, seqs: list[list[int]]) -> list[int]:
         """Each sequence's longest cached prefix on any worker."""
         for c in self.conns:
-            c.send(("match", seqs))
-        got = [self._recv(c, "match") for c in self.conns]
+            c.send(MatchQuery(seqs))
+        got = [self._recv(c, Matched).lengths for c in self.conns]
         return [max(col) for col in zip(*got)] if seqs else []
 
-    def run(self, requests: Sequence[Any], schedule: str = "dfs", seed: int = 0,
-            progress: Callable[[int, RunStats], None] | None = None, plan: Plan | None = None,
-            handover: Handover | None = None, groups: Sequence[Hashable] | None = None) -> tuple[list[Any], RunStats]:
-        """As `Engine.run`, over the workers (`plan` is not used: each worker plans its part)."""
+    def run(self, requests: Sequence[Request], *, schedule: str = "dfs", seed: int = 0,
+            progress: Progress | None = None) -> tuple[list[Result], RunStats]:
+        for h in self.stream(requests, schedule=schedule, seed=seed, progress=progress):
+            pass
+        return list(h.results), h.stats
+
+    def stream(self, requests: Sequence[Request], *, schedule: str = "dfs", seed: int = 0, plan: Plan | None = None,
+               progress: Progress | None = None, handover_due: Callable[[], bool] | None = None,
+               groups: Sequence[Hashable] | None = None) -> Iterator[Handover]:
+        """As `Engine.stream`, over the workers (`plan` is not used: each worker plans its part)."""
         t0 = time.perf_counter()
-        part = partition([r.prompt for r in requests], len(self.conns), groups=groups,
-                         pinned={g: self.home[g] for g in set(groups) if g in self.home} if groups else None,
+        pinned = {g: self.group_worker[g] for g in set(groups) if g in self.group_worker} if groups else None
+        part = partition([r.prompt for r in requests], len(self.conns), groups=groups, pinned=pinned,
                          mergeable=[isinstance(r, ScoreRequest) for r in requests])
         if groups is not None:
             for k, idx in enumerate(part.parts):
-                self.home.update((groups[i], k) for i in idx)
+                self.group_worker.update((groups[i], k) for i in idx)
         for k, idx in enumerate(part.parts):
             if idx:
-                self.conns[k].send(("run", [_pack(requests[i]) for i in idx], schedule, seed))
-        gather = _Gather(requests, part.parts, progress, handover)
+                self.conns[k].send(RunBatch([pack(requests[i]) for i in idx], schedule, seed))
+        gather = _Gather(requests, part.parts, progress)
         gather.stats.unique_tokens = sum(part.part_unique_tokens)
         gather.stats.optimal_hit_rate = gather.stats.engine_optimal_hit_rate = part.hit_rate
         t1 = time.perf_counter()
         self.running = True
-        self._gather(gather, {k for k, idx in enumerate(part.parts) if idx})
+        final: list[int] = []
+        handed = bytearray(len(requests))
+        for got in self._reports(gather, {k for k, idx in enumerate(part.parts) if idx}):
+            final += got
+            if handover_due is not None and handover_due():
+                for i in final:
+                    handed[i] = 1
+                yield Handover(final, gather.results, gather.stats, False)
+                final = []
         self.running = False
         gather.stats.plan_s, gather.stats.execute_s = t1 - t0, time.perf_counter() - t1
         for k, executed in enumerate(gather.executed):
@@ -137,11 +160,12 @@ class ParallelEngine:
                 self._prompts[k].append(prompt)
                 if isinstance(r, GenerateResult):
                     self._generated[k].append((prompt + r.token_ids[:-1], len(prompt)))
-        return gather.results, gather.stats
+        yield Handover(remaining(gather.stats, handed), gather.results, gather.stats, True)
 
-    def _gather(self, gather: _Gather, busy: set[int]) -> None:
-        """Take the workers' reports until each busy one is done; any worker's error or exit raises."""
-        watch = list(self.side) + [p.sentinel for p in self.procs]
+    def _reports(self, gather: _Gather, busy: set[int]) -> Iterator[list[int]]:
+        """The requests each worker report makes final (a `Part`), until each busy worker is `Done`;
+        any worker's error or exit raises."""
+        watch = list(self.other_ranks) + [p.sentinel for p in self.procs]
         while busy:
             ready = wait([self.conns[k] for k in busy] + watch)
             for k in [k for k in sorted(busy) if self.conns[k] in ready]:
@@ -149,16 +173,16 @@ class ParallelEngine:
                     msg = self.conns[k].recv()
                 except (EOFError, OSError):
                     msg = None
-                if msg is None or msg[0] == "error":
-                    self._failed(self.conns[k], msg)
-                elif msg[0] == "part":
-                    gather.part(k, *msg[1:])
-                else:
-                    gather.done(k, msg[1], msg[2])
+                if isinstance(msg, Part):
+                    yield gather.part(k, msg)
+                elif isinstance(msg, Done):
+                    gather.done(k, msg)
                     busy.discard(k)
+                else:
+                    self._failed(self.conns[k], msg)
             for who in [w for w in watch if w in ready]:
                 if isinstance(who, Connection):
-                    self._recv(who, "none")            # only an error comes from there
+                    self._recv(who, type(None))       # only an error comes from there
                 elif not any(self.conns[k].poll() for k in busy):     # exited, its last words read
                     self._failed(who, None)
 
@@ -167,7 +191,7 @@ class ParallelEngine:
         have read the close."""
         for c in self.conns:
             try:
-                c.send(("close",))
+                c.send(Close())
             except OSError:
                 pass
         for p in self.procs:
@@ -179,7 +203,7 @@ class ParallelEngine:
             self.cluster.close(at_once=self.running)
 
 
-def _launch(spec: WorkerSpec, n: int, gpus: Sequence[str] | None) -> tuple[list[list[Connection]], list[Any]]:
+def _launch(spec: EngineSpec, n: int, gpus: Sequence[str] | None) -> tuple[list[list[Connection]], list[Any]]:
     """`n` workers of `spec.tensor_parallel` local processes: each one's connections (rank 0 first),
     and the processes."""
     t = spec.tensor_parallel
@@ -191,7 +215,7 @@ def _launch(spec: WorkerSpec, n: int, gpus: Sequence[str] | None) -> tuple[list[
         groups.append([])
         for r in range(t):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(r, spec, child, gpus[k * t + r] if gpus else None, port),
+            p = ctx.Process(target=serve, args=(r, spec, child, gpus[k * t + r] if gpus else None, port),
                             name=f"lmbatch-dp{k}-tp{r}", daemon=True)
             p.start()
             child.close()
@@ -212,17 +236,16 @@ def _free_port() -> int:
 class _Gather:
     """One run's results and counts as the workers report them, in the requests' own indices."""
 
-    def __init__(self, requests: Sequence[Any], parts: list[list[int]],
-                 progress: Callable[[int, RunStats], None] | None, handover: Handover | None):
-        self.parts, self.progress, self.handover = parts, progress, handover
-        self.results: list[Any] = [GenerateResult() if isinstance(r, GenerateRequest) else ScoreResult()
-                                   for r in requests]
+    def __init__(self, requests: Sequence[Request], parts: list[list[int]], progress: Progress | None):
+        self.parts, self.progress = parts, progress
+        self.results: list[Result] = [GenerateResult() if isinstance(r, GenerateRequest) else ScoreResult()
+                                      for r in requests]
         self.stats = RunStats(requests=len(requests))
         self.counts = [TokenCounts() for _ in parts]
-        self.handed = bytearray(len(requests))
+        self.merged = bytearray(len(requests))      # final results a worker sent in a Part
         self.executed: list[list[int]] = [[] for _ in parts]     # each worker's executed requests
 
-    def _merge(self, k: int, pairs: Sequence[tuple[int, Any]], members: dict[int, list[int]]) -> list[int]:
+    def _merge(self, k: int, pairs: Sequence[tuple[int, Result]], members: dict[int, list[int]]) -> list[int]:
         idx, final = self.parts[k], []
         for i, r in pairs:
             self.results[idx[i]] = r
@@ -233,39 +256,33 @@ class _Gather:
             self.executed[k].append(idx[j])
         return final
 
-    def _totals(self) -> None:
+    def _count(self, k: int, c: TokenCounts) -> None:
+        """Worker k's counts so far; the run's are every worker's added up."""
+        self.counts[k] = c
+        total = TokenCounts()
+        for c in self.counts:
+            total.add(c)
         s = self.stats
-        s.prompt_tokens = sum(c.prompt_tokens for c in self.counts)
-        s.cached_tokens = sum(c.cached_tokens for c in self.counts)
-        s.computed_tokens = sum(c.computed_tokens for c in self.counts)
-        s.decode_tokens = sum(c.decode_tokens for c in self.counts)
+        s.prompt_tokens, s.cached_tokens = total.prompt_tokens, total.cached_tokens
+        s.computed_tokens, s.decode_tokens = total.computed_tokens, total.decode_tokens
 
-    def part(self, k: int, pairs: Sequence[tuple[int, Any]], members: dict[int, list[int]],
-             counts: TokenCounts) -> None:
-        """Worker k's results finished since its last report."""
-        final = self._merge(k, pairs, members)
-        self.counts[k] = counts
-        self._totals()
+    def part(self, k: int, msg: Part) -> list[int]:
+        """Worker k's results final since its last report."""
+        final = self._merge(k, msg.results, msg.members)
+        self._count(k, msg.counts)
         for g in final:
-            self.handed[g] = 1
+            self.merged[g] = 1
         if self.progress is not None and final:
             self.progress(final[-1], self.stats)
-        if self.handover is not None and final:
-            self.handover.take(final, self.results, self.stats)
+        return final
 
-    def done(self, k: int, results: list[Any], st: RunStats) -> None:
+    def done(self, k: int, msg: Done) -> None:
         """Worker k's run ended: the rest of its results and its counters."""
-        idx = self.parts[k]
-        pairs = [(i, results[i]) for i in range(len(idx)) if not self.handed[idx[i]]]
+        idx, st = self.parts[k], msg.stats
+        pairs = [(i, msg.results[i]) for i in range(len(idx)) if not self.merged[idx[i]]]
         members = {j: st.members[j] for j in st.order if idx[j] not in self.stats.members}
         self._merge(k, pairs, members)
-        self.counts[k] = _counts(st)
-        self._totals()
-        s = self.stats
-        s.executed += st.executed
-        s.forward_batches += st.forward_batches
-        s.evicted_tokens += st.evicted_tokens
-        s.masked_rows += st.masked_rows
-        s.resampled_rows += st.resampled_rows
+        self._count(k, counts(st))
+        self.stats.add_engine_counts(st)
         if self.progress is not None and idx:
-            self.progress(idx[-1], s)
+            self.progress(idx[-1], self.stats)

@@ -23,9 +23,9 @@ from lmbatch.requests import GenerateRequest
 
 
 class Prefill:
-    def __init__(self, state: RunState, runner: ModelRunner, kv: KVSlots, capture: LogitCapture, decode: Decode,
+    def __init__(self, state: RunState, model_runner: ModelRunner, kv: KVSlots, capture: LogitCapture, decode: Decode,
                  max_tokens: int):
-        self.state, self.runner, self.kv, self.capture, self.decode = state, runner, kv, capture, decode
+        self.state, self.model_runner, self.kv, self.capture, self.decode = state, model_runner, kv, capture, decode
         self.max_tokens = max_tokens
         self._new_batch()
 
@@ -117,7 +117,7 @@ class Prefill:
         b = self.batch
         if b.num_tokens == 0:
             return
-        logits = self.runner.forward(b)
+        logits = self.model_runner.forward(b)
         self.state.stats.forward_batches += 1
         self.capture.launch(cast("list[Key]", b.logit_keys), logits)    # a prefill row always has a key
         for node in self._locks:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Callable, cast
+from typing import Callable, Iterator, cast
 
 import torch
 
@@ -143,7 +143,7 @@ class RadixTree:
         freed = 0
         while freed < num_tokens and leaves:
             leaf = heapq.heappop(leaves)
-            parent = leaf.parent
+            parent = cast(Node, leaf.parent)    # a leaf is never the root: it has a parent
             del parent.children[leaf.key[0]]
             self._free_slots(leaf.value)
             freed += len(leaf.key)
@@ -152,7 +152,7 @@ class RadixTree:
                 heapq.heappush(leaves, parent)
         return freed
 
-    def _nodes(self):
+    def _nodes(self) -> Iterator[Node]:
         stack = [self.root]
         while stack:
             node = stack.pop()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, cast
 import torch
 
 from lmbatch.attention import to_device
+from lmbatch.engine.options import MASK_MODES
 from lmbatch.engine.sampling import sample
 from lmbatch.engine.state import Running
 from lmbatch.model.config import ModelConfig
@@ -22,7 +23,6 @@ from lmbatch.model.config import ModelConfig
 if TYPE_CHECKING:      # lmbatch.grammar imports xgrammar: loaded only where a grammar is used
     from lmbatch.grammar import Constraint
 
-MASK_MODES = ("overlap", "lazy", "eager")
 AHEAD_ROWS = 4      # masks filled between two looks at the device (one by one: a batched fill overshoots)
 
 

@@ -6,19 +6,17 @@ Everything here lives for one run: the engine keeps only the model, the KV pool 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence, Union
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from lmbatch.engine.protocol import Progress, Request, Result
 from lmbatch.engine.radix_cache import Node
 from lmbatch.requests import GenerateRequest, GenerateResult, RunStats, SamplingParams, ScoreRequest, ScoreResult
 from lmbatch.scheduler.planner import Plan, PlanNode
 
 if TYPE_CHECKING:      # lmbatch.grammar imports xgrammar: loaded only where a grammar is used
     from lmbatch.grammar import Constraint
-
-Request = Union[ScoreRequest, GenerateRequest]
-Result = Union[ScoreResult, GenerateResult]
 Key = tuple[PlanNode, int]      # a position of the plan's tree: logits there are captured once for all
 FULL_ROW = -1  # demand marker: keep the whole logits row (to sample from it)
 
@@ -66,11 +64,9 @@ class Running:
 class RunState:
     """One run's requests, plan, results and counters, and the plan path of each request."""
 
-    def __init__(self, requests: Sequence[Request], plan: Plan,
-                 progress: Callable[[int, RunStats], None] | None = None, keep_final: bool = False):
+    def __init__(self, requests: Sequence[Request], plan: Plan, progress: Progress | None = None):
         self.requests, self.plan, self.progress = requests, plan, progress
-        self.keep_final = keep_final
-        self.final: list[int] = []      # with keep_final: requests done since the last handover
+        self.final: list[int] = []      # requests done since the last handover
         self.paths: list[list[PlanNode]] = [plan.path(i) for i in range(len(requests))]
         self.results: list[Result] = [GenerateResult() if isinstance(r, GenerateRequest) else ScoreResult()
                                       for r in requests]
@@ -81,8 +77,7 @@ class RunState:
 
     def done(self, i: int) -> None:
         """Request i needs nothing more from the engine (its score may still be summed at the end)."""
-        if self.keep_final:
-            self.final.append(i)
+        self.final.append(i)
         if self.progress:
             self.progress(i, self.stats)
 

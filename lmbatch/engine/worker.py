@@ -1,11 +1,11 @@
 """A data-parallel worker process (or one rank of its tensor-parallel group): it builds its own
-`Engine` and runs the batches its parent (`parallel.ParallelEngine`) sends, handing finished
-results back as it goes. Rank 0 of a group reads the parent's messages and broadcasts them to the
-other ranks, which run the same engine steps so that their collectives pair up.
+`Engine` from the run's `EngineSpec` and runs the batches its parent (`parallel.ParallelEngine`)
+sends, handing finished results back as it goes. Rank 0 of a group reads the parent's messages and
+broadcasts them to the other ranks, which run the same engine steps so that their collectives pair up.
 
-Messages: parent -> worker ("run", packed requests, schedule, seed), ("match", sequences),
-("close",); worker -> parent ("ready", KV slots), ("part", results, members, counts),
-("done", results, stats), ("match", lengths), ("error", is_user_error, text).
+The messages, one dataclass each: the parent sends `RunBatch`, `MatchQuery` and `Close`; a worker
+answers `Ready` once built, `Part`s and then `Done` for a batch, `Matched` for a query, and `Failed`
+for any error (a user's or not).
 """
 from __future__ import annotations
 
@@ -15,68 +15,113 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence, Union, cast
 
+from lmbatch.engine.protocol import Request, Result
 from lmbatch.errors import UserError
-from lmbatch.requests import GenerateRequest, RunStats, ScoreRequest, TokenCounts
+from lmbatch.requests import GenerateRequest, RunStats, TokenCounts
 
-RELAY_S = 1.0           # a worker hands its finished results to the parent at least this often
-RELAY_TICKS = 1024      # in a tensor-parallel group: every this many prefill adds and decode steps
+if TYPE_CHECKING:
+    from lmbatch.engine.engine import Engine
+    from lmbatch.engine.options import EngineSpec
+
+RELAY_TICKS = 1024      # in a tensor-parallel group: hand over every this many prefill adds and decode steps
+
+# a request as it crosses to a worker, and the grammar it carries: (kind, source) and the steps its
+# matcher has accepted, or None (see `pack`)
+Packed = tuple[Request, Union[tuple[tuple[str, Any], list[Union[int, str]]], None]]
+
+
+# ---- parent -> worker --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunBatch:
+    requests: list[Packed]
+    schedule: str
+    seed: int
 
 
 @dataclass(frozen=True)
-class WorkerSpec:
-    """What each worker builds its engine from (sent to its process)."""
-    model_dir: str
-    device: str                     # "cpu" or "cuda"
-    dtype: str
-    kv_cache_tokens: int
-    max_tokens_per_batch: int
-    cache: bool = True
-    jump_forward: bool = True
-    vocab_size: int | None = None   # the model's (grammars are compiled against it)
-    threads: int | None = None      # torch threads of a CPU worker
-    relay_s: float = RELAY_S        # seconds between a worker's handovers of finished results
-    tensor_parallel: int = 1        # ranks (devices) of each worker's model
-    load_format: str = "auto"       # "dummy": random weights (speed work)
+class MatchQuery:
+    seqs: list[list[int]]
 
 
-def _pack(r: ScoreRequest | GenerateRequest) -> tuple[Any, Any]:
+@dataclass(frozen=True)
+class Close:
+    pass
+
+
+# ---- worker -> parent --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hello:
+    """A rank placed by Ray says who it is as it connects (engine/cluster.py)."""
+    worker: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class Ready:
+    kv_slots: int
+
+
+@dataclass(frozen=True)
+class Part:
+    """Results final since the worker's last part: (index in the batch, result) pairs, the executed
+    requests among them with those each served, and the worker's counts so far."""
+    results: list[tuple[int, Result]]
+    members: dict[int, list[int]]
+    counts: TokenCounts
+
+
+@dataclass(frozen=True)
+class Done:
+    results: list[Result]
+    stats: RunStats
+
+
+@dataclass(frozen=True)
+class Matched:
+    lengths: list[int]
+
+
+@dataclass(frozen=True)
+class Failed:
+    user_error: bool
+    text: str
+
+
+def pack(r: Request) -> Packed:
     """A request as it crosses to a worker: a grammar goes as its source and the steps its matcher
     has accepted (text jump-forward put in the prompt), compiled and replayed there."""
     if isinstance(r, GenerateRequest) and r.constraint is not None:
-        return replace(r, constraint=None), (r.constraint.spec, list(r.constraint.steps))
+        return replace(r, constraint=None), (cast("tuple[str, Any]", r.constraint.spec), list(r.constraint.steps))
     return r, None
 
 
-class _Relay:
-    """A worker's handover: finished results go to the parent every `seconds`. In a tensor-parallel
-    group every rank must flush its batches at the same points (their collectives pair up), so there
-    it is due every `ticks` engine ticks instead, the same on each rank; only rank 0 sends."""
-
-    def __init__(self, conn: Connection | None, seconds: float, ticks: int = 0):
-        self.conn, self.seconds, self.ticks = conn, seconds, ticks
-        self.next = time.monotonic() + seconds
-        self.count = 0
-
-    def due(self) -> bool:
-        if self.ticks:
-            self.count += 1
-            return self.count % self.ticks == 0
-        return time.monotonic() >= self.next
-
-    def take(self, final: list[int], results: Sequence[Any], stats: RunStats) -> None:
-        self.next = time.monotonic() + self.seconds
-        if self.conn is not None:
-            members = {j: stats.members[j] for j in final if j in stats.members}
-            self.conn.send(("part", [(i, results[i]) for i in final], members, _counts(stats)))
-
-
-def _counts(stats: RunStats) -> TokenCounts:
+def counts(stats: RunStats) -> TokenCounts:
     return TokenCounts(stats.prompt_tokens, stats.cached_tokens, stats.computed_tokens, stats.decode_tokens)
 
 
-def _serve(rank: int, spec: WorkerSpec, conn: Connection, gpu: str | None, port: int) -> None:
+class _Relay:
+    """When a worker hands its finished results to the parent: every `seconds`. In a tensor-parallel
+    group every rank must flush its batches at the same points (their collectives pair up), so there
+    it is every `ticks` engine ticks instead, the same on each rank."""
+
+    def __init__(self, seconds: float, ticks: int = 0):
+        self.seconds, self.ticks = seconds, ticks
+        self.next = time.monotonic() + seconds
+        self.count = 0
+
+    def __call__(self) -> bool:
+        if self.ticks:
+            self.count += 1
+            return self.count % self.ticks == 0
+        if time.monotonic() < self.next:
+            return False
+        self.next = time.monotonic() + self.seconds
+        return True
+
+
+def serve(rank: int, spec: EngineSpec, conn: Connection, gpu: str | None, port: int) -> None:
     """A worker process (`rank` of its tensor-parallel group): build the engine, then run what the
     parent sends (rank 0 reads it and passes it to the other ranks) until it says close."""
     if threading.current_thread() is threading.main_thread():
@@ -84,43 +129,50 @@ def _serve(rank: int, spec: WorkerSpec, conn: Connection, gpu: str | None, port:
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu          # before torch starts CUDA: this worker's device
     try:
-        engine, tokenizer, ctrl = _build(rank, spec, port)
-        conn.send(("ready", engine.kv_slots))
+        engine, ctrl = _build(rank, spec, port)
+        conn.send(Ready(engine.kv_slots))
         grammars: Any = None
         while True:
             msg = conn.recv() if rank == 0 else None
-            if msg is not None and msg[0] == "match":       # each rank's cache is the same: rank 0 answers
-                conn.send(("match", engine.match_lens(msg[1])))
+            if isinstance(msg, MatchQuery):       # each rank's cache is the same: rank 0 answers
+                conn.send(Matched(engine.match_lens(msg.seqs)))
                 continue
             if ctrl is not None:
                 msg = _broadcast(msg, ctrl)
-            assert msg is not None
-            if msg[0] == "close":
+            if isinstance(msg, Close):
                 return
-            _, packed, schedule, seed = msg
-            if grammars is None and any(c is not None for _, c in packed):
+            assert isinstance(msg, RunBatch), msg
+            if grammars is None and any(c is not None for _, c in msg.requests):
                 from lmbatch.grammar import GrammarCompiler
-                grammars = GrammarCompiler(tokenizer, spec.vocab_size)
-            requests = [r if c is None else replace(r, constraint=_rebuild(grammars, *c)) for r, c in packed]
-            relay = _Relay(conn if rank == 0 else None, spec.relay_s, RELAY_TICKS if ctrl is not None else 0)
-            results, stats = engine.run(requests, schedule=schedule, seed=seed, handover=relay)
-            if rank == 0:
-                conn.send(("done", results, stats))
+                from lmbatch.model.tokenizer import real_tokenizer
+                grammars = GrammarCompiler(real_tokenizer(engine.tokenizer), engine.cfg.vocab_size)
+            requests = [r if c is None else replace(r, constraint=_rebuild(grammars, *c)) for r, c in msg.requests]
+            due = _Relay(spec.relay_s, RELAY_TICKS if ctrl is not None else 0)
+            for h in engine.stream(requests, schedule=msg.schedule, seed=msg.seed, handover_due=due):
+                if rank != 0:
+                    continue
+                if h.last:
+                    conn.send(Done(list(h.results), h.stats))
+                else:
+                    members = {j: h.stats.members[j] for j in h.final if j in h.stats.members}
+                    conn.send(Part([(i, h.results[i]) for i in h.final], members, counts(h.stats)))
     except BaseException as e:  # noqa: BLE001  the parent raises it, naming this worker
         try:
-            conn.send(("error", isinstance(e, UserError), f"{type(e).__name__}: {e}"))
+            conn.send(Failed(isinstance(e, UserError), f"{type(e).__name__}: {e}"))
         except OSError:
             pass
 
 
-def _build(rank: int, spec: WorkerSpec, port: int) -> tuple[Any, Any, Any]:
-    """(engine, tokenizer, the group's control channel or None) of one worker process."""
+def _build(rank: int, spec: EngineSpec, port: int) -> tuple[Engine, Any]:
+    """(engine, the group's control channel or None) of one worker process."""
     import torch
 
-    from lmbatch.engine.engine import Engine, EngineOptions
+    from lmbatch.engine.engine import Engine
+    from lmbatch.model.tokenizer import LazyTokenizer
 
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
+    procs = spec.workers * spec.tensor_parallel
+    if spec.device == "cpu":
+        torch.set_num_threads(spec.threads or max(1, (os.cpu_count() or 1) // procs))
     tp, ctrl = None, None
     if spec.tensor_parallel > 1:
         import torch.distributed as dist
@@ -132,18 +184,11 @@ def _build(rank: int, spec: WorkerSpec, port: int) -> tuple[Any, Any, Any]:
                                 world_size=spec.tensor_parallel)
         ctrl = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
         tp = TensorParallel(rank, spec.tensor_parallel)
-    from transformers import AutoTokenizer
-
-    try:        # stop strings and grammars need it; a bare checkpoint (tests) runs without
-        tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
-    except (OSError, ValueError):
-        tokenizer = None
-    options = EngineOptions(kv_cache_tokens=spec.kv_cache_tokens, max_tokens_per_batch=spec.max_tokens_per_batch,
-                            cache=spec.cache, jump_forward=spec.jump_forward)
-    engine = Engine.from_pretrained(spec.model_dir, options, device=spec.device, dtype=getattr(torch, spec.dtype),
-                                    tokenizer=tokenizer, tp=tp, load_format=spec.load_format)
-    engine.warm_up()
-    return engine, tokenizer, ctrl
+    assert spec.dtype is not None, "the parent fits the spec"
+    engine = Engine.from_pretrained(spec.model_dir, spec.options, device=spec.device, dtype=getattr(torch, spec.dtype),
+                                    tokenizer=LazyTokenizer.of(spec.model_dir), tp=tp, load_format=spec.load_format)
+    engine.warm_up(graphs=spec.graphs_ahead)
+    return engine, ctrl
 
 
 def _broadcast(msg: Any, group: Any) -> Any:
@@ -155,7 +200,7 @@ def _broadcast(msg: Any, group: Any) -> Any:
     return box[0]
 
 
-def _rebuild(grammars: Any, spec: tuple[str, Any], steps: list[int | str]) -> Any:
+def _rebuild(grammars: Any, spec: tuple[str, Any], steps: Sequence[int | str]) -> Any:
     """A constraint in the state its parent's was in."""
     c = grammars.constraint(**{spec[0]: spec[1]})
     for step in steps:

@@ -2,9 +2,10 @@
 its grammar compiled for a constrained gen), the engine requests it becomes, and its result."""
 from __future__ import annotations
 
+import hashlib
 import time
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeAlias, cast
 
 from lmbatch.errors import UserError
 from lmbatch.frontend.dsl import CallIds, Gen, Pending, Select, SelectIds
@@ -15,6 +16,9 @@ if TYPE_CHECKING:
     from lmbatch.grammar import GrammarCompiler  # imports xgrammar: loaded on the first constraint
 
 EngineRequest = ScoreRequest | GenerateRequest
+# token ids made before, by (the program's number in its task, the call's number in its program):
+# (the call's digest, its ids)
+KnownIds: TypeAlias = dict[tuple[int, int], tuple[bytes, CallIds]]
 THINK_END = "</think>"      # the end-of-thinking marker of Qwen3, DeepSeek-R1 and most thinking models
 
 
@@ -46,32 +50,48 @@ def new_tokens(p: Pending) -> int:
     return op.max_tokens + (op.think_budget + len(p.think_ids) if op.think else 0)
 
 
-class CallPreparer:
-    """Token ids of queued calls (each distinct text segment tokenized once), checked against the
-    model's context; the grammars of constrained gens, compiled once per run unless grammar_cache
-    is off."""
+@dataclass(frozen=True)
+class CallOptions:
+    """How calls become token ids: checked against the model's context (`max_len`; `truncate_left`
+    drops a select's oldest context tokens instead of failing), grammars compiled against its
+    `vocab_size`, once per distinct constraint (`grammar_cache`), their forced text jumped over
+    (`jump_forward`); with `think_budget`, every gen thinks first, up to that many tokens, until
+    `think_end` (a run's --think-budget, --think-end)."""
+    max_len: int
+    truncate_left: bool = False
+    vocab_size: int | None = None
+    jump_forward: bool = True
+    grammar_cache: bool = True
+    think_budget: int | None = None
+    think_end: str | None = None
 
-    def __init__(self, encoder: TextEncoder, *, max_len: int, truncate_left: bool, vocab_size: int | None,
-                 jump_forward: bool, grammar_cache: bool, think_budget: int | None = None,
-                 think_end: str | None = None):
-        """`think_budget`: every gen thinks first, up to that many tokens, until `think_end` (a run's
-        --think-budget, --think-end)."""
-        self.encoder, self.max_len, self.truncate_left = encoder, max_len, truncate_left
-        self.think_budget, self.think_end = think_budget, think_end
-        self.vocab_size, self.jump_forward, self.grammar_cache = vocab_size, jump_forward, grammar_cache
+
+class CallPreparer:
+    """Token ids of queued calls (each distinct text segment tokenized once, or known already),
+    checked against the model's context; the grammars of constrained gens."""
+
+    def __init__(self, encoder: TextEncoder, options: CallOptions):
+        o = options
+        self.encoder, self.max_len, self.truncate_left = encoder, o.max_len, o.truncate_left
+        self.think_budget, self.think_end = o.think_budget, o.think_end
+        self.vocab_size, self.jump_forward, self.grammar_cache = o.vocab_size, o.jump_forward, o.grammar_cache
         self.grammars: GrammarCompiler | None = None    # made on the first constraint
         self.truncated = 0              # selects whose context lost its oldest tokens
         self.tokenize_s = 0.0           # tokenizing calls' prompts, over every wave
 
-    def prepare(self, pending: list[Pending], fail: Callable[[Pending, str], None]) -> None:
-        """Set each call's `ids`; a call that cannot run is passed to `fail` with the reason."""
+    def prepare(self, pending: list[Pending], fail: Callable[[Pending, str], None], known: KnownIds | None = None,
+                record: KnownIds | None = None) -> None:
+        """Set each call's `ids`; a call that cannot run is passed to `fail` with the reason. `known`:
+        token ids made before (a cached workload), taken where the call's text is the same; `record`
+        gets each call's ids (before the context checks), by its program's number and its own."""
         t0 = time.perf_counter()
         try:
-            self._prepare(pending, fail)
+            self._prepare(pending, fail, known, record)
         finally:
             self.tokenize_s += time.perf_counter() - t0
 
-    def _prepare(self, pending: list[Pending], fail: Callable[[Pending, str], None]) -> None:
+    def _prepare(self, pending: list[Pending], fail: Callable[[Pending, str], None], known: KnownIds | None,
+                 record: KnownIds | None) -> None:
         gens, selects = [], []
         for p in pending:
             if isinstance(p.op, Select):
@@ -88,11 +108,20 @@ class CallPreparer:
                 p.bad = str(e)
             gens.append(p)
         ids: dict[int, CallIds] = {}
+        digests = {id(p): call_digest(p) for p in pending} if known is not None or record is not None else {}
+        for p in pending:
+            hit = known.get((p.owner.number, p.seq)) if known is not None else None
+            if hit is not None and hit[0] == digests[id(p)]:
+                ids[id(p)] = hit[1]
+        selects = [p for p in selects if id(p) not in ids]
+        gens = [p for p in gens if id(p) not in ids]
         pairs = [(p.prompt, cast(Select, p.op).choices) for p in selects]
         for p, pair in zip(selects, self.encoder.encode_choices(pairs)):
             ids[id(p)] = pair
         for p, one in zip(gens, self.encoder.encode([p.prompt + p.forced for p in gens])):
             ids[id(p)] = one
+        if record is not None:
+            record.update(((p.owner.number, p.seq), (digests[id(p)], ids[id(p)])) for p in pending)
         for p in pending:
             try:
                 if p.bad is not None:
@@ -158,6 +187,16 @@ class CallPreparer:
             raise UserError(f"instance {inst}: gen {p.op.name!r} needs {len(ids)} prompt + {new_tokens(p)} "
                             f"new tokens, more than the model's {self.max_len}-token context")
         return ids
+
+
+def call_digest(p: Pending) -> bytes:
+    """What decides a call's token ids: its kind, prompt, forced text and choices (a 16-byte hash)."""
+    h = hashlib.blake2b(digest_size=16)
+    if isinstance(p.op, Select):
+        h.update(b"select\0" + p.prompt.encode() + b"\0" + "\x1f".join(p.op.choices).encode())
+    else:
+        h.update(b"gen\0" + (p.prompt + p.forced).encode())
+    return h.digest()
 
 
 def engine_requests(calls: list[Pending], seed: int) -> tuple[list[EngineRequest], list[Pending]]:

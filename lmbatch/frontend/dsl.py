@@ -18,7 +18,7 @@ placeholder stands for its result in the state. A program waits only where it ne
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeAlias
 
 if TYPE_CHECKING:
     from lmbatch.frontend.workload import Instance
@@ -29,10 +29,10 @@ if TYPE_CHECKING:
 class _Plus:
     """`"text" + gen(...) + "more"` builds a sequence of items to append to a state."""
 
-    def __add__(self, other) -> "Seq":
+    def __add__(self, other: str | _Plus) -> "Seq":
         return Seq(_items(self) + _items(other))
 
-    def __radd__(self, other) -> "Seq":
+    def __radd__(self, other: str | _Plus) -> "Seq":
         return Seq(_items(other) + _items(self))
 
 
@@ -66,7 +66,7 @@ class Seq(_Plus):
     items: list
 
 
-def _items(x) -> list:
+def _items(x: object) -> list:
     if isinstance(x, Seq):
         return list(x.items)
     if isinstance(x, (str, Gen, Select)):
@@ -111,8 +111,12 @@ class CallOwner(Protocol):
     index: int                      # the program's place in the batch
     number: int                     # its instance's place in the task (the batch of a resumed run is a part)
     instance: Instance
-    started: bool                   # some call of it has been in a wave
     tokens: TokenCounts             # what its calls have put through the model
+
+    @property
+    def started(self) -> bool:
+        """Some call of it has been in a wave."""
+        ...
 
 
 SelectIds: TypeAlias = tuple[list[int], list[list[int]]]   # a select's context and its choices' continuations
@@ -138,7 +142,9 @@ class Pending:
     think_ids: tuple[int, ...] = () # a thinking gen's end-of-thinking marker
 
 
-class Runner(Protocol):
+class CallQueue(Protocol):
+    """Where a state's calls go (the interpreter's `ProgramRun`)."""
+
     def submit(self, op: Gen | Select, prompt: str) -> Pending: ...
 
     def wait(self, pending: list[Pending]) -> None: ...
@@ -149,17 +155,17 @@ class Runner(Protocol):
 class State:
     """The prompt state of one program (or of one fork of it)."""
 
-    def __init__(self, runner: Runner, parts: list | None = None, variables: dict | None = None):
-        self._runner = runner
+    def __init__(self, queue: CallQueue, parts: list | None = None, variables: dict | None = None):
+        self._queue = queue
         self._parts: list[str | Pending] = parts or []
         self._vars: dict[str, Any] = variables or {}
 
-    def __iadd__(self, other) -> "State":
+    def __iadd__(self, other: str | _Plus) -> "State":
         for item in _items(other):
             if isinstance(item, str):
                 self._parts.append(item)
             else:
-                p = self._runner.submit(item, self.text)
+                p = self._queue.submit(item, self.text)
                 self._parts.append(p)
                 self._vars[item.name] = p
         return self
@@ -167,27 +173,27 @@ class State:
     @property
     def text(self) -> str:
         """The state's whole text (waits for pending results in it)."""
-        self._runner.wait([p for p in self._parts if isinstance(p, Pending) and not p.done])
+        self._queue.wait([p for p in self._parts if isinstance(p, Pending) and not p.done])
         text = "".join(p if isinstance(p, str) else p.value for p in self._parts)
         self._parts = [text]
         return text
 
-    def __getitem__(self, name: str):
+    def __getitem__(self, name: str) -> Any:
         value = self._vars[name]
-        self._runner.wait([p for p in _pendings(value) if not p.done])
+        self._queue.wait([p for p in _pendings(value) if not p.done])
         return _resolve(value, lambda p: p.value)
 
-    def __setitem__(self, name: str, value) -> None:
+    def __setitem__(self, name: str, value: Any) -> None:
         self._vars[name] = value
 
     def __contains__(self, name: str) -> bool:
         return name in self._vars
 
-    def meta(self, name: str):
+    def meta(self, name: str) -> Any:
         """Details of a call's result: for select, logprobs/is_greedy/num_tokens per choice and the
         chosen index; for gen, finish_reason and token counts."""
         value = self._vars[name]
-        self._runner.wait([p for p in _pendings(value) if not p.done])
+        self._queue.wait([p for p in _pendings(value) if not p.done])
         return _resolve(value, lambda p: p.meta)
 
     def chat(self, messages: list, add_generation_prompt: bool = True) -> str:
@@ -195,7 +201,7 @@ class State:
         model's chat template, ending with the assistant's generation prompt: `s += s.chat([...])`.
         Programs that put the same first turns first share them as a prefix, as any text."""
         msgs = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
-        return self._runner.chat(msgs, add_generation_prompt)
+        return self._queue.chat(msgs, add_generation_prompt)
 
     def variables(self) -> dict[str, Any]:
         """Every named value, results resolved (waits for them)."""
@@ -206,7 +212,7 @@ class State:
         KV is computed once."""
         if n < 1:
             raise ValueError("fork(n) needs n >= 1")
-        return Forks(self, [State(self._runner, list(self._parts), dict(self._vars)) for _ in range(n)])
+        return Forks(self, [State(self._queue, list(self._parts), dict(self._vars)) for _ in range(n)])
 
 
 class Forks(list):
@@ -218,7 +224,7 @@ class Forks(list):
         self.parent = parent
 
     # mypy wants an __iadd__ to match list.__add__, which typeshed overloads; this one appends to each state
-    def __iadd__(self, other) -> "Forks":  # type: ignore[misc]
+    def __iadd__(self, other: str | _Plus) -> "Forks":  # type: ignore[misc, override]
         for s in self:
             s += other
         return self
@@ -234,7 +240,7 @@ class Forks(list):
 _MISSING = object()
 
 
-def _pendings(value) -> list[Pending]:
+def _pendings(value: object) -> list[Pending]:
     if isinstance(value, Pending):
         return [value]
     if isinstance(value, list):
@@ -242,7 +248,7 @@ def _pendings(value) -> list[Pending]:
     return []
 
 
-def _resolve(value, get):
+def _resolve(value: object, get: Callable[[Pending], Any]) -> Any:
     if isinstance(value, Pending):
         return get(value)
     if isinstance(value, list):

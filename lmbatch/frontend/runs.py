@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Protocol
 
 import greenlet
@@ -12,11 +13,18 @@ from lmbatch.frontend.workload import Instance
 from lmbatch.requests import TokenCounts
 
 
-class CallQueue(Protocol):
-    """Where a program's calls go (the `Interpreter`): its queue, and the greenlet that runs waves."""
+class Waves(Protocol):
+    """What runs a program's calls (the `Interpreter`): the queue of every program's calls, and the
+    greenlet that runs the waves."""
     ready: list[Pending]
     hub: greenlet.greenlet
     encoder: Any                    # a TextEncoder: its `hf` tokenizer renders chat messages
+
+
+class Status(Enum):
+    NEW = "new"                 # no call of it has been in a wave yet
+    STARTED = "started"         # some call of it has been in a wave
+    COMPLETE = "complete"       # it has returned, and every call it made has its result
 
 
 @dataclass(eq=False)
@@ -24,17 +32,21 @@ class ProgramRun:
     """One instance's program while it runs."""
     index: int                      # position in the interpreter's runs
     instance: Instance
-    interp: CallQueue
+    interp: Waves
     state: State | None = None
     glet: greenlet.greenlet | None = None
     stage: int = 0
     calls: list[Pending] = field(default_factory=list)
-    error: str | None = None
-    user_error: UserError | None = None
+    error: str | None = None        # why it failed (its own exception, or a call that could not run)
+    user_error: UserError | None = None     # a first-stage call that cannot run: the run stops with it
     tokens: TokenCounts = field(default_factory=TokenCounts)
-    started: bool = False           # some call of it has been in a wave
     number: int = -1                # position in the task's instances (a resumed run runs only some)
-    complete: bool = False          # returned, and every call of it has its result
+    status: Status = Status.NEW
+
+    @property
+    def started(self) -> bool:
+        """Some call of it has been in a wave."""
+        return self.status is not Status.NEW
 
     @property
     def footprint(self) -> int:

@@ -7,7 +7,7 @@ from typing import Sequence
 
 from lmbatch.frontend.calls import EngineRequest
 from lmbatch.frontend.dsl import Gen, Pending, Select
-from lmbatch.requests import GenerateResult, RunStats, ScoreResult, TokenCounts
+from lmbatch.requests import GenerateResult, RunStats, ScoreResult, TokenCounts, optimal_hit_rate
 from lmbatch.scheduler.planner import posthoc_unique, summarize
 
 
@@ -81,6 +81,6 @@ class Tally:
         s = self.stats
         plain = summarize(self._prompts).unique_tokens     # the prompts' own tree (Theorem 3.1)
         s.unique_tokens = posthoc_unique(self._prompts, self._generated) if self._generated else plain
-        s.optimal_hit_rate = 1 - s.unique_tokens / s.prompt_tokens if s.prompt_tokens else 0.0
+        s.optimal_hit_rate = optimal_hit_rate(s.unique_tokens, s.prompt_tokens)
         s.engine_optimal_hit_rate = s.optimal_hit_rate
-        self.prompt_tree_optimal_hit_rate = 1 - plain / s.prompt_tokens if s.prompt_tokens else 0.0
+        self.prompt_tree_optimal_hit_rate = optimal_hit_rate(plain, s.prompt_tokens)

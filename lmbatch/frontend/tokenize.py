@@ -31,9 +31,8 @@ import importlib.metadata
 import json
 import os
 import re
-import threading
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Iterable, Sequence
 
 # a line cut: after a newline, before an ASCII letter or digit
 _CUT = re.compile(r"(?<=\n)(?=[A-Za-z0-9])")
@@ -114,61 +113,52 @@ class TextEncoder:
     text's end); the two kinds are tokenized differently (see the module's docstring), so they have
     a memo each, kept across calls (a run's later waves reuse the few-shot segments)."""
 
-    def __init__(self, tokenizer: Any, hf: Any = None, load_hf: Callable[[], Any] | None = None):
+    def __init__(self, tokenizer: Any, hf: Any = None):
         """`tokenizer`: a `tokenizers.Tokenizer`; `hf`: the transformers tokenizer it belongs to
-        (decoding, stop strings, grammars), or `load_hf` to make that on first use of `hf`."""
+        (decoding, stop strings, grammars, chat templates), or a `LazyTokenizer` that makes it on first use."""
         self.tokenizer = tokenizer
         self.spec = tokenizer.to_str()
         self.splittable = _splittable(json.loads(self.spec))
-        self._hf, self._load_hf, self._lock = hf, load_hf, threading.Lock()
+        self.hf_source = hf             # what an engine holds for decoding: made only if it decodes
         self._cut: dict[str, list[int]] = {}
         self._end: dict[str, list[int]] = {}
 
     @property
     def hf(self) -> Any:
-        """The transformers tokenizer (made on first use when this encoder came from the cache)."""
-        with self._lock:
-            if self._hf is None and self._load_hf is not None:
-                self._hf = self._load_hf()
-            return self._hf
+        """The transformers tokenizer (made now if it stood for one)."""
+        from lmbatch.model.tokenizer import real_tokenizer
 
-    def matches_hf(self) -> bool:
-        """Whether this encoder's tokenizer is the transformers tokenizer's own (a cached one is
-        checked once the transformers tokenizer is made anyway, for the engine; one made from it is)."""
-        if self._load_hf is None:
-            return True
-        return self.hf.backend_tokenizer.to_str() == self.spec
+        return real_tokenizer(self.hf_source)
 
     @classmethod
     def for_model(cls, model_dir: str | Path) -> "TextEncoder":
         """The tokenizer transformers' `AutoTokenizer` makes of the folder, as lm-eval uses it: not
-        the folder's tokenizer.json as it stands, since transformers may rebuild parts of it for the
-        model's type (a qwen2 folder gets Qwen2's pre-tokenizer whatever its tokenizer.json says).
+        necessarily the folder's tokenizer.json as it stands, since transformers may rebuild parts of it
+        for the model's type (a qwen2 folder gets Qwen2's pre-tokenizer whatever its tokenizer.json says).
 
-        Importing transformers' auto classes and building the tokenizer take seconds (they import
-        torch), so what AutoTokenizer built is cached (`tokenizer_cache_file`); later runs load that
-        with `tokenizers` alone and make the transformers tokenizer on first use of `hf`."""
+        `model.tokenizer.build_tokenizer` makes it without importing transformers (seconds); where it
+        cannot, transformers makes it and what it made is cached (`tokenizer_cache_file`), so that later
+        runs load it with `tokenizers` alone. The transformers tokenizer itself (`hf`) is made on first use."""
         from lmbatch.model.checkpoint import check_tokenizer_files
+        from lmbatch.model.tokenizer import Fallback, LazyTokenizer, build_tokenizer
 
         model_dir = Path(model_dir)
         check_tokenizer_files(model_dir)
-
-        def load_hf() -> Any:
-            import lmbatch
-
-            with lmbatch.IMPORT_LOCK:       # see there: the model's thread imports transformers too
-                from transformers import AutoTokenizer
-            return AutoTokenizer.from_pretrained(str(model_dir))
-
+        lazy = LazyTokenizer(model_dir)
+        try:
+            return cls(build_tokenizer(model_dir), lazy)
+        except Fallback:
+            pass
         cached = tokenizer_cache_file(model_dir)
         if cached.is_file():
             from tokenizers import Tokenizer
 
             try:
-                return cls(Tokenizer.from_file(str(cached)), load_hf=load_hf)
+                return cls(Tokenizer.from_file(str(cached)), lazy)
             except Exception:  # noqa: BLE001  a damaged entry is made again below
                 pass
-        enc = cls.from_hf(load_hf())
+        enc = cls.from_hf(lazy.get())
+        enc.hf_source = lazy
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)
             tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
@@ -190,7 +180,7 @@ class TextEncoder:
             raise UserError(f"{type(hf).__name__} is not a fast tokenizer; lmbatch needs a tokenizer.json")
         return cls(backend, hf)
 
-    def _tokenize(self, memo: dict[str, list[int]], segments, follow: str = "") -> None:
+    def _tokenize(self, memo: dict[str, list[int]], segments: Iterable[str], follow: str = "") -> None:
         """Tokenize the segments memo lacks, in one multi-threaded call; with `follow`, each with
         that letter after it, whose token is then dropped."""
         new = [s for s in dict.fromkeys(segments) if s not in memo]

@@ -51,6 +51,11 @@ class Workload:
     shot_pool: Callable[[], int] | None = None
     shot_pool_name: str = ""
     chat: bool = False              # takes --apply-chat-template, --system-instruction, --fewshot-as-multiturn
+    generates: bool = True          # some call generates (a run captures decode graphs ahead only then)
+    # the files its instances are read from: a built-in task's loaded, tokenized and planned workload is
+    # cached, keyed by them among the rest (lmbatch/workload_cache.py); None: not cached (a program file,
+    # whose code may read anything)
+    data_files: Callable[[], list[Path]] | None = None
 
 
 RESERVED = ("id", "gold", "subject")
@@ -94,7 +99,7 @@ def load_file(path: Path) -> Workload:
                                 str(row.get("subject", "")), row.get("gold")))
         return out
 
-    def score(inst: Instance, state) -> dict[str, float]:
+    def score(inst: Instance, state: Any) -> dict[str, float]:
         row = dict(inst.inputs, id=inst.id, gold=inst.gold, subject=inst.subject)
         return {k: float(v) for k, v in user_score(row, state).items()}
 

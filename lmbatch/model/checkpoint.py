@@ -178,15 +178,11 @@ def _check_weights(path: Path, native: bool) -> None:
             raise UserError(f"model at {path}: {f.name} is not a readable safetensors file ({problem})")
 
 
-# what a tokenizer is made of: AutoTokenizer needs at least one of these (tokenizer_config.json names
-# the class; the others hold the vocabulary of fast, GPT-2, SentencePiece or WordPiece tokenizers)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model")
-
-
 def check_tokenizer_files(path: Path) -> None:
     """Raise UserError if the folder has no tokenizer (transformers' error says so in many lines)."""
-    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+    from lmbatch.model.tokenizer import has_tokenizer
+
+    if not has_tokenizer(path):
         raise UserError(f"model at {path} has no tokenizer files (tokenizer.json or tokenizer_config.json)")
 
 
@@ -232,7 +228,7 @@ def safetensors_problem(file: Path) -> str | None:
     return None
 
 
-def _is_causal_lm(kind, archs: list[str]) -> bool:
+def _is_causal_lm(kind: object, archs: list[str]) -> bool:
     """A causal LM head by the config's `architectures` (GPT-2's is `GPT2LMHeadModel`); without
     them, a native model_type or one transformers has a causal LM class for."""
     if archs:

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +40,61 @@ _INTEGER_FIELDS = REQUIRED_SIZES + (
 _NUMBER_FIELDS = ("rms_norm_eps", "rope_theta", "layer_norm_eps", "layer_norm_epsilon")
 
 
+# What transformers 5 fills in for fields a native model's config.json leaves out (each config class's
+# defaults; tests/unit/test_config_parse.py compares this parse with AutoConfig's on every family), so
+# that config.json is read without importing transformers (seconds: it imports torch)
+_LLAMA_LIKE = {"num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+               "tie_word_embeddings": False, "attention_bias": False, "eos_token_id": 2, "hidden_act": "silu",
+               "rope_theta": 10000.0}
+_QWEN = {"num_key_value_heads": 32, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+         "tie_word_embeddings": False, "eos_token_id": None, "hidden_act": "silu", "rope_theta": 10000.0,
+         "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}
+_GEMMA = {"num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+          "attention_bias": False, "eos_token_id": 1, "hidden_activation": "gelu_pytorch_tanh",
+          "query_pre_attn_scalar": 256, "sliding_window": 4096}
+DEFAULTS: dict[str, dict] = {
+    "llama": _LLAMA_LIKE,
+    "qwen2": _QWEN,
+    "qwen3": {**_QWEN, "head_dim": 128, "attention_bias": False},
+    "qwen3_moe": {**_QWEN, "num_key_value_heads": 4, "attention_bias": False, "decoder_sparse_step": 1,
+                  "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_local_experts": 128,
+                  "norm_topk_prob": False, "mlp_only_layers": []},
+    "mistral": {**_LLAMA_LIKE, "num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096},
+    "mixtral": {**_LLAMA_LIKE, "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                "sliding_window": None, "num_experts_per_tok": 2, "num_local_experts": 8, "rope_theta": 1000000.0},
+    "phi3": {**_LLAMA_LIKE, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "eos_token_id": 32000,
+             "sliding_window": None},
+    "olmo2": {**_LLAMA_LIKE, "rms_norm_eps": 1e-5, "eos_token_id": 50279},
+    "gemma2": {**_GEMMA, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0, "rope_theta": 10000.0},
+    "gemma3_text": {**_GEMMA, "max_position_embeddings": 131072, "attn_logit_softcapping": None,
+                    "final_logit_softcapping": None, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0},
+}
+
+
+def _with_defaults(raw: dict) -> dict:
+    """config.json's fields over its class's defaults, with what its class derives from them
+    (transformers' `__post_init__`s): KV heads, layer types, Qwen's sliding window."""
+    kind = raw["model_type"]
+    c = {**DEFAULTS[kind], **raw}
+    if "num_experts" in c:              # an alias of num_local_experts (the config classes' attribute_map)
+        c["num_local_experts"] = c.pop("num_experts")
+    if c.get("num_key_value_heads") is None:
+        c["num_key_value_heads"] = c["num_attention_heads"]
+    if kind.startswith("qwen") and not c.get("use_sliding_window"):
+        c["sliding_window"] = None
+    if kind in ("qwen2", "qwen3") and c.get("layer_types") is None:
+        c["layer_types"] = ["sliding_attention" if c["sliding_window"] is not None and i >= c["max_window_layers"]
+                            else "full_attention" for i in range(c["num_hidden_layers"])]
+    if kind in GEMMA and c.get("layer_types") is None:
+        every = 2 if kind == "gemma2" else int(c.get("sliding_window_pattern") or 6)
+        c["layer_types"] = ["sliding_attention" if (i + 1) % every else "full_attention"
+                            for i in range(c["num_hidden_layers"])]
+    if kind == "qwen3_moe" and c.get("mlp_only_layers") is None:
+        c["mlp_only_layers"] = []
+    return c
+
+
 def config_problem(raw: dict) -> str | None:
     """What is wrong with a config.json's sizes (None: nothing), in a few words: a required size
     missing (native model types), or a size or number of another type (e.g. "thirty"). Checked on the
@@ -61,7 +116,7 @@ def config_problem(raw: dict) -> str | None:
     return None
 
 
-def _layer_windows(hf) -> tuple[int | None, ...]:
+def _layer_windows(hf: Any) -> tuple[int | None, ...]:
     """Each layer's sliding window: transformers' `layer_types` where the config has them; else the
     config's `sliding_window` for every layer (mistral, mixtral, phi3), unless `use_sliding_window` is off."""
     window = getattr(hf, "sliding_window", None)
@@ -73,7 +128,7 @@ def _layer_windows(hf) -> tuple[int | None, ...]:
     return (int(window),) * hf.num_hidden_layers
 
 
-def _rope(hf) -> tuple[float, dict, float | None]:
+def _rope(hf: Any) -> tuple[float, dict, float | None]:
     """(base, llama3 or linear scaling parameters, base of sliding layers where it differs): from
     transformers v5's `rope_parameters` (one dict, or one per layer type as Gemma 3 has) or v4's
     `rope_theta`, `rope_scaling` and `rope_local_base_freq`."""
@@ -96,19 +151,19 @@ def _rope(hf) -> tuple[float, dict, float | None]:
     return float(theta), (scaling if rope_type != "default" else {}), (float(local) if local else None)
 
 
-def _eos(hf) -> tuple[int, ...]:
+def _eos(hf: Any) -> tuple[int, ...]:
     eos = getattr(hf, "eos_token_id", None)
     return tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
 
 
-def _activation(hf) -> str:
+def _activation(hf: Any) -> str:
     act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", None) or "silu"
     if act not in ACTIVATIONS:
         raise ValueError(f"MLP activation {act!r} is not supported ({', '.join(ACTIVATIONS)})")
     return ACTIVATIONS[act]
 
 
-def _sparse_layers(hf, experts: int) -> tuple[bool, ...]:
+def _sparse_layers(hf: Any, experts: int) -> tuple[bool, ...]:
     """Which layers route to experts: every one for mixtral; for qwen3_moe those not in `mlp_only_layers`
     at every `decoder_sparse_step`-th layer."""
     if not experts:
@@ -157,7 +212,7 @@ class ModelConfig:
     runtime: str = "native"         # "native": our network.py; "transformers": the fallback (model/fallback.py)
 
     @classmethod
-    def from_hf(cls, hf) -> "ModelConfig":
+    def from_hf(cls, hf: Any) -> "ModelConfig":
         """Build from a transformers PretrainedConfig (v4 `rope_theta`/`rope_scaling` or v5 `rope_parameters`)."""
         kind = hf.model_type
         if kind not in ARCHITECTURES:
@@ -205,7 +260,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def for_fallback(cls, hf) -> "ModelConfig":
+    def for_fallback(cls, hf: Any) -> "ModelConfig":
         """The shape of a causal LM that transformers runs for us (model/fallback.py): the numbers
         the KV pool, the batch budget and the sampler need, read through the config's attribute map."""
         heads = hf.num_attention_heads
@@ -222,23 +277,17 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
-        """The native config of a supported model_type, else the fallback's shape."""
-        from transformers import AutoConfig
+        """The native config of a supported model_type, read from config.json by our own code (with the
+        defaults transformers would fill in, `DEFAULTS`); else the fallback's shape, read by transformers."""
+        raw = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+        if isinstance(raw, dict) and raw.get("model_type") in ARCHITECTURES:
+            return cls.from_hf(SimpleNamespace(**_with_defaults(raw)))
+        import lmbatch
 
+        with lmbatch.IMPORT_LOCK:
+            from transformers import AutoConfig
         hf = AutoConfig.from_pretrained(str(path))
         return cls.from_hf(hf) if hf.model_type in ARCHITECTURES else cls.for_fallback(hf)
-
-    @classmethod
-    def shape_from_json(cls, path: str | Path) -> "ModelConfig":
-        """The shape (sizes, context length) from config.json alone, without importing transformers
-        (seconds: it imports torch), for the host's side of a run; `from_dir` where the file leaves a
-        field to transformers' defaults. Fields a config class may default differently (tied
-        embeddings) are not to be trusted from this."""
-        try:
-            raw = json.loads((Path(path) / "config.json").read_text())
-            return cls.from_hf(SimpleNamespace(**raw))
-        except (OSError, ValueError, AttributeError, TypeError):
-            return cls.from_dir(path)
 
     def active_linear_params(self) -> int:
         """Weights of the linear layers one token runs through (an MoE layer: its router and the

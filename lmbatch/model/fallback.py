@@ -71,7 +71,8 @@ def _pool_cache_class() -> type:
     class PoolCache(DynamicCache):
         writer: _PoolWriter | None = None
 
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             if self.writer is not None:
                 self.writer(layer_idx, key_states, value_states)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)

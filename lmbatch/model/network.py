@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from types import ModuleType
 from typing import cast
 
 import torch
@@ -27,7 +28,7 @@ from lmbatch.model.tensor_parallel import TensorParallel
 
 
 @functools.cache
-def _kernels(name: str):
+def _kernels(name: str) -> ModuleType | None:
     """lmbatch.kernels.<name> (Triton), or None where it cannot run (no Triton)."""
     try:
         return importlib.import_module(f"lmbatch.kernels.{name}")
@@ -35,7 +36,7 @@ def _kernels(name: str):
         return None
 
 
-def _use_fused(x: torch.Tensor):
+def _use_fused(x: torch.Tensor) -> ModuleType | None:
     return _kernels("fused") if x.is_cuda else None
 
 
@@ -48,7 +49,8 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); or, given the residual stream, (norm(residual + x), residual + x)."""
         if (k := _use_fused(x)) is not None:
             out = k.rmsnorm(x, self.weight, self.eps, residual, self.offset)  # updates residual in place
@@ -97,7 +99,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.hd if per_head else self.nh * self.hd, cfg.rms_norm_eps, cfg.norm_offset)
             self.k_norm = RMSNorm(self.hd if per_head else self.nkv * self.hd, cfg.rms_norm_eps, cfg.norm_offset)
 
-    def forward(self, x, rope: dict, attn: AttentionBackend):
+    def forward(self, x: torch.Tensor, rope: dict, attn: AttentionBackend) -> torch.Tensor:
         """rope: (cos, sin) of the batch's positions for "global" and, where they differ, "local"
         (sliding-window) layers."""
         T = x.shape[0]
@@ -124,7 +126,7 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _reduce(self.down_proj(act_mul(self.gate_up_proj(x), self.activation)), self.tp)
 
 
@@ -145,7 +147,7 @@ class MoE(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * i, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, i))
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renorm:
@@ -172,7 +174,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg, tp) if cfg.sparse_layers and cfg.sparse_layers[layer] else MLP(cfg, tp)
 
-    def forward(self, x, residual, rope, attn):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -195,7 +199,9 @@ class SandwichBlock(nn.Module):
         self.mlp = MLP(cfg, tp)
         self.post_feedforward_layernorm = RMSNorm(dim, eps, offset)
 
-    def forward(self, x, residual, rope, attn):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -215,7 +221,9 @@ class PostNormBlock(nn.Module):
         self.mlp = MLP(cfg, tp)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual, rope, attn):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         stream = x if residual is None else residual + x
         stream = stream + self.post_attention_layernorm(self.self_attn(stream, rope, attn))
         return self.post_feedforward_layernorm(self.mlp(stream)), stream
@@ -239,7 +247,8 @@ class Transformer(nn.Module):
         self._inv_freq: dict[tuple[torch.device, str], torch.Tensor] = {}
 
     @classmethod
-    def empty(cls, cfg: ModelConfig, device, dtype: torch.dtype, tp: TensorParallel | None = None) -> "Transformer":
+    def empty(cls, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype,
+              tp: TensorParallel | None = None) -> "Transformer":
         """Uninitialized parameters made on `device` in `dtype` at once (never a float32 copy first:
         a 30B model's float32 weights would not fit beside nothing on one GPU)."""
         prev = torch.get_default_dtype()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -64,7 +65,7 @@ def _fused_slice(model: Transformer, target: str, shard: int) -> slice:
     return slice(starts[shard], starts[shard + 1])
 
 
-def _checkpoint_tensors(path: Path):
+def _checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in _shard_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
@@ -72,7 +73,8 @@ def _checkpoint_tensors(path: Path):
 
 
 @torch.no_grad()
-def load_weights(model: Transformer, source, full: ModelConfig | None = None) -> None:
+def load_weights(model: Transformer, source: str | Path | dict[str, torch.Tensor],
+                 full: ModelConfig | None = None) -> None:
     """Copy every tensor of a checkpoint folder (or of a HF state dict) into the model; fail if any
     parameter is left unset. Under tensor parallelism (`model.tp`) each tensor's slice for this rank
     is copied; `full` is then the unsplit config."""

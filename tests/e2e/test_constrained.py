@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 from lmbatch.cli import app
 from lmbatch.engine import Engine
 from lmbatch.frontend import gen
+from lmbatch.frontend.calls import CallOptions
 from lmbatch.frontend.interpreter import Interpreter
 from lmbatch.frontend.workload import Instance, LoadArgs
 from lmbatch.model.checkpoint import embedded_model_dir
@@ -23,7 +24,8 @@ DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-[0-2]\d"
 def run_programs(path, program, inputs, jump=True, grammar_cache=True):
     tok = AutoTokenizer.from_pretrained(str(path))
     cfg = ModelConfig.from_dir(path)
-    interp = Interpreter(tok, max_len=2048, vocab_size=cfg.vocab_size, jump_forward=jump, grammar_cache=grammar_cache)
+    interp = Interpreter(tok, CallOptions(max_len=2048, vocab_size=cfg.vocab_size, jump_forward=jump,
+                                         grammar_cache=grammar_cache))
     interp.start(program, [Instance(str(k), x) for k, x in enumerate(inputs)])
     interp.execute(Engine.from_pretrained(path, tokenizer=tok, jump_forward=jump))
     return interp

@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import make_tiny_with_tokenizer
 
-from lmbatch.runner import RunOptions, run
+from lmbatch.options import RunOptions
+from lmbatch.run import run
 
 # two stages: a sampled gen (seeded by its instance), then a select after the generated text
 PROGRAM = '''from lmbatch.frontend import gen, select

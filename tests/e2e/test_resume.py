@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from lmbatch import rundir as rd
 from lmbatch.errors import UserError
-from lmbatch.runner import RunOptions, run
+from lmbatch.options import RunOptions
+from lmbatch.run import run
 
 # two stages: a sampled gen (its seed is the instance's, not its place in a resumed batch), then a select
 PROGRAM = '''from lmbatch.frontend import gen, select
@@ -330,12 +331,47 @@ def test_how_to_resume_names_the_run_id_a_command_did_not(tmp_path):
 def test_a_handover_with_nothing_finished_is_not_due_again_at_once():
     """Multi-stage programs finish only in their last wave: a handover that found none finished must
     wait checkpoint_s like any other (it was due at every step after the first: on a GPU, tot-gsm8k
-    ran 5x slower and its batches, hence its bf16 outputs, changed)."""
-    from lmbatch.runner import _Parts, _Stop
+    ran 5x slower and its batches, hence its bf16 outputs, changed). A stop makes it due at once."""
+    from lmbatch.parts import Every, Stop
 
-    parts = _Parts(RunOptions(task="mmlu", checkpoint_s=60), None, None, None, _Stop())
-    assert not parts.due()
-    parts.next = 0.0
-    assert parts.due()
-    parts.save([])
-    assert not parts.due()
+    stop = Stop()
+    due = Every(60, stop)
+    assert not due()
+    due.next = 0.0
+    assert due()
+    assert not due()
+    stop.asked = True
+    assert due() and due()
+
+
+def test_throughput_after_a_resume_is_the_whole_runs(reference, tiny, tmp_path):
+    """A resumed run's throughput counts every instance's tokens over every attempt's seconds of execution
+    (an attempt cut short up to its last part, as its instances are): it was this attempt's seconds over
+    all instances' programs, so a resume after most of the work reported a rate many times too high."""
+    task, want, _, steps = reference["mmlu"]
+    calls = []
+
+    def kill(step):
+        calls.append(step)
+        if calls.count("part instances") == 3:      # two parts whole, killed writing the third
+            raise _Kill(step)
+    rd.fault = kill
+    try:
+        with pytest.raises(_Kill):
+            run(_options(task, tiny, tmp_path, "t"))
+    finally:
+        rd.fault = None
+    d = run(_options(task, tiny, tmp_path, "t"))
+    s = json.loads((d / "summary.json").read_text())
+    rows = _instances(d)
+    _same_results(rows, want)
+    attempts = s["attempts"]
+    assert len(attempts) == 2 and s["counts"]["resumed_instances"] == attempts[0]["instances"] > 0
+    assert all(a["execute_s"] > 0 for a in attempts)
+    seconds = sum(a["execute_s"] for a in attempts)
+    t = s["throughput"]
+    assert t["programs_per_s"] == pytest.approx(len(rows) / seconds)
+    for kind in ("prompt", "computed", "decode"):
+        assert t[f"{kind}_tokens_per_s"] == pytest.approx(sum(r[f"{kind}_tokens"] for r in rows) / seconds)
+    # this attempt alone ran the instances the first did not keep: fewer programs than the run has
+    assert attempts[1]["instances"] == len(rows) - attempts[0]["instances"]

@@ -4,6 +4,7 @@ from transformers import AutoTokenizer
 
 from lmbatch.baseline import first_selects, load_hf, score_pairs
 from lmbatch.engine import Engine
+from lmbatch.frontend.calls import CallOptions
 from lmbatch.frontend.interpreter import Interpreter
 from lmbatch.frontend.workload import LoadArgs
 from lmbatch.model.checkpoint import embedded_model_dir
@@ -14,7 +15,7 @@ def run(workload, args, kv=65536, wave_tokens=None):
     path = embedded_model_dir()
     tok = AutoTokenizer.from_pretrained(str(path))
     insts = workload.instances(LoadArgs(tok, **args))
-    interp = Interpreter(tok, max_len=8192)
+    interp = Interpreter(tok, CallOptions(max_len=8192))
     interp.start(workload.program, insts)
     interp.execute(Engine.from_pretrained(path, tokenizer=tok, kv_cache_tokens=kv), wave_tokens)
     return interp, insts, tok

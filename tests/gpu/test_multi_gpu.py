@@ -14,11 +14,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.gpu2]
 from conftest import make_tiny_hf, make_tiny_with_tokenizer, random_requests  # noqa: E402
 
 from lmbatch.engine import Engine, EngineOptions  # noqa: E402
+from lmbatch.engine.options import EngineSpec  # noqa: E402
 from lmbatch.engine.parallel import ParallelEngine  # noqa: E402
-from lmbatch.engine.worker import WorkerSpec  # noqa: E402
 from lmbatch.model.config import ModelConfig  # noqa: E402
+from lmbatch.options import RunOptions  # noqa: E402
 from lmbatch.requests import GenerateRequest, SamplingParams  # noqa: E402
-from lmbatch.runner import RunOptions, run  # noqa: E402
+from lmbatch.run import run  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -52,8 +53,9 @@ def test_tensor_parallel_over_nccl(tmp_path, kind, dtype):
                         SamplingParams(max_new_tokens=10, ignore_eos=True)) for _ in range(6)]
     want, _ = Engine.from_pretrained(tmp_path, EngineOptions(kv_cache_tokens=4096), device="cuda",
                                      dtype=getattr(torch, dtype)).run(reqs)
-    engine = ParallelEngine(WorkerSpec(str(tmp_path), "cuda", dtype, 4096, 256, tensor_parallel=2), 1, cfg,
-                            gpus=["0", "1"])
+    spec = EngineSpec(str(tmp_path), "cuda", dtype, EngineOptions(kv_cache_tokens=4096, max_tokens_per_batch=256),
+                      tensor_parallel=2)
+    engine = ParallelEngine(spec, cfg, gpus=["0", "1"])
     try:
         got, _ = engine.run(reqs)
     finally:

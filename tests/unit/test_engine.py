@@ -294,8 +294,9 @@ def test_sampling_follows_the_distribution_and_top_p():
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10**6), every=st.integers(1, 7), batch=st.sampled_from([4, 16, 256]))
 def test_handover_gives_each_result_once_as_final_and_changes_nothing(llama, seed, every, batch):
-    """Engine.run's handover (the runner's result parts): every request is handed over at most once,
-    its result already what the run returns, and the run computes what it computes without one."""
+    """Engine.stream's handovers (what the run writes as result parts): every request is handed over
+    exactly once, its result already what the run returns, the last handover holds the rest, and the
+    run computes what it computes without handovers."""
     path, _ = llama
     rng = random.Random(seed)
     reqs = random_requests(rng, 30) + [
@@ -303,25 +304,24 @@ def test_handover_gives_each_result_once_as_final_and_changes_nothing(llama, see
                         SamplingParams(max_new_tokens=rng.randint(1, 6), temperature=0.7, seed=k)) for k in range(8)]
     rng.shuffle(reqs)
     plain, plain_stats = engine(path, max_tokens_per_batch=batch, max_running=3).run(reqs)
+    calls = [0]
 
-    class Taker:
-        def __init__(self):
-            self.calls, self.seen = 0, {}
+    def due():
+        calls[0] += 1
+        return calls[0] % every == 0
 
-        def due(self):
-            self.calls += 1
-            return self.calls % every == 0
-
-        def take(self, final, results, stats):
-            for i in final:
-                assert i not in self.seen
-                r = results[i]
-                self.seen[i] = (r.logprob, r.is_greedy) if isinstance(r, ScoreResult) else list(r.token_ids)
-
-    taker = Taker()
-    got, stats = engine(path, max_tokens_per_batch=batch, max_running=3).run(reqs, handover=taker)
-    assert taker.seen, "nothing was handed over"
-    for i, value in taker.seen.items():
+    seen: dict[int, object] = {}
+    handovers = list(engine(path, max_tokens_per_batch=batch, max_running=3).stream(reqs, handover_due=due))
+    assert len(handovers) > 1 and handovers[-1].last and not any(h.last for h in handovers[:-1])
+    for h in handovers[:-1]:
+        for i in h.final:
+            assert i not in seen
+            r = h.results[i]
+            seen[i] = (r.logprob, r.is_greedy) if isinstance(r, ScoreResult) else list(r.token_ids)
+    assert seen, "nothing was handed over before the end"
+    assert sorted(list(seen) + handovers[-1].final) == list(range(len(reqs)))
+    got, stats = handovers[-1].results, handovers[-1].stats
+    for i, value in seen.items():
         r = got[i]
         assert value == ((r.logprob, r.is_greedy) if isinstance(r, ScoreResult) else r.token_ids)
     for a, b in zip(plain, got):

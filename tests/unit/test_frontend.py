@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from lmbatch.cli import app
 from lmbatch.engine import Engine
 from lmbatch.frontend import gen, select
+from lmbatch.frontend.calls import CallOptions
 from lmbatch.frontend.interpreter import Interpreter
 from lmbatch.frontend.workload import Instance
 from lmbatch.programs.mmlu import encode_choices
@@ -25,7 +26,7 @@ PREFIX = "You are a careful assistant. Answer every question briefly and precise
 
 def run_programs(path, program, inputs, wave_tokens=None, kv=16384, **kw):
     tok = AutoTokenizer.from_pretrained(str(path))
-    interp = Interpreter(tok, max_len=2048, **kw)
+    interp = Interpreter(tok, CallOptions(max_len=2048), **kw)
     interp.start(program, [Instance(str(k), x) for k, x in enumerate(inputs)])
     interp.execute(Engine.from_pretrained(path, tokenizer=tok, kv_cache_tokens=kv), wave_tokens)
     return interp, tok
@@ -194,7 +195,7 @@ def test_the_readme_example_program_runs(tiny_tok, tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     example = (root / "examples" / "capitals.py").read_text()
-    assert example in (root / "README.md").read_text()          # the README shows exactly this file
+    assert example in (root / "docs" / "usage.md").read_text()    # the docs show exactly this file
     r = CliRunner().invoke(app, ["run", str(root / "examples" / "capitals.py"), "--model", str(tiny_tok),
                                  "--out", str(tmp_path), "--run-id", "ex", "--quiet"])
     assert r.exit_code == 0, r.output
@@ -224,9 +225,9 @@ def test_a_first_wave_of_selects_planned_ahead_runs_that_plan(tiny_tok, monkeypa
             calls[_name] += 1
             return _f(*a, **k)
         monkeypatch.setattr(module, "plan_requests", counted)
-    interp = Interpreter(tok, max_len=2048)
+    interp = Interpreter(tok, CallOptions(max_len=2048))
     interp.start(program, [Instance(str(k), x) for k, x in enumerate(inputs)])
-    interp.plan_ahead()
+    interp.plan_first_wave()
     assert calls == {"interpreter": 1, "engine": 0}
     interp.stats.plan_s += 100.0        # as if planning ahead had taken longer than the execution
     t = time.perf_counter()
@@ -242,8 +243,8 @@ def test_a_first_wave_of_selects_planned_ahead_runs_that_plan(tiny_tok, monkeypa
         s += q
         s += gen("g", max_tokens=2)
 
-    gens = Interpreter(tok, max_len=2048)
+    gens = Interpreter(tok, CallOptions(max_len=2048))
     gens.start(generating, [Instance("0", {"q": "Hi"})])
     assert len(gens.ready) == 1
-    gens.plan_ahead()
+    gens.plan_first_wave()
     assert calls["interpreter"] == 0

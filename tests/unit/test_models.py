@@ -262,6 +262,6 @@ def test_active_parameters_of_presets(preset: str, billions: float) -> None:
     give the published parameter counts (Qwen3-30B-A3B: 3.3B activated)."""
     from lmbatch.model.config import ModelConfig
 
-    cfg = ModelConfig.shape_from_json(Path(__file__).resolve().parents[2] / "presets" / preset)
+    cfg = ModelConfig.from_dir(Path(__file__).resolve().parents[2] / "presets" / preset)
     embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     assert abs((cfg.active_linear_params() + embeddings) / 1e9 - billions) < 0.02 * billions

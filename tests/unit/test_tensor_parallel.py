@@ -11,8 +11,8 @@ import torch
 from conftest import make_tiny_hf, random_requests
 
 from lmbatch.engine import Engine, EngineOptions
+from lmbatch.engine.options import EngineSpec
 from lmbatch.engine.parallel import ParallelEngine
-from lmbatch.engine.worker import WorkerSpec
 from lmbatch.model.config import ModelConfig
 from lmbatch.model.tensor_parallel import shard_config
 from lmbatch.requests import GenerateRequest, SamplingParams
@@ -45,9 +45,8 @@ def test_two_ranks_equal_one(kind, overrides, tmp_path):
     cfg = ModelConfig.from_dir(tmp_path)
     reqs = _requests(cfg.vocab_size)
     want, _ = Engine.from_pretrained(tmp_path, EngineOptions(**OPTIONS)).run(reqs)
-    spec = WorkerSpec(str(tmp_path), "cpu", "float32", OPTIONS["kv_cache_tokens"], OPTIONS["max_tokens_per_batch"],
-                      threads=1, tensor_parallel=2)
-    engine = ParallelEngine(spec, 1, cfg)
+    spec = EngineSpec(str(tmp_path), "cpu", "float32", EngineOptions(**OPTIONS), threads=1, tensor_parallel=2)
+    engine = ParallelEngine(spec, cfg)
     try:
         got, stats = engine.run(reqs)
         assert engine.kv_slots >= OPTIONS["kv_cache_tokens"]
@@ -63,9 +62,9 @@ def test_data_parallel_times_tensor_parallel(tmp_path):
     cfg = ModelConfig.from_dir(tmp_path)
     reqs = _requests(cfg.vocab_size, seed=1)
     want, _ = Engine.from_pretrained(tmp_path, EngineOptions(**OPTIONS)).run(reqs)
-    spec = WorkerSpec(str(tmp_path), "cpu", "float32", OPTIONS["kv_cache_tokens"], OPTIONS["max_tokens_per_batch"],
-                      threads=1, tensor_parallel=2, relay_s=0.0)
-    engine = ParallelEngine(spec, 2, cfg)
+    spec = EngineSpec(str(tmp_path), "cpu", "float32", EngineOptions(**OPTIONS), data_parallel=2, threads=1,
+                      tensor_parallel=2, relay_s=0.0)
+    engine = ParallelEngine(spec, cfg)
     try:
         got, _ = engine.run(reqs)
         again, _ = engine.run(reqs)            # a second batch finds its prefixes in the workers' caches
@@ -88,9 +87,10 @@ def test_a_worker_that_fails_is_named(tmp_path):
     """A rank that cannot build its model (here: no checkpoint) stops the start with its message."""
     (tmp_path / "config.json").write_text((lambda p: (make_tiny_hf("llama", p), (p / "config.json").read_text())[1])
                                           (tmp_path / "src"))
-    spec = WorkerSpec(str(tmp_path), "cpu", "float32", 512, 64, threads=1, tensor_parallel=2)
+    spec = EngineSpec(str(tmp_path), "cpu", "float32", EngineOptions(kv_cache_tokens=512, max_tokens_per_batch=64),
+                      threads=1, tensor_parallel=2)
     with pytest.raises(RuntimeError, match=r"data-parallel worker 0 \(tensor-parallel rank [01]\): .*safetensors"):
-        ParallelEngine(spec, 1, ModelConfig.from_dir(tmp_path))
+        ParallelEngine(spec, ModelConfig.from_dir(tmp_path))
 
 
 torch.set_num_threads(1)

@@ -16,6 +16,7 @@ from lmbatch.engine import Engine
 from lmbatch.engine.sampler import Sampler
 from lmbatch.engine.state import Running
 from lmbatch.frontend import gen
+from lmbatch.frontend.calls import CallOptions
 from lmbatch.frontend.interpreter import Interpreter
 from lmbatch.frontend.workload import Instance
 from lmbatch.grammar import GrammarCompiler
@@ -55,7 +56,7 @@ def test_written_marker_ends_thinking_and_the_grammar_starts_after_it(tiny_tok, 
 def _run(path, program, n):
     tok = AutoTokenizer.from_pretrained(str(path))
     cfg = ModelConfig.from_dir(path)
-    interp = Interpreter(tok, max_len=2048, vocab_size=cfg.vocab_size)
+    interp = Interpreter(tok, CallOptions(max_len=2048, vocab_size=cfg.vocab_size))
     interp.start(program, [Instance(str(k), {"k": k}) for k in range(n)])
     engine = Engine.from_pretrained(path, tokenizer=tok)
     interp.execute(engine)
@@ -112,7 +113,8 @@ def test_run_level_think_budget_for_a_built_in_task(tiny_tok, tmp_path):
     import json
     import shutil
 
-    from lmbatch.runner import RunOptions, run
+    from lmbatch.options import RunOptions
+    from lmbatch.run import run
 
     model = tmp_path / "thinker"
     shutil.copytree(tiny_tok, model)

@@ -1,0 +1,209 @@
+"""What an engine is built from, declared once (`EngineSpec`: `lmbatch run`, the lm-eval backend and
+each data-parallel worker build theirs from one), how what a user left open is fitted to the device
+and the model (`fit`), and `make_engine`.
+
+Defaults, and why: on CPU float32 (bfloat16 matmuls are ~100x slower on most CPUs), a KV pool of
+4 GiB and batches of 4096 tokens; on CUDA bfloat16, a pool of half the free memory (at most 131,072
+tokens: DFS needs only its working set, and a compact pool measured faster) and the largest batch up
+to 16,384 tokens whose activations take at most a tenth of the free memory. Attention: our Triton
+kernels on CUDA, FlashInfer only where its kernels for this model are built already (its first use
+compiles them for a minute or two), the PyTorch reference on CPU and for float32.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+from typing import TYPE_CHECKING, NamedTuple
+
+from lmbatch.engine.options import EngineSpec
+from lmbatch.errors import UserError
+from lmbatch.timing import Phases
+
+if TYPE_CHECKING:
+    from lmbatch.engine.protocol import BatchEngine
+    from lmbatch.model.config import ModelConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION = ("auto", "flashinfer", "triton", "torch")
+CPU_BATCH_TOKENS = 4096
+CPU_KV_BYTES = 4 << 30
+CUDA_MAX_KV_TOKENS = 1 << 17
+CUDA_MAX_BATCH_TOKENS = 16384
+
+
+class Attention(NamedTuple):
+    name: str       # the backend (lmbatch.attention.REGISTRY)
+    why: str        # what decided it, for the summary
+
+
+def pick_device(device: str, dtype: str | None) -> tuple[str, str]:
+    """(device, dtype name): auto is CUDA when a GPU is visible; float32 on CPU, bfloat16 on CUDA."""
+    import torch
+
+    if device not in DEVICES:
+        raise UserError(f"--device {device}: use auto, cpu or cuda")
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA GPU is visible here")
+    dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
+    if device == "cpu" and dtype == "float16":
+        raise UserError("--dtype float16 on CPU: use float32 (or bfloat16, ~100x slower on most CPUs)")
+    return device, dtype
+
+
+def _bytes(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+
+
+def default_kv_tokens(cfg: ModelConfig, device: str, dtype: str) -> int:
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _bytes(dtype)
+    if device == "cpu":
+        return min(CPU_KV_BYTES // per_token, 1 << 20)
+    import torch
+
+    return min(torch.cuda.mem_get_info()[0] // 2 // per_token, CUDA_MAX_KV_TOKENS)
+
+
+def default_batch_tokens(cfg: ModelConfig, device: str, dtype: str) -> int:
+    if device == "cpu":
+        return CPU_BATCH_TOKENS
+    import torch
+
+    width = 3 * cfg.intermediate_size + 4 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    per_token = width * _bytes(dtype)
+    budget = CUDA_MAX_BATCH_TOKENS
+    while budget > 1024 and budget * per_token > torch.cuda.mem_get_info()[0] // 10:
+        budget //= 2
+    return budget
+
+
+def check_data_parallel(wanted: int | str) -> None:
+    wanted = str(wanted)
+    if wanted != "auto" and not (wanted.isdigit() and int(wanted) >= 1):
+        raise UserError(f"--data-parallel {wanted}: use a number of workers (at least 1) or auto")
+
+
+def data_parallel_size(wanted: int | str, device: str, tp: int = 1, ray_address: str | None = None) -> int:
+    """Workers of --data-parallel: auto is every visible GPU (of the Ray cluster, with `ray_address`)
+    over --tensor-parallel (1 on CPU); on CUDA each worker needs its own `tp` GPUs."""
+    wanted = str(wanted)
+    check_data_parallel(wanted)
+    if device != "cuda":
+        return 1 if wanted == "auto" else int(wanted)
+    if ray_address is not None:
+        from lmbatch.engine.cluster import cluster_gpus
+        visible = cluster_gpus(ray_address)
+    else:
+        import torch
+        visible = torch.cuda.device_count()
+    n = max(1, visible // tp) if wanted == "auto" else int(wanted)
+    if n * tp > visible:
+        what = f"--data-parallel {wanted}" + (f" x --tensor-parallel {tp}" if tp > 1 else "")
+        raise UserError(f"{what}: {n * tp} GPUs needed, {visible} visible")
+    return n
+
+
+def pick_attention(wanted: str, device: str, dtype: str, cfg: ModelConfig) -> Attention:
+    """The attention backend and why: see the module's docstring."""
+    from lmbatch.attention.gpu import flashinfer_built
+
+    if wanted not in ATTENTION:
+        raise UserError(f"--attention {wanted}: use one of {', '.join(ATTENTION)}")
+    if cfg.runtime != "native":
+        return Attention("torch", "the transformers fallback attends by itself")
+    if wanted == "torch":
+        return Attention("torch", "asked for")
+    if device != "cuda":
+        if wanted != "auto":
+            raise UserError(f"--attention {wanted} needs CUDA; on CPU lmbatch runs the torch backend")
+        return Attention("torch", "CPU")
+    if dtype == "float32":
+        if wanted != "auto":
+            raise UserError(f"--attention {wanted}: float32 runs the torch backend (FlashInfer has no float32 "
+                            "kernels; Triton would round float32 inputs to tf32)")
+        return Attention("torch", "float32")
+    windowed = any(w is not None for w in cfg.layer_windows)
+    built, where = flashinfer_built(cfg.head_dim, dtype, windowed, cfg.attn_softcap > 0)
+    if wanted == "triton":
+        return Attention("triton", "asked for")
+    if wanted == "flashinfer":
+        if where == "not installed":
+            raise UserError("--attention flashinfer: FlashInfer is not installed (pip install -e '.[gpu]')")
+        if not built:
+            print("lmbatch: FlashInfer compiles its attention kernels for this model first (once per machine, "
+                  "about 1-2 minutes)", file=sys.stderr)
+        return Attention("flashinfer", "asked for" + ("" if built else " (compiled at first use)"))
+    if built:
+        return Attention("flashinfer", f"its kernels for this model are built ({where})")
+    return Attention("triton", "FlashInfer is not installed" if where == "not installed" else
+                     "FlashInfer's kernels for this model are not built yet (--attention flashinfer builds them)")
+
+
+def fit(spec: EngineSpec, cfg: ModelConfig) -> tuple[EngineSpec, Attention]:
+    """The spec with every open value decided, and the attention backend's reason."""
+    device, dtype = pick_device(spec.device, spec.dtype)
+    o = spec.options
+    attention = pick_attention(o.attention or "auto", device, dtype, cfg)
+    kv = o.kv_cache_tokens if o.kv_cache_tokens is not None else default_kv_tokens(cfg, device, dtype)
+    batch = o.max_tokens_per_batch if o.max_tokens_per_batch is not None else default_batch_tokens(cfg, device, dtype)
+    if spec.tensor_parallel < 1:
+        raise UserError("--tensor-parallel must be at least 1")
+    workers = data_parallel_size(spec.data_parallel, device, spec.tensor_parallel, spec.ray_address)
+    options = replace(o, kv_cache_tokens=kv, max_tokens_per_batch=batch, attention=attention.name)
+    return replace(spec, device=device, dtype=dtype, options=options, data_parallel=workers), attention
+
+
+def fit_pool(spec: EngineSpec, longest: int, user_set: bool) -> EngineSpec:
+    """The pool must hold the longest request plus one batch: a fitted pool grows to that; one the
+    user set (`user_set`) is an error."""
+    o = spec.options
+    assert o.kv_cache_tokens is not None and o.max_tokens_per_batch is not None, "fit the spec first"
+    need = longest + o.max_tokens_per_batch
+    if o.kv_cache_tokens >= need:
+        return spec
+    if user_set:
+        raise UserError(f"--kv-cache-tokens {o.kv_cache_tokens} is too small: the longest prompt ({longest}) "
+                        f"plus one batch ({o.max_tokens_per_batch}) needs {need}")
+    return replace(spec, options=replace(o, kv_cache_tokens=need))
+
+
+def gpus(n: int) -> list[str]:
+    """The CUDA_VISIBLE_DEVICES entry of each of n processes: the first n of what this process sees."""
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [s.strip() for s in seen.split(",")] if seen else [str(k) for k in range(n)]
+    return names[:n]
+
+
+def make_engine(spec: EngineSpec, tokenizer: object = None, clock: Phases | None = None) -> BatchEngine:
+    """A fitted spec's engine: in this process, or `spec.workers` engines of `spec.tensor_parallel`
+    processes each (ParallelEngine), on this machine or placed by a Ray cluster; warmed up. `clock`
+    times its steps: weights, compile (the first batch's kernels), graphs (or workers)."""
+    import torch
+
+    from lmbatch.engine.engine import Engine
+
+    clock = clock or Phases(since_start=False)
+    if spec.workers > 1 or spec.tensor_parallel > 1 or spec.ray_address is not None:
+        from lmbatch.engine.parallel import ParallelEngine
+        from lmbatch.model.config import ModelConfig
+
+        procs = spec.workers * spec.tensor_parallel
+        with clock("workers"):
+            return ParallelEngine(spec, ModelConfig.from_dir(spec.model_dir),
+                                  gpus(procs) if spec.device == "cuda" and not spec.ray_address else None)
+    assert spec.dtype is not None, "fit the spec first"
+    with clock("weights"):
+        engine = Engine.from_pretrained(spec.model_dir, spec.options, device=spec.device,
+                                        dtype=getattr(torch, spec.dtype), tokenizer=tokenizer,
+                                        load_format=spec.load_format)
+    with clock("compile"):
+        engine.warm_up(graphs=False)
+    if spec.graphs_ahead:
+        with clock("graphs"):
+            engine.model_runner.capture_graphs()
+    return engine

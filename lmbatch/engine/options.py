@@ -1,0 +1,45 @@
+"""What an engine is built from: its own settings (`EngineOptions`) and where it runs (`EngineSpec`), declared
+once for `lmbatch run`, the lm-eval backend and every data-parallel worker. No torch import: the run layer
+declares them before it loads anything; engine/build.py fits what they leave open and builds the engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MASK_MODES = ("overlap", "lazy", "eager")   # when grammar rows fill their token masks (engine/sampler.py)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    kv_cache_tokens: int | None = 32768         # KV pool size (None: fitted to the device, engine/build.py)
+    max_tokens_per_batch: int | None = 4096     # prefill batch budget (None: likewise)
+    attention: str | None = None        # backend name (lmbatch.attention.BACKENDS); None: the device's default
+    cache: bool = True                  # reuse KV across requests (the radix cache)
+    max_running: int = 256              # decode rows
+    cuda_graphs: bool = True            # replay decode steps as CUDA graphs (CUDA only)
+    jump_forward: bool = True           # append grammar-forced text without decoding it
+    masks: str = "overlap"              # when grammar rows fill their token masks (MASK_MODES)
+
+    def __post_init__(self) -> None:
+        if self.masks not in MASK_MODES:
+            raise ValueError(f"masks must be one of {MASK_MODES}, not {self.masks!r}")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """An engine to build. `fit` turns what a user left open (device "auto", dtype None, the options'
+    sizes None, attention "auto", data_parallel "auto") into values."""
+    model_dir: str
+    device: str = "auto"                # auto (CUDA when a GPU is visible), cpu or cuda
+    dtype: str | None = None            # None: float32 on CPU, bfloat16 on CUDA
+    options: EngineOptions = EngineOptions()
+    data_parallel: int | str = 1        # engines, each in its own process ("auto": every visible GPU)
+    tensor_parallel: int = 1            # devices (processes) each engine's model is split over
+    ray_address: str | None = None      # place the processes on this Ray cluster
+    relay_s: float = 1.0                # a worker hands its finished results over at least this often
+    load_format: str = "auto"           # "dummy": random weights (speed work)
+    graphs_ahead: bool = True           # capture decode graphs as the engine is built (else at the first decode)
+    threads: int | None = None          # torch threads of each CPU process (default: the cores shared out)
+
+    @property
+    def workers(self) -> int:
+        return int(self.data_parallel)

@@ -1,0 +1,78 @@
+"""What the layers above ask of an engine, whichever runs the batch: `Engine` (one model in this
+process) or `ParallelEngine` (engines in worker processes). Both implement `BatchEngine`.
+
+A batch's results stream back as `Handover`s the caller pulls from `stream`: whenever the caller's
+`handover_due()` says so (between prefill batches and between decode steps) the engine runs what it
+has queued and hands over the requests whose results became final since the last handover; the
+last handover holds the rest. `run` is `stream` drained, for callers that want everything at once.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Hashable, Iterator, NamedTuple, Protocol, Sequence, Union
+
+from lmbatch.requests import GenerateRequest, GenerateResult, RunStats, ScoreRequest, ScoreResult
+
+if TYPE_CHECKING:
+    import torch
+
+    from lmbatch.model.config import ModelConfig
+    from lmbatch.scheduler.planner import Plan
+
+Request = Union[ScoreRequest, GenerateRequest]
+Result = Union[ScoreResult, GenerateResult]
+Progress = Callable[[int, RunStats], None]     # (request index, the run's counts so far): a request is done
+
+
+class Handover(NamedTuple):
+    """Requests whose results became final since the last handover (each handed over once), every
+    result so far (indexed like the requests) and the run's counts so far. The `last` handover holds
+    the requests not handed over before, in execution order, and the run's final counts and timings."""
+    final: list[int]
+    results: Sequence[Result]
+    stats: RunStats
+    last: bool
+
+
+def remaining(stats: RunStats, handed: bytearray) -> list[int]:
+    """The requests not handed over yet, in execution order (each executed request, then those it served)."""
+    return [m for j in stats.order for m in stats.members[j] if not handed[m]]
+
+
+class BatchEngine(Protocol):
+    """An engine as the interpreter, the run layer and the lm-eval backend use it."""
+    cfg: ModelConfig
+    data_parallel: int          # engines behind this one
+    tensor_parallel: int        # devices each engine's model is split over
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def kv_slots(self) -> int:
+        """Tokens one request may take (the smallest pool of the engines behind this one)."""
+        ...
+
+    def match_lens(self, seqs: list[list[int]]) -> list[int]:
+        """Tokens of each sequence whose KV some engine's cache holds now."""
+        ...
+
+    def stream(self, requests: Sequence[Request], *, schedule: str = "dfs", seed: int = 0, plan: Plan | None = None,
+               progress: Progress | None = None, handover_due: Callable[[], bool] | None = None,
+               groups: Sequence[Hashable] | None = None) -> Iterator[Handover]:
+        """Execute every request; `plan`: made ahead (one engine uses it); `groups`: requests of one
+        group run on one engine (a program's calls)."""
+        ...
+
+    def run(self, requests: Sequence[Request], *, schedule: str = "dfs", seed: int = 0,
+            progress: Progress | None = None) -> tuple[list[Result], RunStats]:
+        """Every result, in the order of `requests`, and the run's counts."""
+        ...
+
+    def optimal_unique_tokens(self) -> int | None:
+        """The fewest prompt tokens the engines behind this one had to compute over every run so far,
+        each over what it executed (None for one engine: the run's own optimum is that)."""
+        ...
+
+    def close(self) -> None:
+        """End what the engine started (worker processes)."""
+        ...

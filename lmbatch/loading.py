@@ -1,0 +1,95 @@
+"""The model's side of a run, on a thread of its own while the host prepares the workload: torch's
+import, CUDA's start, the engine's fitting (device, dtype, sizes, attention backend), the weights,
+kernels compiled or loaded, decode graphs captured. Each step is timed (`Loaded.seconds`: imports,
+cuda_init, weights, compile, graphs), and its errors (a user's too) are raised where the run takes
+the result. The thread holds the interpreter lock only while it runs Python: torch's import and the
+graphs' capture mostly; the host's work, when it is not cached, runs in a process of its own
+(lmbatch/prepare.py)."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from lmbatch.timing import Phases
+
+if TYPE_CHECKING:
+    from lmbatch.engine.build import Attention
+    from lmbatch.engine.options import EngineSpec
+    from lmbatch.engine.protocol import BatchEngine
+
+
+class Loaded(NamedTuple):
+    engine: BatchEngine
+    spec: EngineSpec            # fitted: the device, dtype, sizes and backend it runs with
+    attention: Attention
+    seconds: dict[str, float]   # the model's side by step, and "load_background": all of it
+
+
+class ModelLoader:
+    """Builds the engine of `spec` on a background thread (started at once). `result` is the engine,
+    its pool grown (the engine built again) if the longest request needs more; leaving the `with`
+    block ends the engine (data-parallel workers end with the run)."""
+
+    def __init__(self, spec: EngineSpec, tokenizer: Any, user_pool: bool):
+        """`tokenizer`: the engine's (a LazyTokenizer: made only if it decodes); `user_pool`: the user set
+        the pool's size (too small is an error, not grown)."""
+        self.spec, self.tokenizer, self.user_pool = spec, tokenizer, user_pool
+        self.loaded: Loaded | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._load, name="lmbatch-model-load", daemon=True)
+        self.thread.start()
+
+    def __enter__(self) -> ModelLoader:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if kind is not None and not issubclass(kind, Exception):
+            return      # Ctrl-C: the command exits at once, whatever the thread is doing
+        self.thread.join()      # a thread killed inside torch at exit aborts the process (no message)
+        if self.loaded is not None:
+            self.loaded.engine.close()
+
+    def _load(self) -> None:
+        t = time.perf_counter()
+        clock = Phases(since_start=False)
+        try:
+            with clock("imports"):
+                import torch  # noqa: F401
+
+                from lmbatch.engine.build import fit, make_engine
+                from lmbatch.model.config import ModelConfig
+                cfg = ModelConfig.from_dir(self.spec.model_dir)
+            with clock("cuda_init"):
+                spec, attention = fit(self.spec, cfg)
+                _start_cuda(spec.device)
+            engine = make_engine(spec, self.tokenizer, clock)
+            self.loaded = Loaded(engine, spec, attention, {**clock.seconds, "load_background": 0.0})
+        except BaseException as e:  # noqa: BLE001  raised on the run's thread
+            self.error = e
+        if self.loaded is not None:
+            self.loaded.seconds["load_background"] = time.perf_counter() - t
+
+    def result(self, longest: int) -> Loaded:
+        """The engine, its pool able to hold the longest request plus a batch."""
+        from lmbatch.engine.build import fit_pool, make_engine
+
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.loaded is not None
+        spec = fit_pool(self.loaded.spec, longest, self.user_pool)
+        if spec is not self.loaded.spec:        # rare (prompts near the model's context): the small pool goes first
+            self.loaded.engine.close()
+            old, self.loaded = self.loaded, None
+            self.loaded = old._replace(engine=make_engine(spec, self.tokenizer), spec=spec)
+        return self.loaded
+
+
+def _start_cuda(device: str) -> None:
+    """CUDA's context, now (its start is a phase of its own, not the first allocation's)."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.init()
+        torch.empty(1, device="cuda")

@@ -1,0 +1,132 @@
+"""The options of `lmbatch run`, each declared once (`RunOptions`: the command's parameters are made
+from its fields), and their checks against the task, made before any work (`check`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lmbatch.engine.build import ATTENTION, DEVICES, DTYPES, check_data_parallel
+from lmbatch.engine.options import EngineOptions, EngineSpec
+from lmbatch.errors import UserError
+from lmbatch.frontend.workload import Workload
+
+
+def _option(default: Any, help: str, flag: str | None = None) -> Any:
+    """A RunOptions field with its `lmbatch run` help. `flag` is the option's spelling where it is not
+    --field-name; a true-by-default bool field with the flag --no-field-name is set false by giving it."""
+    return field(default=default, metadata={"help": help, "flag": flag})
+
+
+@dataclass
+class RunOptions:
+    """The options of one `lmbatch run`: `lmbatch.cli` makes the command's parameters from these
+    fields, in this order, with their defaults and the help in their metadata."""
+
+    task: str = field(metadata={"help": "Task name (see `lmbatch tasks`) or a program file path/to/file.py.",
+                                "argument": True})
+    shots: int = _option(0, "Few-shot examples per prompt (mmlu: 0 to 5; json and tot-gsm8k: 0).")
+    model: str | None = _option(None, "Local HF folder or hub id; default: the embedded SmolLM2-135M-Instruct.")
+    limit: int | None = _option(None, "First N instances (per subject for mmlu, as lm-eval's --limit).")
+    subjects: list[str] | None = _option(None, "Only these MMLU subjects (repeatable).")
+    device: str = _option("auto", "auto (CUDA when a GPU is visible, else CPU), cpu or cuda.")
+    dtype: str | None = _option(None, "float32 (CPU default), bfloat16 (CUDA default) or float16.")
+    attention: str = _option("auto", "Attention kernels: auto (Triton on CUDA, FlashInfer where its kernels for the "
+                                     "model are built already; torch on CPU), flashinfer, triton or torch.")
+    max_tokens_per_batch: int | None = _option(
+        None, "Token budget of one forward batch (default: 4096 on CPU; on CUDA up to 16384, fitted to the model "
+              "and free memory).")
+    kv_cache_tokens: int | None = _option(None, "KV pool size in tokens (default: 4 GiB on CPU; on CUDA half the "
+                                                "free memory, at most 131072 tokens).")
+    data_parallel: str = _option("1", "Worker processes, each with its own copy of the model on its own device, "
+                                      "each running whole subtrees of the radix tree: a number, or auto (every "
+                                      "visible GPU; 1 on CPU).")
+    ray_address: str | None = _option(None, "Place the workers on this Ray cluster (host:port, or auto) instead of "
+                                            "local processes.")
+    tensor_parallel: int = _option(1, "Devices (processes on CPU) each model is split over: attention heads, MLP "
+                                      "and vocabulary slices. Workers times this must not exceed the GPUs.")
+    schedule: str = _option("dfs", "dfs (radix-tree order), fcfs or random: the last two for ablations.")
+    no_cache: bool = _option(False, "Disable prefix caching (ablation).")
+    seed: int = _option(0, "Seed for shots drawing, sampling and --schedule random.")
+    out: Path = _option(Path("results"), "Parent directory of run directories.")
+    run_id: str | None = _option(None, "Run directory name (default: task-shots-model-time).")
+    overwrite: bool = _option(False, "Replace an existing run directory (an incomplete one with other settings too; "
+                                     "one with the same settings is resumed).")
+    checkpoint_s: float = _option(30.0, "Seconds of work between result parts written while the run executes (also "
+                                        "one per wave): at most what a crash or Ctrl-C loses.")
+    truncate_left: bool = _option(False, "Drop the oldest tokens of prompts longer than the model's context.")
+    save_token_ids: bool = _option(False, "Store each request's token ids in requests.parquet.")
+    quiet: bool = _option(False, "No progress bar or closing line.")
+    apply_chat_template: bool = _option(False, "mmlu, hellaswag: render prompts through the model's chat template, "
+                                               "as lm-eval's --apply_chat_template does.")
+    system_instruction: str | None = _option(None, "mmlu, hellaswag: a system message before the prompt (lm-eval's "
+                                                   "--system_instruction).")
+    fewshot_as_multiturn: bool = _option(False, "With --apply-chat-template: each few-shot example as its own user and "
+                                                "assistant turns (lm-eval's --fewshot_as_multiturn).")
+    think_budget: int | None = _option(None, "Thinking models: every gen first thinks, unconstrained, up to this many "
+                                             "tokens; its constraint applies after </think>.")
+    think_end: str | None = _option(None, "With --think-budget: the end-of-thinking marker (default: </think>, where "
+                                          "the tokenizer or its chat template has it).")
+    jump_forward: bool = _option(True, "Decode grammar-forced text token by token (ablation).", "--no-jump-forward")
+    workload_cache: bool = _option(True, "Load, tokenize and plan the task again rather than take its cached "
+                                         "workload (kept per task, options, data and tokenizer).",
+                                   "--no-workload-cache")
+    dry_run: bool = _option(False, "Load, tokenize and plan only; print the plan's figures as JSON (no weights "
+                                   "loaded, nothing written).")
+
+
+def check(o: RunOptions, w: Workload) -> None:
+    """Every option a user can get wrong, before any work."""
+    from lmbatch.scheduler.planner import SCHEDULES
+
+    if w.max_shots is not None and (o.shots < 0 or o.shots > w.max_shots):
+        raise UserError(f"--shots {o.shots} is out of range: {w.name} takes 0 to {w.max_shots} few-shot examples")
+    if o.shots < 0:
+        raise UserError("--shots must be at least 0")
+    if o.shots > 0 and w.shot_pool is not None and o.shots >= (pool := w.shot_pool()):
+        raise UserError(f"--shots {o.shots} needs more than the {pool} {w.shot_pool_name}")
+    if o.subjects:
+        if w.subjects is None:
+            raise UserError(f"--subjects applies to mmlu only, not to {w.name}")
+        valid = w.subjects()
+        for subject in o.subjects:
+            if subject not in valid:
+                raise UserError(f"unknown MMLU subject {subject!r}; valid: {', '.join(valid)}")
+    if o.limit is not None and o.limit < 1:
+        raise UserError("--limit must be at least 1")
+    if o.device not in DEVICES:
+        raise UserError(f"--device {o.device}: use auto, cpu or cuda")
+    if o.dtype is not None and o.dtype not in DTYPES:
+        raise UserError(f"--dtype {o.dtype}: use one of {', '.join(DTYPES)}")
+    if o.attention not in ATTENTION:
+        raise UserError(f"--attention {o.attention}: use one of {', '.join(ATTENTION)}")
+    if o.max_tokens_per_batch is not None and o.max_tokens_per_batch < 1:
+        raise UserError("--max-tokens-per-batch must be at least 1")
+    if (o.apply_chat_template or o.system_instruction is not None or o.fewshot_as_multiturn) and not w.chat:
+        raise UserError(f"--apply-chat-template, --system-instruction and --fewshot-as-multiturn apply to mmlu and "
+                        f"hellaswag, not {w.name} (a program renders its own messages with s.chat)")
+    if o.fewshot_as_multiturn and not o.apply_chat_template:
+        raise UserError("--fewshot-as-multiturn needs --apply-chat-template")
+    if o.think_end is not None and o.think_budget is None:
+        raise UserError("--think-end goes with --think-budget")
+    if o.think_budget is not None and o.think_budget < 0:
+        raise UserError("--think-budget must be at least 0")
+    if not o.checkpoint_s > 0:
+        raise UserError("--checkpoint-s must be more than 0")
+    if o.kv_cache_tokens is not None and o.kv_cache_tokens < 1:
+        raise UserError("--kv-cache-tokens must be at least 1")
+    check_data_parallel(o.data_parallel)
+    if o.tensor_parallel < 1:
+        raise UserError("--tensor-parallel must be at least 1")
+    if o.schedule not in SCHEDULES:
+        raise UserError(f"--schedule {o.schedule}: use one of {', '.join(SCHEDULES)}")
+
+
+def engine_spec(o: RunOptions, model_dir: Path, generates: bool) -> EngineSpec:
+    """The engine the run asks for; what it leaves open is fitted once the device is known (build.fit).
+    A workload that `generates` has its decode graphs captured while the host prepares it."""
+    options = EngineOptions(kv_cache_tokens=o.kv_cache_tokens, max_tokens_per_batch=o.max_tokens_per_batch,
+                            attention=o.attention, cache=not o.no_cache, jump_forward=o.jump_forward)
+    return EngineSpec(str(model_dir), o.device, o.dtype, options, data_parallel=o.data_parallel,
+                      tensor_parallel=o.tensor_parallel, ray_address=o.ray_address, relay_s=min(1.0, o.checkpoint_s),
+                      graphs_ahead=generates)

@@ -1,0 +1,157 @@
+"""`lmbatch run`, top to bottom: options -> workload -> model files -> run directory -> engine ->
+execute -> summary. Each step is a module of its own (options, prepare, rundir, loading, parts,
+summary); data flows down, and results come back as return values or as the finished programs the
+run pulls from the interpreter.
+
+What a user waits for is the whole command, so every phase is timed from the process's start
+(`summary.json` `time_s`). The model is built on a thread of its own (lmbatch/loading.py) while the
+host prepares the workload: read back from the workload cache, or prepared by a forked child
+process (lmbatch/prepare.py).
+"""
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+from typing import Any
+
+from lmbatch import summary
+from lmbatch.errors import Interrupted, UserError, first_line
+from lmbatch.frontend.registry import get_workload
+from lmbatch.frontend.workload import Workload
+from lmbatch.loading import ModelLoader
+from lmbatch.options import RunOptions, check, engine_spec
+from lmbatch.parts import Every, PartWriter, Stop
+from lmbatch.prepare import ModelFiles, Preparation
+from lmbatch.progress import TokenProgress
+from lmbatch.rundir import RunDir, for_run
+from lmbatch.timing import Phases
+
+
+def run(o: RunOptions) -> Path | dict[str, Any]:
+    """Run a task; returns its run directory, or with `dry_run` the plan's figures."""
+    clock = Phases()
+    w = get_workload(o.task)
+    check(o, w)
+    stop = Stop()
+    try:
+        with HostGC() as host_gc, stop:
+            with clock("model_files"):
+                model = open_model(o)
+            if o.dry_run:
+                return dry_run(o, w, model, clock)
+            with clock("model_files"):
+                rundir = stop.rundir = for_run(o, w, model.dir)
+            return run_in(o, w, model, rundir, stop, host_gc, clock)
+    except KeyboardInterrupt:
+        raise Interrupted(stop.kept()) from None
+
+
+def run_in(o: RunOptions, w: Workload, model: ModelFiles, rundir: RunDir, stop: Stop, host_gc: HostGC,
+           clock: Phases) -> Path:
+    """The run itself, into its run directory: workload and engine side by side, then execute, then summary."""
+    say = (lambda text: None) if o.quiet else (lambda text: print(f"lmbatch: {text}", file=sys.stderr))
+    if rundir.resuming:
+        say(f"resuming {rundir.path}: {len(rundir.saved)} instances kept from earlier attempts")
+    prep = Preparation(o, w, model, clock, fork=True)       # before the model's thread: it may fork
+    spec = engine_spec(o, model.dir, w.generates)
+    try:
+        with ModelLoader(spec, model.encoder.hf_source, o.kv_cache_tokens is not None) as loader:
+            say(f"{w.name}: " + ("reading the cached workload" if prep.source == "cache" else
+                                 "loading, tokenizing and planning the instances") + ", the model loading meanwhile")
+            instances = prep.snapshot().instances
+            interp = prep.interpreter(rundir.unsaved(instances))
+            say(f"{len(interp.runs)} instances to run, {len(interp.ready)} first-stage calls planned")
+            if loader.thread.is_alive():
+                say(f"waiting for the model ({model.dir.name})")
+            with clock("load"):
+                loaded = loader.result(interp.longest_ready())
+            if not rundir.check_dtype(str(loaded.spec.dtype), o.overwrite):    # --overwrite of another dtype's run
+                interp = prep.interpreter(rundir.unsaved(instances))
+            host_gc.model_work()
+            tokenized = interp.tokenize_s
+            execute(o, w, interp, loaded.engine, rundir, stop)
+            clock.add("tokenize", interp.tokenize_s - tokenized)
+            clock.add("plan", interp.stats.plan_s)
+            clock.add("execute", interp.stats.execute_s)
+            with clock("write"):
+                merged = rundir.merge(interp.stats.execute_s)
+            result = summary.build(o, w, rundir.path.name, loaded, merged, interp, clock.total(), prep.source)
+            rundir.finish(result)
+    finally:
+        prep.close()
+    if not o.quiet:
+        print(f"{summary.closing_line(result)}  -> {rundir.path}", file=sys.stderr)
+    return rundir.path
+
+
+def open_model(o: RunOptions) -> ModelFiles:
+    """The model folder (the embedded model converted on first use), its tokenizer and its shape, checked."""
+    from lmbatch.frontend.tokenize import TextEncoder
+    from lmbatch.model.checkpoint import resolve_model
+    from lmbatch.model.config import ModelConfig
+
+    model_dir = resolve_model(o.model)
+    encoder = TextEncoder.for_model(model_dir)
+    try:
+        shape = ModelConfig.from_dir(model_dir)
+    except ValueError as e:     # a supported model_type with a variant we do not run (e.g. its RoPE)
+        raise UserError(f"model at {model_dir}: {first_line(e)}") from None
+    except AttributeError as e:  # no attention shape (e.g. a state-space model)
+        raise UserError(f"model at {model_dir} has no attention shape lmbatch's KV cache can hold ({e}): "
+                        "lmbatch runs decoder-only attention models") from None
+    if o.tensor_parallel > 1:
+        from lmbatch.model.tensor_parallel import shard_config
+        try:
+            shard_config(shape, o.tensor_parallel)
+        except ValueError as e:
+            raise UserError(f"--tensor-parallel {o.tensor_parallel}: {first_line(e)}") from None
+    return ModelFiles(model_dir, encoder, shape)
+
+
+def dry_run(o: RunOptions, w: Workload, model: ModelFiles, clock: Phases) -> dict[str, Any]:
+    """Load, tokenize and plan (or read the cached workload), no model work: the plan's figures."""
+    prep = Preparation(o, w, model, clock, fork=False)
+    snap = prep.snapshot()
+    return summary.dry_run(o, w, model.dir, model.shape, len(snap.instances), snap.figures, clock.total())
+
+
+def execute(o: RunOptions, w: Workload, interp: Any, engine: Any, rundir: RunDir, stop: Stop) -> None:
+    """Run every program; finished ones go to the run directory as parts every --checkpoint-s seconds of
+    work, and at once when a stop is asked for (then the run raises Interrupted)."""
+    parts = PartWriter(w, rundir, interp.tally, o.save_token_ids)
+    progress = TokenProgress("execute", disable=o.quiet)
+    stop.executing = True
+    try:
+        for finished in interp.stream(engine, handover_due=Every(o.checkpoint_s, stop), progress=progress):
+            parts.write(finished)
+            if stop.asked:
+                raise Interrupted(stop.kept())
+    finally:        # a stop's line starts a line of its own, under the bar
+        stop.executing = False
+        progress.close()
+    if rundir.unsaved_count:
+        raise RuntimeError(f"{rundir.unsaved_count} of {rundir.total} instances were not written")
+
+
+class HostGC:
+    """Python's cycle collector rescans every live container each time their number grows by a quarter;
+    the host phases build millions (instances, prompts, token lists) and that scanning took about a third
+    of their time (full MMLU's dry run on a 2-core CPU: ~14.8 s with it, ~8.8 s without). They run
+    without it; what they built is frozen (never scanned again) before model work, which runs with the
+    collector (generation may leave cycles that hold device memory)."""
+
+    def __enter__(self) -> HostGC:
+        self.was_enabled = gc.isenabled()
+        gc.disable()
+        return self
+
+    def model_work(self) -> None:
+        gc.freeze()
+        if self.was_enabled:
+            gc.enable()
+
+    def __exit__(self, *exc: object) -> None:
+        gc.unfreeze()
+        if self.was_enabled:
+            gc.enable()

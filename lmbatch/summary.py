@@ -1,0 +1,155 @@
+"""What a run reports: `summary.json` (docs/outputs.md), its closing line, and a dry run's figures."""
+from __future__ import annotations
+
+import datetime as dt
+import subprocess
+from collections import defaultdict
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+import lmbatch
+from lmbatch.requests import RunStats, optimal_hit_rate
+from lmbatch.timing import largest
+
+if TYPE_CHECKING:
+    from lmbatch.engine.protocol import BatchEngine
+    from lmbatch.frontend.interpreter import Interpreter
+    from lmbatch.frontend.workload import Workload
+    from lmbatch.loading import Loaded
+    from lmbatch.model.config import ModelConfig
+    from lmbatch.options import RunOptions
+    from lmbatch.rundir import Merged
+
+MODEL_SIDE = ("imports", "cuda_init", "weights", "compile", "graphs", "workers")
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(Path(lmbatch.__file__).parent), "rev-parse", "HEAD"],
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _mean(values: Iterable[float]) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+
+def estimate_flops(cfg: ModelConfig, unique_tokens: int, attended_keys: int, logit_rows: int) -> float:
+    """Model FLOPs of the planned prefill: the linear layers for every computed token (of an MoE layer
+    the experts it is routed to), attention (QK and AV) over each computed token's keys, and the LM head
+    at the positions that need logits."""
+    d, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    attention = cfg.num_layers * 4 * q * attended_keys
+    return 2.0 * cfg.active_linear_params() * unique_tokens + attention + 2.0 * d * cfg.vocab_size * logit_rows
+
+
+def dry_run(o: RunOptions, w: Workload, model_dir: Path, cfg: ModelConfig, instances: int, figures: dict[str, Any],
+            time_s: dict[str, float]) -> dict[str, Any]:
+    """The plan's figures for every first-stage call (later stages depend on generated text)."""
+    f = figures
+    return {"task": w.name, "model": str(model_dir), "shots": o.shots, "instances": instances, "calls": f["calls"],
+            "requests": f["requests"], "executed_requests": f["executed_requests"],
+            "prompt_tokens": f["prompt_tokens"], "unique_tokens": f["unique_tokens"],
+            "optimal_hit_rate": f["optimal_hit_rate"],
+            "flops": estimate_flops(cfg, f["unique_tokens"], f["attended_keys"], f["logit_rows"]), "time_s": time_s}
+
+
+def throughput(rows: list[dict[str, Any]], record: dict[str, Any]) -> dict[str, float]:
+    """Rates over the whole run: every instance's tokens (of every attempt) over every attempt's seconds
+    of execution (an attempt that was cut short counts up to its last part, as do its instances)."""
+    ex = max(sum(a.get("execute_s", 0.0) for a in record["attempts"]), 1e-9)
+    return {"programs_per_s": len(rows) / ex,
+            "prompt_tokens_per_s": sum(r["prompt_tokens"] for r in rows) / ex,
+            "computed_tokens_per_s": sum(r["computed_tokens"] for r in rows) / ex,
+            "decode_tokens_per_s": sum(r["decode_tokens"] for r in rows) / ex}
+
+
+def _data_parallel(engine: BatchEngine, stats: RunStats) -> dict[str, Any]:
+    """Workers and the devices each spans; the fewest tokens they had to compute between them (each
+    its own parts' optimum) and how many of those more than one worker computed (the prefixes their
+    parts share): the best hit rate they reach together."""
+    unique = engine.optimal_unique_tokens()
+    unique = stats.unique_tokens if unique is None else unique
+    return {"workers": engine.data_parallel, "tensor_parallel": engine.tensor_parallel,
+            "duplicated_tokens": unique - stats.unique_tokens,
+            "optimal_hit_rate": optimal_hit_rate(unique, stats.prompt_tokens)}
+
+
+def _metrics(w: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in rows if r["error"] is None]
+    names = sorted({k for r in ok for k in r["metrics"]})
+    by_subject = defaultdict(list)
+    for r in ok:
+        if r["subject"] and "acc" in r["metrics"]:
+            by_subject[r["subject"]].append(r["metrics"]["acc"])
+    return {"accuracy": _mean(r["metrics"]["acc"] for r in ok if "acc" in r["metrics"]),
+            "metrics": {k: _mean(r["metrics"][k] for r in ok if k in r["metrics"]) for k in names},
+            "accuracy_by_subject": {s: sum(v) / len(v) for s, v in sorted(by_subject.items())}}
+
+
+def build(o: RunOptions, w: Workload, run_id: str, loaded: Loaded, merged: Merged, interp: Interpreter,
+          time_s: dict[str, float], workload: str) -> dict[str, Any]:
+    """summary.json of a completed run (`merged`: every instance's row, of every attempt, and run.json;
+    `workload`: where its workload came from, "cache", "child" or "here")."""
+    stats, engine, spec = interp.stats, loaded.engine, loaded.spec
+    rows, record = merged
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(o).items()}
+    attempt = len(record["attempts"])
+    return {
+        "run_id": run_id,
+        "task": w.name,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "lmbatch_version": lmbatch.__version__,
+        "git_commit": _git_commit(),
+        "model": spec.model_dir,
+        "device": spec.device,
+        "dtype": spec.dtype,
+        "model_type": engine.cfg.model_type,
+        "model_runtime": engine.cfg.runtime,       # "native": our network; "transformers": the fallback
+        "attention": {"backend": loaded.attention.name, "why": loaded.attention.why},
+        "workload": workload,
+        "max_tokens_per_batch": spec.options.max_tokens_per_batch,
+        "kv_cache_tokens": spec.options.kv_cache_tokens,
+        "options": options,
+        "counts": {"instances": len(rows), "failed_instances": sum(r["error"] is not None for r in rows),
+                   "calls": sum(c.calls for c in interp.stages.values()), "requests": stats.requests,
+                   "executed_requests": stats.executed, "waves": interp.waves,
+                   "truncated_calls": interp.truncated,
+                   "resumed_instances": sum(r["attempt"] < attempt for r in rows)},
+        **_metrics(w, rows),
+        "tokens": {"prompt": stats.prompt_tokens, "cached": stats.cached_tokens, "computed": stats.computed_tokens,
+                   "unique": stats.unique_tokens, "decode": stats.decode_tokens,
+                   "thinking": interp.tally.think_tokens},
+        "hit_rate": stats.hit_rate,
+        "optimal_hit_rate": stats.optimal_hit_rate,
+        "prompt_tree_optimal_hit_rate": interp.prompt_tree_optimal_hit_rate,
+        "stages": {str(k): v.as_dict() for k, v in sorted(interp.stages.items())},
+        "evicted_tokens": stats.evicted_tokens,
+        "forward_batches": stats.forward_batches,
+        # phases from the process's start on its main line; "load" is what the run waited for the model,
+        # "load_background" what building it took on its thread (beside data, tokenize and plan), by step
+        "time_s": {**time_s, **loaded.seconds},
+        "throughput": throughput(rows, record),
+        "attempts": record["attempts"],
+        "data_parallel": _data_parallel(engine, stats),
+    }
+
+
+def closing_line(summary: dict[str, Any]) -> str:
+    """What a run says as it ends: instances, accuracy, hit rate and its optimum, where the time went."""
+    acc = "" if summary["accuracy"] is None else f"accuracy {summary['accuracy']:.4f}  "
+    counts = summary["counts"]
+    failed, resumed = counts["failed_instances"], counts["resumed_instances"]
+    t = summary["time_s"]
+    side = largest(t, 2, MODEL_SIDE)
+    runtime = f"{'native' if summary['model_runtime'] == 'native' else summary['model_runtime'] + ' fallback'} " \
+              f"{summary['model_type']}"
+    return (f"{counts['instances']} instances" + (f" ({resumed} from earlier attempts)" if resumed else "")
+            + f"  {acc}hit rate {summary['hit_rate']:.4f} (optimum {summary['optimal_hit_rate']:.4f})  wall "
+            f"{t['total']:.1f}s ({largest(t)}" + (f"; model side {side}" if side else "") + ")"
+            + (f"  {failed} FAILED (see the error column)" if failed else "")
+            + f"  {runtime}")

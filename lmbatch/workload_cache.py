@@ -1,0 +1,174 @@
+"""A built-in task's workload as the host prepared it (instances, every first-stage call's token ids,
+the first wave's plan, the dry run's figures), kept on disk so that the same workload is not loaded,
+tokenized and planned again: full MMLU's host work is seconds, reading it back a fraction of one.
+
+An entry's name is a hash of everything that decides its content: the task and the options that
+shape its prompts, plan and checks (shots, limit, subjects, seed, chat template options, thinking,
+--truncate-left, jump-forward, schedule), the task's data files, the model folder's tokenizer and
+config files (by content), the model's context length and vocabulary, lmbatch's own source and
+the versions of the libraries that make the tokenizer. What is read back is trusted only whole: a
+file is a header (its format, key and the payload's size and SHA-256) and the payload; anything
+else (truncated, altered, another version's) is made again, with a one-line notice.
+
+    ~/.cache/lmbatch/workloads/<key>.pkl    ($LMBATCH_CACHE, else $XDG_CACHE_HOME/lmbatch)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lmbatch.frontend.calls import KnownIds
+from lmbatch.frontend.workload import Instance
+from lmbatch.model.checkpoint import cache_dir
+from lmbatch.scheduler.planner import Plan, plan_from_arrays, plan_to_arrays
+
+FORMAT = b"LMBWORK1"
+KEEP = 16                   # entries kept; the least recently written go
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+
+
+@dataclass
+class Snapshot:
+    """A task's prepared workload: its instances, the token ids of every first-stage call (by the
+    program's number and the call's, with a digest of the call's text), the first wave's plan where it
+    is made before the engine (every first-stage call a select), and the dry run's figures."""
+    instances: list[Instance]
+    known: KnownIds
+    plan: Plan | None
+    figures: dict[str, Any]
+
+
+def _hash_files(h: Any, files: list[Path]) -> None:
+    for f in files:
+        h.update(b"\0" + f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            while block := fh.read(1 << 20):
+                h.update(block)
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """lmbatch's version and a hash of its installed source (prompts and tokenization are code)."""
+    import importlib.util
+
+    import lmbatch
+
+    h = hashlib.sha256(lmbatch.__version__.encode())
+    for pkg in ("lmbatch", "lmbatch.programs", "lmbatch.scheduler"):     # programs/, scheduler/ map in
+        spec = importlib.util.find_spec(pkg)
+        assert spec is not None and spec.submodule_search_locations is not None, pkg
+        root = Path(list(spec.submodule_search_locations)[0])
+        for f in sorted(root.rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    for lib in ("tokenizers", "transformers"):
+        h.update(f"\0{lib}={importlib.metadata.version(lib)}".encode())
+    return h.hexdigest()
+
+
+def key(options: dict[str, Any], data_files: list[Path], model_dir: Path) -> str:
+    """The entry's name: `options` (the workload's own, JSON-able), the data files' and the model folder's
+    small files' content, and `code_version`."""
+    h = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode())
+    _hash_files(h, data_files)
+    _hash_files(h, sorted(f for f in model_dir.iterdir()
+                          if f.is_file() and not f.name.endswith(_WEIGHTS) and f.stat().st_size <= 64 << 20))
+    h.update(code_version().encode())
+    return h.hexdigest()[:40]
+
+
+def path_of(name: str) -> Path:
+    return cache_dir() / "workloads" / f"{name}.pkl"
+
+
+def _encode(snap: Snapshot) -> dict[str, Any]:
+    """The snapshot with its token ids as flat arrays (fast to write and read) rather than lists."""
+    keys = sorted(snap.known)
+    segments: list[list[int]] = []
+    kinds, counts, digests = [], [], []
+    for k in keys:
+        digest, ids = snap.known[k]
+        digests.append(digest)
+        if isinstance(ids, tuple):          # a select: its context, then each choice's continuation
+            kinds.append(1)
+            segments += [ids[0], *ids[1]]
+            counts.append(1 + len(ids[1]))
+        else:
+            kinds.append(0)
+            segments.append(ids)
+            counts.append(1)
+    lens = np.fromiter(map(len, segments), np.int64, len(segments))
+    flat = np.concatenate([np.asarray(s, np.int32) for s in segments]) if segments else np.zeros(0, np.int32)
+    return {"instances": snap.instances, "keys": np.asarray(keys, dtype=np.int64).reshape(-1, 2),
+            "kinds": np.asarray(kinds, np.int8), "counts": np.asarray(counts, np.int64), "lens": lens, "flat": flat,
+            "digests": b"".join(digests), "plan": None if snap.plan is None else plan_to_arrays(snap.plan),
+            "figures": snap.figures}
+
+
+def _decode(d: dict[str, Any]) -> Snapshot:
+    flat, ends = d["flat"].tolist(), np.cumsum(d["lens"]).tolist()
+    known: KnownIds = {}
+    digests, s = d["digests"], 0
+    for n, ((number, seq), kind, count) in enumerate(zip(d["keys"].tolist(), d["kinds"].tolist(),
+                                                         d["counts"].tolist())):
+        parts = [flat[(ends[s + k - 1] if s + k else 0):ends[s + k]] for k in range(count)]
+        s += count
+        known[(number, seq)] = (digests[16 * n:16 * n + 16], (parts[0], parts[1:]) if kind == 1 else parts[0])
+    plan = None if d["plan"] is None else plan_from_arrays(d["plan"])
+    return Snapshot(d["instances"], known, plan, d["figures"])
+
+
+def store(path: Path, snap: Snapshot, temporary: bool = False) -> bool:
+    """Write the entry (to a temporary name, then renamed: a reader sees a whole file or none); keep the
+    KEEP most recent. A cache that cannot be written is said and left alone: False. A `temporary` file
+    (not in the cache) is only written."""
+    payload = pickle.dumps(_encode(snap), protocol=pickle.HIGHEST_PROTOCOL)
+    header = json.dumps({"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as fh:
+            fh.write(FORMAT + len(header).to_bytes(4, "little") + header)
+            fh.write(payload)
+        os.replace(tmp, path)
+        if not temporary:
+            entries = sorted(path.parent.glob("*.pkl"), key=lambda f: f.stat().st_mtime)
+            for old in entries[:-KEEP]:
+                old.unlink(missing_ok=True)
+        return True
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if not temporary:
+            print(f"lmbatch: the workload cache {path.parent} is not writable ({e.strerror or e}); set "
+                  "LMBATCH_CACHE to a writable folder to keep prepared workloads", file=sys.stderr)
+        return False
+
+
+def load(path: Path) -> Snapshot | None:
+    """The entry at `path`, or None: absent, or not whole (then it goes, with a one-line notice)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        if data[:8] != FORMAT:
+            raise ValueError("not an lmbatch workload file of this version")
+        n = int.from_bytes(data[8:12], "little")
+        header = json.loads(data[12:12 + n])
+        payload = data[12 + n:]
+        if len(payload) != header["bytes"] or hashlib.sha256(payload).hexdigest() != header["sha256"]:
+            raise ValueError("truncated or altered")
+        return _decode(pickle.loads(payload))
+    except Exception as e:  # noqa: BLE001  whatever is wrong with it, it is made again
+        print(f"lmbatch: cached workload {path.name} is unreadable ({type(e).__name__}: {e}); preparing it again",
+              file=sys.stderr)
+        path.unlink(missing_ok=True)
+        return None
