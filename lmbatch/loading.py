@@ -37,6 +37,8 @@ class ModelLoader:
         self.spec, self.tokenizer, self.user_pool = spec, tokenizer, user_pool
         self.loaded: Loaded | None = None
         self.error: BaseException | None = None
+        # set once torch and the model's code are imported: the step that most needs the interpreter lock
+        self.imported = threading.Event()
         self.thread = threading.Thread(target=self._load, name="lmbatch-model-load", daemon=True)
         self.thread.start()
 
@@ -60,6 +62,7 @@ class ModelLoader:
                 from lmbatch.engine.build import fit, make_engine
                 from lmbatch.model.config import ModelConfig
                 cfg = ModelConfig.from_dir(self.spec.model_dir)
+            self.imported.set()
             with clock("cuda_init"):
                 spec, attention = fit(self.spec, cfg)
                 _start_cuda(spec.device)
@@ -67,6 +70,7 @@ class ModelLoader:
             self.loaded = Loaded(engine, spec, attention, {**clock.seconds, "load_background": 0.0})
         except BaseException as e:  # noqa: BLE001  raised on the run's thread
             self.error = e
+        self.imported.set()
         if self.loaded is not None:
             self.loaded.seconds["load_background"] = time.perf_counter() - t
 

@@ -34,6 +34,7 @@ class Tally:
         self.prompt_tree_optimal_hit_rate = 0.0
         self._prompts: list[list[int]] = []            # executed prompts, for the post-hoc optimum
         self._generated: list[tuple[list[int], int]] = []  # (prompt + fed output, prompt length)
+        self.waves: list[int] = []                         # each wave's plan's unique tokens
 
     def start_wave(self, owner: list[Pending]) -> None:
         """Count a wave's calls (`owner[j]` is the call of its engine request j)."""
@@ -74,12 +75,17 @@ class Tally:
         """Add a wave's engine run to the totals."""
         self.stats.add_run(st)
         self.stats.plan_s += st.plan_s
+        self.waves.append(st.unique_tokens)
 
-    def finish(self) -> None:
+    def finish(self, one_engine: bool) -> None:
         """The post-hoc optimum: from the tree of every prompt actually executed, where tokens that
-        generation already put in the cache count as free (their KV exists without any prefill)."""
+        generation already put in the cache count as free (their KV exists without any prefill). A run
+        of one wave on `one_engine` without generation has it already: its plan's tree is that tree."""
         s = self.stats
-        plain = summarize(self._prompts).unique_tokens     # the prompts' own tree (Theorem 3.1)
+        if one_engine and len(self.waves) == 1 and not self._generated:
+            plain = self.waves[0]
+        else:
+            plain = summarize(self._prompts).unique_tokens     # the prompts' own tree (Theorem 3.1)
         s.unique_tokens = posthoc_unique(self._prompts, self._generated) if self._generated else plain
         s.optimal_hit_rate = optimal_hit_rate(s.unique_tokens, s.prompt_tokens)
         s.engine_optimal_hit_rate = s.optimal_hit_rate

@@ -248,3 +248,20 @@ def test_a_first_wave_of_selects_planned_ahead_runs_that_plan(tiny_tok, monkeypa
     assert len(gens.ready) == 1
     gens.plan_first_wave()
     assert calls["interpreter"] == 0
+
+
+def test_one_wave_of_selects_takes_its_plans_optimum(tiny_tok):
+    """A run of one wave without generation on one engine takes its optimum from the wave's plan instead of
+    planning every executed prompt again: the same number the executed prompts' own tree gives."""
+    from lmbatch.scheduler.planner import summarize
+
+    def program(s, q):
+        s += PREFIX + q + " Answer:"
+        s += select("a", [" yes", " no", " maybe"])
+
+    interp, _ = run_programs(tiny_tok, program, [{"q": q} for q in ("Is it?", "Is it?", "Why not", "Is it")])
+    assert interp.waves == 1
+    executed = [row["token_ids"] for rows in interp.tally.rows_by_run.values() for row in rows]
+    assert len(executed) == interp.stats.executed < 3 * 4      # equal prompts ran once
+    assert interp.stats.unique_tokens == summarize(executed).unique_tokens
+    assert interp.stats.optimal_hit_rate == interp.prompt_tree_optimal_hit_rate > 0
