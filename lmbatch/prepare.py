@@ -51,11 +51,13 @@ def _interpreter(o: RunOptions, model: ModelFiles) -> Interpreter:
 
 def _figures(interp: Interpreter) -> dict[str, Any]:
     """A dry run's figures of the first stage: calls, requests (executed: equal scored prompts merged),
-    prompt and unique tokens, the optimum, and what the planned prefill attends and needs logits of."""
+    prompt and unique tokens, the optimum, and what the planned prefill attends and needs logits of
+    (from the first wave's plan where it is made, else from the prompts' sorted order)."""
     requests = interp.first_requests()
     scored = [isinstance(r, ScoreRequest) for r in requests]
-    plan = summarize([r.prompt for r in requests], scored,
-                     [len(r.continuation) if isinstance(r, ScoreRequest) else 1 for r in requests])
+    rows = [len(r.continuation) if isinstance(r, ScoreRequest) else 1 for r in requests]
+    plan = interp.first_plan.summary(rows) if interp.first_plan is not None else \
+        summarize([r.prompt for r in requests], scored, rows)
     return {"calls": len(interp.ready), "requests": plan.requests, "executed_requests": plan.executed,
             "prompt_tokens": plan.prompt_tokens, "unique_tokens": plan.unique_tokens,
             "optimal_hit_rate": plan.optimal_hit_rate, "attended_keys": plan.attended_keys,

@@ -30,7 +30,6 @@ class PlanNode:
     owner: int                      # a request whose prompt runs through this node
     parent: "PlanNode | None" = None
     children: list["PlanNode"] = field(default_factory=list)
-    demands: dict[int, set] = field(default_factory=dict)  # position -> wanted next-token ids
 
     @property
     def length(self) -> int:
@@ -51,6 +50,16 @@ class Plan:
         return optimal_hit_rate(self.unique_tokens, self.prompt_tokens)
 
     engine_optimal_hit_rate = optimal_hit_rate  # equal for one planned batch on a cold cache (see above)
+
+    def summary(self, logit_rows: Sequence[int]) -> PlanSummary:
+        """`summarize`'s figures of the planned batch, from its tree (`logit_rows`: of each request)."""
+        attended, stack = 0, [self.root]
+        while stack:
+            node = stack.pop()
+            attended += (node.end * (node.end + 1) - node.start * (node.start + 1)) // 2
+            stack.extend(node.children)
+        return PlanSummary(len(self.ends), len(self.order), self.prompt_tokens, self.unique_tokens, attended,
+                           sum(logit_rows[j] for j in self.order))
 
     def path(self, i: int) -> list[PlanNode]:
         """Nodes from the root's first child down to request i's end node."""

@@ -3,10 +3,17 @@
 Page size is 1 token: the radix tree splits edges at arbitrary token boundaries, and with one-token
 pages a split never copies or wastes KV (SGLang's default for the same reason). FlashInfer's paged
 kernels take page_size=1 directly, so the GPU backends address the same layout.
+
+Slot ids live on the host as numpy int64 arrays: a run moves them per request (allocating, matching,
+inserting), and a numpy op costs a tenth of a torch one on CPU tensors; they become a tensor once per
+forward batch.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+Slots = np.ndarray      # KV slot ids (int64)
 
 
 class KVPool:
@@ -22,7 +29,7 @@ class KVPool:
         # Free slot ids as a stack: alloc pops from the top, free pushes; each moves only its own
         # slots (a free that concatenated the whole list cost a copy of the pool's ids per release).
         # The top holds the next ids in descending order, so an allocation comes out ascending.
-        self._stack = torch.arange(num_slots - 1, -1, -1, dtype=torch.int64)
+        self._stack = np.arange(num_slots - 1, -1, -1, dtype=np.int64)
         self._top = num_slots
 
     @property
@@ -33,22 +40,22 @@ class KVPool:
         """The free slot ids (for checks; the next to be handed out last)."""
         return self._stack[:self._top].tolist()
 
-    def alloc(self, n: int) -> torch.Tensor | None:
-        """n free slot ids (CPU int64, a tensor of their own), or None when fewer than n are free."""
+    def alloc(self, n: int) -> Slots | None:
+        """n free slot ids (an array of their own), or None when fewer than n are free."""
         if n > self._top:
             return None
         self._top -= n
-        return self._stack[self._top:self._top + n].flip(0)
+        return self._stack[self._top:self._top + n][::-1].copy()
 
-    def reserve(self, n: int) -> torch.Tensor:
+    def reserve(self, n: int) -> Slots:
         """Take n slots out of circulation for good (e.g. a scratch slot for padded rows)."""
-        out, self._stack = self._stack[:n].clone(), self._stack[n:]
+        out, self._stack = self._stack[:n].copy(), self._stack[n:]
         self._top -= n
         return out
 
-    def free(self, slots: torch.Tensor) -> None:
+    def free(self, slots: Slots) -> None:
         n = len(slots)
         if self._top + n > len(self._stack):
             raise RuntimeError(f"KV pool: freeing {n} slots would exceed its {len(self._stack)} (a double free)")
-        self._stack[self._top:self._top + n] = slots.flip(0)
+        self._stack[self._top:self._top + n] = slots[::-1]
         self._top += n

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Iterator, cast
 
+import numpy as np
 import torch
 
 from lmbatch.engine.kv import KVSlots
@@ -50,7 +51,7 @@ class Decode:
         the prefill batch being built wait for it, rather than run it small)."""
         while self.can_admit:
             q = self.queue[0]
-            if q.key in self.capture.unlaunched:
+            if self.capture.unlaunched[q.key]:
                 break
             self.queue.popleft()
             self.kv.promised -= q.reserve
@@ -58,7 +59,7 @@ class Decode:
             assert extra is not None, "queued requests' decode slots are kept free"
             if q.run is None:
                 q.run = self._new_run(q)
-            q.run.slots = torch.cat([q.slots, extra])
+            q.run.slots = np.concatenate([q.slots, extra])
             self.running.append(q.run)
 
     def _new_run(self, q: Queued) -> Running:
@@ -118,17 +119,17 @@ class Decode:
         if self._unsampled:
             pending = self.capture.unlaunched    # logits of the prefill batch not launched yet
             waiting = [q for q in self._unsampled if q.run is None]
-            ready = [q for q in waiting if q.key not in pending]
+            ready = [q for q in waiting if not pending[q.key]]
             queued = ready[:FIRST_TOKEN_ROWS]
-            self._unsampled = ready[FIRST_TOKEN_ROWS:] + [q for q in waiting if q.key in pending]
+            self._unsampled = ready[FIRST_TOKEN_ROWS:] + [q for q in waiting if pending[q.key]]
         if not fresh and not queued:
             return
         self.capture.drain()        # their prompts' logits were launched already
         for q in queued:
             q.run = self._new_run(q)
         rows = fresh + [cast(Running, q.run) for q in queued]
-        # a prompt's last position demands its FULL_ROW: its captured row is there
-        logits = [self.capture.row(self.state.prompt_key(r.index)) for r in rows]
+        # a prompt's last position keeps its whole row: it is there
+        logits = [self.capture.row(self.capture.prompt_key(r.index)) for r in rows]
         self._pick(rows, torch.stack(logits).to(self.model_runner.device))
 
     # ---- the end of a request ---------------------------------------------------------------------

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 from typing import NamedTuple, cast
 
-import torch
+import numpy as np
 
-from lmbatch.attention.kv_pool import KVPool
+from lmbatch.attention.kv_pool import KVPool, Slots
 from lmbatch.engine.radix_cache import Node, RadixTree
 from lmbatch.requests import RunStats
 
 EVICT_SHARE = 16    # evict at least 1/16 of the pool at once: one scan of the tree per share, not per request
+_NONE: Slots = np.empty(0, dtype=np.int64)
 
 
 class Match(NamedTuple):
-    slots: torch.Tensor     # KV slots of the matched prefix
+    slots: Slots            # KV slots of the matched prefix
     node: Node | None       # the tree node it ends in (None without a cache)
     length: int
 
@@ -27,12 +28,12 @@ class KVSlots:
     def __init__(self, pool: KVPool, tree: RadixTree | None, stats: RunStats):
         self.pool, self.tree, self.stats = pool, tree, stats
         self.promised = 0                               # slots kept free for queued requests' decode
-        self.own: dict[int, torch.Tensor] = {}          # without a cache: each request's own KV
+        self.own: dict[int, Slots] = {}                 # without a cache: each request's own KV
 
     def match(self, i: int, toks: list[int]) -> Match:
         """The longest prefix of request i's tokens whose KV is in the pool."""
         if self.tree is None:
-            own = self.own.get(i, torch.empty(0, dtype=torch.int64))
+            own = self.own.get(i, _NONE)
             return Match(own, None, len(own))
         slots, node = self.tree.match_prefix(toks)
         return Match(slots, node, len(slots))
@@ -45,7 +46,7 @@ class KVSlots:
         if node is not None:
             cast(RadixTree, self.tree).unlock(node)
 
-    def alloc(self, n: int) -> torch.Tensor | None:
+    def alloc(self, n: int) -> Slots | None:
         """n slots, leaving free those promised to queued requests."""
         return self.pool.alloc(n) if self.make_free(n + self.promised) else None
 
@@ -58,10 +59,10 @@ class KVSlots:
             self.stats.evicted_tokens += self.tree.evict(max(short, self.pool.num_slots // EVICT_SHARE))
         return self.pool.num_free >= n
 
-    def free(self, slots: torch.Tensor) -> None:
+    def free(self, slots: Slots) -> None:
         self.pool.free(slots)
 
-    def keep(self, toks: list[int], slots: torch.Tensor, prompt_len: int, node: Node | None) -> None:
+    def keep(self, toks: list[int], slots: Slots, prompt_len: int, node: Node | None) -> None:
         """A generation request has ended: insert its prompt and the output tokens whose KV was computed
         (`toks`, on the first len(toks) of `slots`) into the tree, so later calls extending it hit, and
         free the rest. Without a cache, free it all."""

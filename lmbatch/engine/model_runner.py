@@ -4,21 +4,25 @@ kinds of forward pass the engine runs (a ragged batch of prompt chunks; one deco
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence, cast
+from typing import TYPE_CHECKING, cast
 
+import numpy as np
 import torch
 
 from lmbatch.attention import ForwardBatch, default_backend, make_backend
-from lmbatch.attention.kv_pool import KVPool
+from lmbatch.attention.kv_pool import KVPool, Slots
 from lmbatch.model.network import Transformer
 
 if TYPE_CHECKING:
     from lmbatch.engine.graphs import DecodeGraphs
-    from lmbatch.engine.state import Key, Running
+    from lmbatch.engine.state import Running
     from lmbatch.model.fallback import HFCausalLM
 
     # our network, or a causal LM transformers runs behind the same forward (cfg.runtime "transformers")
     LanguageModel = Transformer | HFCausalLM
+
+
+_UNCAPTURED = np.full(1, -1, dtype=np.int64)      # a logits row no key captures (a decode row's)
 
 
 @dataclass
@@ -27,19 +31,21 @@ class TokenBatch:
     whose logits are computed, with the plan position each of them is captured for."""
     ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    out_slots: list[torch.Tensor] = field(default_factory=list)
-    kv: list[torch.Tensor] = field(default_factory=list)
+    out_slots: list[Slots] = field(default_factory=list)
+    kv: list[Slots] = field(default_factory=list)
     qo_indptr: list[int] = field(default_factory=lambda: [0])
     kv_indptr: list[int] = field(default_factory=lambda: [0])
-    logit_rows: list[int] = field(default_factory=list)
-    logit_keys: list[Key | None] = field(default_factory=list)    # None: rows nobody captures
+    logit_rows: list[np.ndarray] = field(default_factory=list)
+    logit_keys: list[np.ndarray] = field(default_factory=list)    # LogitCapture's keys (-1: nobody captures)
 
     @property
     def num_tokens(self) -> int:
         return self.qo_indptr[-1]
 
-    def add(self, ids: list[int], start: int, out_slots: torch.Tensor, kv_slots: torch.Tensor,
-            wanted: Sequence[tuple[int, Key | None]]) -> None:
+    def add(self, ids: list[int], start: int, out_slots: Slots, kv_slots: Slots, positions: np.ndarray,
+            keys: np.ndarray) -> None:
+        """A sequence's new tokens (from position `start`), the slots they write and the slots they read,
+        and the positions whose logits are wanted with the key each is captured for."""
         row0 = self.num_tokens
         n = len(ids)
         self.ids.extend(ids)
@@ -48,14 +54,14 @@ class TokenBatch:
         self.kv.append(kv_slots)
         self.qo_indptr.append(row0 + n)
         self.kv_indptr.append(self.kv_indptr[-1] + len(kv_slots))
-        for pos, key in wanted:
-            self.logit_rows.append(row0 + pos - start)
-            self.logit_keys.append(key)
+        self.logit_rows.append(positions + (row0 - start))
+        self.logit_keys.append(keys)
 
     def build(self) -> ForwardBatch:
-        return ForwardBatch(torch.tensor(self.ids), torch.tensor(self.positions), torch.cat(self.out_slots),
-                            self.qo_indptr, self.kv_indptr, torch.cat(self.kv),
-                            torch.as_tensor(self.logit_rows, dtype=torch.int64))
+        return ForwardBatch(torch.tensor(self.ids), torch.tensor(self.positions),
+                            torch.from_numpy(np.concatenate(self.out_slots)), self.qo_indptr, self.kv_indptr,
+                            torch.from_numpy(np.concatenate(self.kv)),
+                            torch.from_numpy(np.concatenate(self.logit_rows)))
 
 
 class ModelRunner:
@@ -80,7 +86,8 @@ class ModelRunner:
         if use_graphs:
             from lmbatch.engine.graphs import DecodeGraphs
             # a row per token: a step's rows after jump-forwards may outnumber its requests
-            self.graphs = DecodeGraphs(cast(Transformer, model), self.pool, int(self.pool.reserve(1)), 2 * max_running)
+            scratch = int(self.pool.reserve(1)[0])
+            self.graphs = DecodeGraphs(cast(Transformer, model), self.pool, scratch, 2 * max_running)
 
     def capture_graphs(self) -> None:
         """Capture every decode graph now (a run that only scores never needs them)."""
@@ -102,7 +109,7 @@ class ModelRunner:
             toks, positions, seqs, last = [], [], [], []
             for r in rows:
                 start = r.prompt_len + r.fed
-                slots = r.slots.numpy()
+                slots = r.slots
                 for j, t in enumerate(r.out[r.fed:]):
                     toks.append(t)
                     positions.append(start + j)
@@ -113,7 +120,7 @@ class ModelRunner:
         b = TokenBatch()
         for r in rows:
             start, end = r.prompt_len + r.fed, r.prompt_len + len(r.out)
-            b.add(r.out[r.fed:], start, r.slots[start:end], r.slots[:end], [(end - 1, None)])
+            b.add(r.out[r.fed:], start, r.slots[start:end], r.slots[:end], np.array([end - 1]), _UNCAPTURED)
             r.fed = len(r.out)
         return self.forward(b)
 
@@ -124,9 +131,9 @@ class ModelRunner:
         Its KV goes to slots that are freed again."""
         if self.device.type != "cuda":
             return
-        slots = cast(torch.Tensor, self.pool.alloc(tokens))     # before any run: the pool has room
+        slots = cast(Slots, self.pool.alloc(tokens))     # before any run: the pool has room
         b = TokenBatch()
-        b.add([0] * tokens, 0, slots, slots, [(tokens - 1, None)])
+        b.add([0] * tokens, 0, slots, slots, np.array([tokens - 1]), _UNCAPTURED)
         logits = self.forward(b)
         torch.log_softmax(logits, dim=-1).argmax(dim=-1).cpu()
         self.pool.free(slots)

@@ -9,16 +9,15 @@ of them have finished.
 """
 from __future__ import annotations
 
-from typing import cast
+import numpy as np
 
-import torch
-
+from lmbatch.attention.kv_pool import Slots
 from lmbatch.engine.decode import Decode
 from lmbatch.engine.kv import KVSlots
 from lmbatch.engine.logits import LogitCapture
 from lmbatch.engine.model_runner import ModelRunner, TokenBatch
 from lmbatch.engine.radix_cache import Node
-from lmbatch.engine.state import Key, Queued, RunState
+from lmbatch.engine.state import Queued, RunState
 from lmbatch.requests import GenerateRequest
 
 
@@ -32,7 +31,7 @@ class Prefill:
     def _new_batch(self) -> None:
         self.batch = TokenBatch()
         self._locks: list[Node] = []                # tree nodes the batch writes under
-        self._to_free: list[torch.Tensor] = []      # recomputed copies of KV the tree holds already
+        self._to_free: list[Slots] = []             # recomputed copies of KV the tree holds already
 
     def add(self, i: int) -> None:
         """Issue executed request i's uncached prompt tokens (over as many batches as they take)."""
@@ -57,7 +56,7 @@ class Prefill:
             if new is None:
                 self._wait_for_room(f"request {i} ({n} tokens)")
                 continue
-            self._issue(i, toks, m, m + chunk, torch.cat([m_slots[:m], new]))
+            self._issue(i, toks, m, m + chunk, np.concatenate([m_slots[:m], new]))
             res.computed_tokens += chunk
             s.stats.computed_tokens += chunk
             if m + chunk == n:
@@ -68,9 +67,9 @@ class Prefill:
             for member in s.stats.members[i]:
                 s.done(member)
 
-    def _issue(self, i: int, toks: list[int], start: int, end: int, full: torch.Tensor) -> None:
-        wanted = self.capture.wanted(i, start, end)
-        self.capture.issue([k for _, k in wanted])
+    def _issue(self, i: int, toks: list[int], start: int, end: int, full: Slots) -> None:
+        positions, keys = self.capture.wanted(i, start, end)
+        self.capture.issue(keys)
         tree = self.kv.tree
         if tree is not None:
             present, node = tree.insert(toks[:end], full)
@@ -80,7 +79,7 @@ class Prefill:
             self._locks.append(node)
         else:
             self.kv.own[i] = full
-        self.batch.add(toks[start:end], start, full[start:end], full, wanted)
+        self.batch.add(toks[start:end], start, full[start:end], full, positions, keys)
 
     def _enqueue(self, i: int, req: GenerateRequest) -> None:
         """Hold the prompt's KV, promise its decode slots, and queue it for a decode row."""
@@ -97,7 +96,7 @@ class Prefill:
             slots = self.kv.own.pop(i)
         assert len(slots) >= n, "prompt KV must be in the pool"
         self.kv.promised += reserve
-        self.decode.enqueue(Queued(i, node, slots[:n], reserve, self.state.prompt_key(i)))
+        self.decode.enqueue(Queued(i, node, slots[:n], reserve, self.capture.prompt_key(i)))
 
     def _wait_for_room(self, what: str) -> None:
         """Free pool space: run the pending prefill batch, admit queued requests, or decode."""
@@ -119,7 +118,7 @@ class Prefill:
             return
         logits = self.model_runner.forward(b)
         self.state.stats.forward_batches += 1
-        self.capture.launch(cast("list[Key]", b.logit_keys), logits)    # a prefill row always has a key
+        self.capture.launch(np.concatenate(b.logit_keys), logits)      # a prefill row always has a key
         for node in self._locks:
             self.kv.unlock(node)
         for slots in self._to_free:

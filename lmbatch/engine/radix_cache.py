@@ -9,13 +9,15 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, cast
 
-import torch
+import numpy as np
+
+from lmbatch.attention.kv_pool import Slots
 
 
 @dataclass(eq=False)
 class Node:
     key: list[int]                       # the edge's token ids
-    value: torch.Tensor                  # their KV slots (int64, same length)
+    value: Slots                         # their KV slots (same length)
     parent: "Node | None" = None
     children: dict[int, "Node"] = field(default_factory=dict)
     lock_ref: int = 0
@@ -43,8 +45,8 @@ def _common_len(a: list[int], b: list[int], start: int) -> int:
 
 
 class RadixTree:
-    def __init__(self, free_slots: Callable[[torch.Tensor], None]):
-        self.root = Node(key=[], value=torch.empty(0, dtype=torch.int64))
+    def __init__(self, free_slots: Callable[[Slots], None]):
+        self.root = Node(key=[], value=np.empty(0, dtype=np.int64))
         self.root.lock_ref = 1  # the root is never evicted
         self._free_slots = free_slots
         self._clock = 0
@@ -59,7 +61,7 @@ class RadixTree:
         self._clock += 1
         return self._clock
 
-    def match_prefix(self, tokens: list[int]) -> tuple[torch.Tensor, Node]:
+    def match_prefix(self, tokens: list[int]) -> tuple[Slots, Node]:
         """Slots of the longest cached prefix of tokens, and the node that ends exactly there."""
         node, pos, now = self.root, 0, self._tick()
         pieces = []
@@ -74,7 +76,7 @@ class RadixTree:
             child.last_access = now
             pieces.append(child.value)
             node, pos = child, pos + n
-        slots = torch.cat(pieces) if pieces else self.root.value
+        slots = (pieces[0] if len(pieces) == 1 else np.concatenate(pieces)) if pieces else self.root.value
         return slots, node
 
     def match_len(self, tokens: list[int]) -> int:
@@ -100,7 +102,7 @@ class RadixTree:
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
         return upper
 
-    def insert(self, tokens: list[int], slots: torch.Tensor) -> tuple[int, Node]:
+    def insert(self, tokens: list[int], slots: Slots) -> tuple[int, Node]:
         """Insert tokens -> slots. Returns (length of the prefix that was already cached, end node).
 
         Slots of that already-cached prefix stay owned by the caller (who frees the duplicates).
@@ -110,7 +112,7 @@ class RadixTree:
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
-                new = Node(key=list(tokens[pos:]), value=slots[pos:].clone(), parent=node, last_access=now)
+                new = Node(key=list(tokens[pos:]), value=slots[pos:].copy(), parent=node, last_access=now)
                 node.children[tokens[pos]] = new
                 self.total_size += len(new.key)
                 return pos, new

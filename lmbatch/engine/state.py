@@ -1,5 +1,5 @@
-"""What one `Engine.run` works on: its requests and plan, their results and counters, and the records
-its parts hand each other (captured logits, queued and running generation requests).
+"""What one `Engine.stream` works on: its requests and plan, their results and counters, and the records
+its parts hand each other (queued and running generation requests).
 
 Everything here lives for one run: the engine keeps only the model, the KV pool and the cache.
 """
@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
-import torch
-
+from lmbatch.attention.kv_pool import Slots
 from lmbatch.engine.protocol import Progress, Request, Result
 from lmbatch.engine.radix_cache import Node
 from lmbatch.requests import GenerateRequest, GenerateResult, RunStats, SamplingParams, ScoreRequest, ScoreResult
@@ -17,27 +16,14 @@ from lmbatch.scheduler.planner import Plan, PlanNode
 
 if TYPE_CHECKING:      # lmbatch.grammar imports xgrammar: loaded only where a grammar is used
     from lmbatch.grammar import Constraint
-Key = tuple[PlanNode, int]      # a position of the plan's tree: logits there are captured once for all
-FULL_ROW = -1  # demand marker: keep the whole logits row (to sample from it)
-
-
-@dataclass
-class Captured:
-    """What a position's logits were reduced to: the argmax, the demanded tokens' logprobs, and the
-    whole row where some request samples from it."""
-    argmax: int
-    logprobs: dict[int, float]
-    row: torch.Tensor | None = None
-
-
 @dataclass
 class Queued:
     """A generation request whose prompt is in the pool, waiting for a decode row."""
     index: int
     node: Node | None
-    slots: torch.Tensor             # prompt slots
+    slots: Slots                    # prompt slots
     reserve: int                    # decode slots it takes when admitted
-    key: Key                        # where its prompt's last logits are captured
+    key: int                        # LogitCapture's key of its prompt's last position (its first token's logits)
     run: Running | None = None      # made once its first token is sampled (or when it is admitted)
 
 
@@ -46,7 +32,7 @@ class Running:
     """A generation request between its prefill and its end."""
     index: int
     node: Node | None
-    slots: torch.Tensor             # prompt slots, then the reserved decode slots
+    slots: Slots                    # prompt slots, then the reserved decode slots
     prompt_len: int
     params: SamplingParams
     constraint: Constraint | None = None
@@ -80,27 +66,6 @@ class RunState:
         self.final.append(i)
         if self.progress:
             self.progress(i, self.stats)
-
-    def node_at(self, i: int, pos: int) -> PlanNode:
-        for node in self.paths[i]:
-            if node.start <= pos < node.end:
-                return node
-        raise IndexError(pos)
-
-    def nodes_at(self, i: int, positions: Sequence[int]) -> list[PlanNode]:
-        """The node of request i's path holding each of `positions` (ascending), in one walk of the
-        path (a scored continuation's ~25 positions looked up one by one walked it ~25 times)."""
-        path, out, k = self.paths[i], [], 0
-        for p in positions:
-            while path[k].end <= p:
-                k += 1
-            out.append(path[k])
-        return out
-
-    def prompt_key(self, i: int) -> Key:
-        """Where generation request i's first token is sampled from: its prompt's last position."""
-        p = len(self.requests[i].prompt) - 1
-        return self.node_at(i, p), p
 
 
 def score_positions(r: ScoreRequest) -> range:

@@ -81,6 +81,7 @@ def test_summary_matches_brute_force_and_plan(data):
     assert s.prompt_tokens == sum(len(prompts[i]) for i in executed) == plan.prompt_tokens
     assert s.logit_rows == sum(weights[i] for i in executed) == sum(weights[i] for i in plan.order)
     assert s.optimal_hit_rate == plan.optimal_hit_rate
+    assert plan.summary(weights) == s          # the same figures from the plan's own tree
     # every request is served by exactly one executed request with an equal prompt
     served = sorted(m for ms in plan.members.values() for m in ms)
     assert served == list(range(n))

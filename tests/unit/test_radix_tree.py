@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -38,7 +39,7 @@ def walk(tree: RadixTree) -> list[tuple[Node, tuple[int, ...]]]:
             assert len(child.key) > 0, "non-root node with an empty key"
             assert child.key[0] == tok, f"child {child.key} stored under token {tok}"
             assert len(child.key) == len(child.value)
-            assert child.value.dtype == torch.int64
+            assert child.value.dtype == np.int64
             assert child.parent is node
             assert child.lock_ref >= 0
             full = prefix + tuple(child.key)
@@ -71,10 +72,10 @@ class RadixTreeMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.pool = make_pool(MACHINE_SLOTS)
-        self.freed_log: list[torch.Tensor] = []
+        self.freed_log: list[np.ndarray] = []
 
-        def free_slots(slots: torch.Tensor) -> None:
-            self.freed_log.append(slots.clone())
+        def free_slots(slots: np.ndarray) -> None:
+            self.freed_log.append(slots.copy())
             self.pool.free(slots)
 
         self.tree = RadixTree(free_slots)
@@ -156,7 +157,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
         assert set(after) <= set(before), "evict added prefixes"
         assert all(after[p] == before[p] for p in after), "evict changed surviving slots"
         assert freed == len(removed)
-        freed_slots = sorted(torch.cat(self.freed_log[n_logged:]).tolist()) if freed else []
+        freed_slots = sorted(np.concatenate(self.freed_log[n_logged:]).tolist()) if freed else []
         assert freed_slots == sorted(before[p] for p in removed)
         # only unlocked leaves go: nothing locked removed, and what remains is still prefix-closed
         assert not (removed & locked), "evict removed a locked prefix"
@@ -204,7 +205,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
             self.tree.unlock(node)
             return
         assert len(new) == need
-        present, end = self.tree.insert(list(seq), torch.cat([matched, new]))
+        present, end = self.tree.insert(list(seq), np.concatenate([matched, new]))
         self.tree.unlock(node)
         assert present == m, f"insert reported {present} present, match said {m}"
         if need:
@@ -230,7 +231,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
         assert present == m, f"insert reported {present} present, model has {m}"
         self.pool.free(new[:present])
         for i in range(m, len(seq)):
-            self.model[seq[: i + 1]] = new[i].item()
+            self.model[seq[: i + 1]] = int(new[i])
         self.touch(seq, len(seq))
         assert attached(self.tree, end) and tuple(end.key) == seq[len(seq) - len(end.key):]
 
@@ -330,14 +331,14 @@ def new_tree():
 def insert_fresh(tree, pool, tokens):
     slots, _ = tree.match_prefix(tokens)
     new = pool.alloc(len(tokens) - len(slots))
-    present, node = tree.insert(tokens, torch.cat([slots, new]))
+    present, node = tree.insert(tokens, np.concatenate([slots, new]))
     assert present == len(slots)
     return node
 
 
 def test_split_on_partial_match():
     tree, pool, _ = new_tree()
-    slots = torch.tensor([10, 11, 12, 13])
+    slots = np.array([10, 11, 12, 13])
     tree.insert([1, 2, 3, 4], slots)
     got, node = tree.match_prefix([1, 2, 9])
     assert got.tolist() == [10, 11]
@@ -353,30 +354,30 @@ def test_split_on_partial_match():
 
 def test_match_ending_mid_edge_splits_there():
     tree, _, _ = new_tree()
-    tree.insert([0, 1, 2], torch.tensor([5, 6, 7]))
+    tree.insert([0, 1, 2], np.array([5, 6, 7]))
     got, node = tree.match_prefix([0])
     assert got.tolist() == [5] and node.key == [0] and list(node.children) == [1]
 
 
 def test_insert_duplicate_returns_full_length():
     tree, _, _ = new_tree()
-    first = tree.insert([3, 1, 2], torch.tensor([0, 1, 2]))
+    first = tree.insert([3, 1, 2], np.array([0, 1, 2]))
     assert first[0] == 0
-    present, node = tree.insert([3, 1, 2], torch.tensor([7, 8, 9]))
+    present, node = tree.insert([3, 1, 2], np.array([7, 8, 9]))
     assert present == 3 and node is first[1]
     assert tree.total_size == 3
     assert tree.match_prefix([3, 1, 2])[0].tolist() == [0, 1, 2]  # the cached slots are kept
     # a duplicate that is a strict prefix splits and still reports its full length
-    present, node = tree.insert([3, 1], torch.tensor([7, 8]))
+    present, node = tree.insert([3, 1], np.array([7, 8]))
     assert present == 2 and node.key == [3, 1] and tree.total_size == 3
 
 
 def test_insert_extension_reports_shared_prefix():
     tree, _, _ = new_tree()
-    tree.insert([1, 2], torch.tensor([0, 1]))
-    present, node = tree.insert([1, 2, 3], torch.tensor([0, 1, 2]))
+    tree.insert([1, 2], np.array([0, 1]))
+    present, node = tree.insert([1, 2, 3], np.array([0, 1, 2]))
     assert present == 2 and node.key == [3] and tree.total_size == 3
-    present, node = tree.insert([1, 3], torch.tensor([0, 5]))
+    present, node = tree.insert([1, 3], np.array([0, 5]))
     assert present == 1 and node.key == [3] and node.value.tolist() == [5]
 
 
