@@ -254,8 +254,8 @@ def test_decode_graph_rows_of_one_sequence_match_an_extend(tiny_graphed, max_run
     path = tiny_graphed
     eng = _engine(path, "triton", max_running=max_running)
     prompt, new = [5, 9, 2, 7, 3, 8, 1, 4], [6, 2, 9, 9, 5]
-    slots = eng.pool.alloc(len(prompt) + len(new))
-    other = eng.pool.alloc(4)
+    slots = torch.from_numpy(eng.pool.alloc(len(prompt) + len(new)))      # the pool hands out numpy slot ids
+    other = torch.from_numpy(eng.pool.alloc(4))
 
     def eager(ids, start, mine):
         fb = ForwardBatch(torch.tensor(ids), torch.arange(start, start + len(ids)), mine[start:start + len(ids)],
