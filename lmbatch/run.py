@@ -60,7 +60,8 @@ def run_in(o: RunOptions, w: Workload, model: ModelFiles, rundir: RunDir, stop: 
             say(f"{w.name}: " + ("reading the cached workload" if prep.source == "cache" else
                                  "loading, tokenizing and planning the instances") + ", the model loading meanwhile")
             if prep.source == "cache":      # seconds of imports on the model's thread go first: with this
-                loader.imported.wait()      # Python work beside them, both took several times as long
+                with clock("load"):         # Python work beside them, both took several times as long
+                    loader.imported.wait()
             instances = prep.snapshot().instances
             interp = prep.interpreter(rundir.unsaved(instances))
             say(f"{len(interp.runs)} instances to run, {len(interp.ready)} first-stage calls planned")
