@@ -26,7 +26,7 @@ from lmbatch.engine.logits import LogitCapture
 from lmbatch.engine.model_runner import ModelRunner
 from lmbatch.engine.options import EngineOptions
 from lmbatch.engine.prefill import Prefill
-from lmbatch.engine.protocol import Handover, Progress, Request, Result, remaining
+from lmbatch.engine.protocol import Handover, Progress, Request, Result, drain, remaining
 from lmbatch.engine.radix_cache import RadixTree
 from lmbatch.engine.sampler import Sampler
 from lmbatch.engine.state import RunState
@@ -122,9 +122,7 @@ class Engine:
     def run(self, requests: Sequence[Request], *, schedule: str = "dfs", seed: int = 0,
             progress: Progress | None = None) -> tuple[list[Result], RunStats]:
         """Every result, in the order of `requests`, and the run's counts (`stream`, drained)."""
-        for h in self.stream(requests, schedule=schedule, seed=seed, progress=progress):
-            pass
-        return list(h.results), h.stats
+        return drain(self.stream(requests, schedule=schedule, seed=seed, progress=progress))
 
     def stream(self, requests: Sequence[Request], *, schedule: str = "dfs", seed: int = 0, plan: Plan | None = None,
                progress: Progress | None = None, handover_due: Callable[[], bool] | None = None,

@@ -20,7 +20,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Sequence
 
-from lmbatch.engine.protocol import Handover, Progress, Request, Result, remaining
+from lmbatch.engine.protocol import Handover, Progress, Request, Result, drain, remaining
 from lmbatch.engine.worker import Close, Done, Failed, Matched, MatchQuery, Part, Ready, RunBatch, counts, pack, serve
 from lmbatch.errors import UserError
 from lmbatch.requests import GenerateRequest, GenerateResult, RunStats, ScoreRequest, ScoreResult, TokenCounts
@@ -120,9 +120,7 @@ class ParallelEngine:
 
     def run(self, requests: Sequence[Request], *, schedule: str = "dfs", seed: int = 0,
             progress: Progress | None = None) -> tuple[list[Result], RunStats]:
-        for h in self.stream(requests, schedule=schedule, seed=seed, progress=progress):
-            pass
-        return list(h.results), h.stats
+        return drain(self.stream(requests, schedule=schedule, seed=seed, progress=progress))
 
     def stream(self, requests: Sequence[Request], *, schedule: str = "dfs", seed: int = 0, plan: Plan | None = None,
                progress: Progress | None = None, handover_due: Callable[[], bool] | None = None,

@@ -33,6 +33,16 @@ class Handover(NamedTuple):
     last: bool
 
 
+def drain(handovers: Iterator[Handover]) -> tuple[list[Result], RunStats]:
+    """Every result of a stream and its final counts (what `run` returns)."""
+    last = None
+    for last in handovers:
+        pass
+    if last is None:
+        raise ValueError("an engine's stream ended without a handover")
+    return list(last.results), last.stats
+
+
 def remaining(stats: RunStats, handed: bytearray) -> list[int]:
     """The requests not handed over yet, in execution order (each executed request, then those it served)."""
     return [m for j in stats.order for m in stats.members[j] if not handed[m]]

@@ -91,6 +91,23 @@ class _Kill(BaseException):
     """Leaves the directory as a kill at that moment would (no cleanup runs for it)."""
 
 
+def _killed(options, when):
+    """Run `options`, killed at the first file operation for which `when(steps so far)` holds; the steps."""
+    calls: list[str] = []
+
+    def kill(step):
+        calls.append(step)
+        if when(calls):
+            raise _Kill(step)
+    rd.fault = kill
+    try:
+        with pytest.raises(_Kill):
+            run(options)
+    finally:
+        rd.fault = None
+    return calls
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_a_kill_at_any_file_operation_then_resume(reference, tiny, tmp_path_factory, data):
@@ -98,18 +115,7 @@ def test_a_kill_at_any_file_operation_then_resume(reference, tiny, tmp_path_fact
     task, want, want_summary, steps = reference[name]
     at = data.draw(st.integers(0, len(steps) - 1))
     out = tmp_path_factory.mktemp("kill")
-    calls = []
-
-    def kill(step):
-        calls.append(step)
-        if len(calls) > at:
-            raise _Kill(step)
-    rd.fault = kill
-    try:
-        with pytest.raises(_Kill):
-            run(_options(task, tiny, out, "r"))
-    finally:
-        rd.fault = None
+    _killed(_options(task, tiny, out, "r"), lambda calls: len(calls) > at)
     if steps[at] == "cleanup":      # complete (summary.json written): what it no longer needs goes
         with pytest.raises(UserError, match="exists; pass --overwrite"):
             run(_options(task, tiny, out, "r"))
@@ -206,18 +212,7 @@ def test_sigint_keeps_the_finished_instances_and_says_so(reference, tiny, tmp_pa
 
 def _incomplete(tiny, out, run_id="x", task="mmlu", **kw):
     """An incomplete run directory: killed after its second part."""
-    n = []
-
-    def kill(step):
-        n.append(step)
-        if n.count("run.json") == 2:
-            raise _Kill(step)
-    rd.fault = kill
-    try:
-        with pytest.raises(_Kill):
-            run(_options(task, tiny, out, run_id, **kw))
-    finally:
-        rd.fault = None
+    _killed(_options(task, tiny, out, run_id, **kw), lambda calls: calls.count("run.json") == 2)
     return out / run_id
 
 
@@ -349,18 +344,8 @@ def test_throughput_after_a_resume_is_the_whole_runs(reference, tiny, tmp_path):
     (an attempt cut short up to its last part, as its instances are): it was this attempt's seconds over
     all instances' programs, so a resume after most of the work reported a rate many times too high."""
     task, want, _, steps = reference["mmlu"]
-    calls = []
-
-    def kill(step):
-        calls.append(step)
-        if calls.count("part instances") == 3:      # two parts whole, killed writing the third
-            raise _Kill(step)
-    rd.fault = kill
-    try:
-        with pytest.raises(_Kill):
-            run(_options(task, tiny, tmp_path, "t"))
-    finally:
-        rd.fault = None
+    # two parts whole, killed writing the third
+    _killed(_options(task, tiny, tmp_path, "t"), lambda calls: calls.count("part instances") == 3)
     d = run(_options(task, tiny, tmp_path, "t"))
     s = json.loads((d / "summary.json").read_text())
     rows = _instances(d)
