@@ -23,6 +23,7 @@ from lmbatch.model.config import ModelConfig
 if TYPE_CHECKING:      # lmbatch.grammar imports xgrammar: loaded only where a grammar is used
     from lmbatch.grammar import Constraint
 
+STOP_MARGIN = 4     # tokens decoded before a stop string's longest reach (see Sampler._stop_in_tail)
 AHEAD_ROWS = 4      # masks filled between two looks at the device (one by one: a batched fill overshoots)
 
 
@@ -122,13 +123,26 @@ class Sampler:
             self._think(r)
         elif r.constraint is not None and token in r.constraint.stops and r.constraint.is_terminated():
             r.finish = "eos"                                            # the grammar's own stop token
-        elif p.stop and self.tokenizer is not None and any(s in self.tokenizer.decode(r.out[r.think_len:])
-                                                           for s in p.stop):
+        elif p.stop and self.tokenizer is not None and self._stop_in_tail(r):
             r.finish = "stop"
         elif len(r.out) - r.think_len >= p.max_new_tokens:
             r.finish = "length"
         elif r.constraint is not None and self.jump_forward:
             self._jump(r)
+
+    def _stop_in_tail(self, r: Running) -> bool:
+        """Whether a stop string appears in the answer's text, decoding only its tail: the tokens added
+        since the last search and, before them, as many tokens as the longest stop string has UTF-8
+        bytes plus STOP_MARGIN (every token is at least one byte of text, and the margin covers what
+        decoding a cut sequence changes at its start: a split character, a stripped leading space).
+        An occurrence the last search did not see ends among the new tokens, so it lies in that tail:
+        the same step ends as with the whole answer decoded each step, at a cost that does not grow
+        with the output."""
+        stop = r.params.stop
+        lo = max(r.think_len, min(r.stop_seen, len(r.out) - 1) - max(len(s.encode()) for s in stop) - STOP_MARGIN)
+        r.stop_seen = len(r.out)
+        text = self.tokenizer.decode(r.out[lo:])
+        return any(s in text for s in stop)
 
     def _think(self, r: Running) -> None:
         """A thinking row's token: the thinking ends where its output ends with the end marker, or the

@@ -45,6 +45,7 @@ class Running:
     thinking: bool = False          # in its thinking: no constraint, no stop strings yet
     think_start: int = 0            # where the end-of-thinking marker begins in `out`
     think_len: int = 0              # tokens of `out` before the answer (thinking and marker)
+    stop_seen: int = 0              # tokens of `out` searched for stop strings so far
 
 
 class RunState:

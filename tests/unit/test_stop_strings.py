@@ -1,0 +1,82 @@
+"""Stop strings searched in the output's tail (issue 37): the step a request ends at, and its text, are
+those of decoding the whole answer at every step, for the embedded byte-level tokenizer and the
+SentencePiece-style ones (byte fallback, a stripped leading space), on outputs with multi-byte
+characters split across tokens, special tokens, jump-forward's several tokens at once and thinking."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from lmbatch.engine.sampler import Sampler
+from lmbatch.engine.state import Running
+from lmbatch.model.checkpoint import embedded_model_dir
+from lmbatch.model.config import ModelConfig
+from lmbatch.requests import SamplingParams
+from tests.unit.test_tokenizer_build import sentencepiece_like
+
+STOPS = ["\n\n", "Question:", "</s>", "<|im_end|>", "é", "日本", " the", "😀", "a", "::", "\n"]
+TEXTS = ["Question: what is 2 + 2?\n\nAnswer: 4", "café 日本語 😀👍🏽 the end", "<|im_end|></s>a::b", "x\ny\n\nz",
+         "  leading spaces and\ttabs", "ﬁ naïve Zu\u0308rich"]
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    out = {"embedded": AutoTokenizer.from_pretrained(str(embedded_model_dir()))}
+    for kind, spec in sentencepiece_like().items():
+        out[kind] = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)))
+    return out
+
+
+def _whole(tok, out: list[int], think_len: int, stop: tuple[str, ...]) -> bool:
+    text = tok.decode(out[think_len:])
+    return any(s in text for s in stop)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_the_tail_search_ends_where_the_whole_answer_does(tokenizers, data):
+    name = data.draw(st.sampled_from(sorted(tokenizers)))
+    tok = tokenizers[name]
+    vocab = len(tok)
+    stop = tuple(data.draw(st.lists(st.sampled_from(STOPS), min_size=1, max_size=3, unique=True)))
+    # ids of real text (characters split over byte tokens), of random tokens and of special tokens
+    text_ids = tok.encode(data.draw(st.sampled_from(TEXTS)), add_special_tokens=False)
+    ids = data.draw(st.lists(st.one_of(st.sampled_from(text_ids), st.integers(0, vocab - 1)), min_size=1,
+                             max_size=60))
+    chunks = data.draw(st.lists(st.integers(1, 12), min_size=len(ids), max_size=len(ids)))   # jumped tokens at once
+    think_len = data.draw(st.integers(0, 3))
+    cfg = ModelConfig.from_dir(embedded_model_dir())
+    sampler = Sampler(cfg, torch.device("cpu"), tokenizer=tok)
+    r = Running(0, None, torch.zeros(0, dtype=torch.int64), 0, SamplingParams(max_new_tokens=10_000, stop=stop,
+                                                                            ignore_eos=True))
+    r.out, r.think_len = ids[:think_len], think_len
+    i = think_len
+    for n in chunks:
+        if i >= len(ids):
+            break
+        r.out += ids[i:i + n]           # several tokens since the last search, as a jump-forward leaves them
+        i += n
+        want = _whole(tok, r.out, think_len, stop)
+        assert sampler._stop_in_tail(r) == want, (name, stop, tok.decode(r.out[think_len:]))
+        if want:
+            break
+
+
+@pytest.mark.parametrize("name", ["embedded", "llama", "gemma2", "gemma3"])
+@pytest.mark.parametrize("before", ["", "é", "日本語 "])
+def test_a_stop_string_early_in_many_new_tokens_is_found(tokenizers, name, before):
+    """A jump-forward appends many tokens at once: a stop string at their start, far from the end, ends
+    the request (only the tokens before the last search may be left out of the tail)."""
+    tok = tokenizers[name]
+    sampler = Sampler(ModelConfig.from_dir(embedded_model_dir()), torch.device("cpu"), tokenizer=tok)
+    r = Running(0, None, torch.zeros(0, dtype=torch.int64), 0, SamplingParams(max_new_tokens=100, stop=("::",)))
+    r.out = tok.encode(before + "x", add_special_tokens=False)
+    assert not sampler._stop_in_tail(r)
+    r.out += tok.encode(" :: " + "b " * 30, add_special_tokens=False)
+    assert sampler._stop_in_tail(r)
