@@ -1,10 +1,24 @@
-"""Decode speed with and without CUDA graphs, one process, same weights and prompts.
+"""Decode throughput against the GPU's memory-bandwidth roofline, one process, random weights.
 
-    python benchmarks/bench_decode.py --preset qwen2.5-1.5b --requests 64 --new-tokens 128
+    python benchmarks/bench_decode.py --presets qwen2.5-1.5b,qwen3-8b --rows 64,256,512 \
+        --contexts 256,1000,4000 --new-tokens 256 --kernels decode,extend
+
+For each shape, number of rows and prompt length that its KV pool holds: distinct random prompts are
+prefilled (untimed, they stay cached), then every row generates `--new-tokens` greedy tokens, timed
+(`execute_s`: the prompts' last tokens again, then the decode steps, CUDA graphs as a run uses them).
+
+The roofline: a decode step must read every weight once (the embedding table only at its rows, unless
+tied to the LM head) and each row's KV so far; that many bytes over the device's copy bandwidth,
+measured here (a 2 GiB device-to-device copy), is the fastest a step can be. `--kernels` compares
+variants side by side over the same cached prompts, graphs captured afresh for each: `decode` (what
+runs: kernels/decode_attention.py, steps overlapped with the host), `sync` (each step waits for the
+host to see the last one's tokens) and `extend` (the extend kernel, one query per row).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import time
 from pathlib import Path
 
 import torch
@@ -24,39 +38,124 @@ def dummy_model(preset: str):
     return model.eval()
 
 
+def copy_bandwidth() -> float:
+    """Bytes per second a device-to-device copy moves (read + write), best of 5."""
+    x = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
+    y = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        y.copy_(x)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return 2 * x.numel() * 2 / best
+
+
+def step_bytes(model, rows: int, context: float) -> float:
+    """Bytes a decode step must read: the weights (the embedding only at its rows, unless it is the LM head
+    too) and `rows` rows of `context` tokens of KV."""
+    cfg = model.cfg
+    embed = model.embed_tokens.weight if hasattr(model, "embed_tokens") else None
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if embed is not None and not cfg.tie_word_embeddings:
+        weights -= embed.numel() * embed.element_size() - rows * embed.shape[1] * embed.element_size()
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    return weights + rows * context * kv_per_token
+
+
+def _extend_forward(qo: torch.Tensor):
+    """The decode graphs' attention swapped for the extend kernel (q_len 1), to compare side by side."""
+    def forward(attn, layer, q, k, v, window=None):
+        from lmbatch.kernels.extend_attention import extend_attention
+
+        attn.store(layer, k, v)
+        return extend_attention(q, attn.pool.k[layer], attn.pool.v[layer], attn.kv_indices, qo[:q.shape[0] + 1],
+                                attn.kv, 1, attn.scale, window, attn.softcap)
+    return forward
+
+
+def recapture(engine, kernel: str) -> None:
+    """Graphs captured afresh for a variant: `decode` (what runs), `sync` (the same, each step waiting for
+    the last one's tokens on the host: no overlap), `extend` (the extend kernel for attention)."""
+    from lmbatch.engine import graphs
+    from lmbatch.engine.sampler import Sampler
+
+    Sampler.plain = staticmethod(_PLAIN if kernel != "sync" else (lambda r: False))
+    graphs._GraphAttention.forward = (_ORIGINAL if kernel != "extend" else
+                                      _extend_forward(torch.arange(1025, dtype=torch.int32, device="cuda")))
+    g = engine.model_runner.graphs
+    g.graphs.clear()
+    g.pool_handle = None
+    torch.cuda.empty_cache()
+    g.capture_all()
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="qwen2.5-1.5b")
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--prompt-tokens", type=int, default=256)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--presets", default="qwen2.5-1.5b")
+    ap.add_argument("--rows", default="64,256,512")
+    ap.add_argument("--contexts", default="256,1000,4000")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--kernels", default="decode,extend")
+    ap.add_argument("--memory-fraction", type=float, default=0.7, help="of the free memory, for the KV pool")
+    ap.add_argument("--out", default=None, help="a JSONL file, a line per measurement")
     args = ap.parse_args()
 
     from lmbatch.engine import Engine
     from lmbatch.requests import GenerateRequest, SamplingParams
 
-    model = dummy_model(args.preset)
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    rows_list = [int(x) for x in args.rows.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
     g = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-    reqs = [GenerateRequest(torch.randint(0, 30000, (args.prompt_tokens,), generator=g).tolist(), params)
-            for _ in range(args.requests)]
-    rows = []
-    for name, backend, graphs in (("graphs (triton attn)", "triton", True), ("eager triton", "triton", False),
-                                  ("eager flashinfer", "flashinfer", False)):
-        make = lambda: Engine(model, kv_cache_tokens=1 << 17, attention=backend, cuda_graphs=graphs)  # noqa: E731
-        make().generate(reqs[:4])  # warm-up (JIT, graph capture of the small buckets)
-        eng = make()
-        eng.generate(reqs[: args.requests])  # captures this run's buckets
-        results, stats = eng.generate(reqs)
-        tok_s = stats.decode_tokens / stats.execute_s
-        rows.append((name, stats.execute_s, tok_s, [r.token_ids for r in results]))
-    base = rows[0][3]
-    print(f"{torch.cuda.get_device_name()}, {args.preset}, {args.requests} requests x {args.new_tokens} new tokens")
-    print("variant | seconds | decode tokens/s | speed-up vs eager triton | same tokens as graphs")
-    for name, s, tok_s, toks in rows:
-        print(f"{name} | {s:.2f} | {tok_s:,.0f} | {rows[1][1] / s:.2f}x | "
-              f"{sum(a == b for a, b in zip(toks, base))}/{len(toks)}")
+    for preset in args.presets.split(","):
+        model = dummy_model(preset)
+        cfg = model.cfg
+        kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+        free = torch.cuda.mem_get_info()[0]
+        pool = int(free * args.memory_fraction) // kv_per_token
+        eng = Engine(model, kv_cache_tokens=pool, max_tokens_per_batch=16384, attention="triton", cuda_graphs=True,
+                     max_running=max(rows_list))
+        print(f"{preset}: pool {pool:,} tokens ({pool * kv_per_token / 2**30:.1f} GiB)", flush=True)
+        print("shape | rows | context | kernel | execute s | ms/step | decode tok/s | roofline tok/s | of roofline")
+        for rows in rows_list:
+            for ctx in contexts:
+                need = rows * (ctx + args.new_tokens + 1)
+                if need > pool:
+                    print(f"{preset} | {rows} | {ctx} | - | does not fit ({need:,} tokens of KV) | | | |", flush=True)
+                    continue
+                prompts = [torch.randint(0, cfg.vocab_size, (ctx,), generator=g).tolist() for _ in range(rows)]
+                eng.generate([GenerateRequest(p, SamplingParams(max_new_tokens=1, ignore_eos=True)) for p in prompts])
+                params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+                reqs = [GenerateRequest(p, params) for p in prompts]
+                ideal = rows / (step_bytes(model, rows, ctx + args.new_tokens / 2) / bw)
+                for kernel in args.kernels.split(","):
+                    recapture(eng, kernel)
+                    results, stats = eng.generate(reqs)
+                    assert all(len(r.token_ids) == args.new_tokens for r in results)
+                    tok_s = stats.decode_tokens / stats.execute_s
+                    row = {"preset": preset, "rows": rows, "context": ctx, "kernel": kernel,
+                           "execute_s": round(stats.execute_s, 3),
+                           "ms_per_step": round(1e3 * stats.execute_s / args.new_tokens, 3),
+                           "decode_tok_s": round(tok_s), "roofline_tok_s": round(ideal),
+                           "of_roofline": round(tok_s / ideal, 3), "device": torch.cuda.get_device_name(),
+                           "copy_tb_s": round(bw / 1e12, 3)}
+                    print(" | ".join(str(row[k]) for k in ("preset", "rows", "context", "kernel", "execute_s",
+                                                            "ms_per_step", "decode_tok_s", "roofline_tok_s",
+                                                            "of_roofline")), flush=True)
+                    if args.out:
+                        with open(args.out, "a") as f:
+                            f.write(json.dumps(row) + "\n")
+        recapture(eng, "decode")
+        del eng, model
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
+    from lmbatch.engine import graphs as _graphs
+    from lmbatch.engine.sampler import Sampler as _Sampler
+
+    _ORIGINAL, _PLAIN = _graphs._GraphAttention.forward, _Sampler.plain
     main()

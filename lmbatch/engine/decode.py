@@ -17,7 +17,7 @@ import torch
 from lmbatch.engine.kv import KVSlots
 from lmbatch.engine.logits import LogitCapture
 from lmbatch.engine.model_runner import ModelRunner
-from lmbatch.engine.sampler import Sampler
+from lmbatch.engine.sampler import Launched, Sampler
 from lmbatch.engine.state import Queued, Running, RunState
 from lmbatch.requests import GenerateRequest, GenerateResult
 
@@ -34,6 +34,8 @@ class Decode:
         self.queue: deque[Queued] = deque()
         self._unsampled: list[Queued] = []      # queued requests without their first token
         self._finished: list[Running] = []      # ended, released during the next step's forward
+        self._inflight: Launched | None = None  # the overlapped step whose tokens the host has not seen
+        self.overlap = model_runner.graphs is not None
 
     # ---- the queue -------------------------------------------------------------------------------
     def enqueue(self, q: Queued) -> None:
@@ -85,23 +87,54 @@ class Decode:
         while self.running and done < want:
             done += self.step()
             self.admit()
+        self._land()
+        self._drop_finished()
         self._release_finished()
 
     def step(self) -> int:
         """One decode step of every running request (after the first tokens of those that have none,
-        from their prompt's logits); returns how many requests finished."""
+        from their prompt's logits); returns how many requests finished.
+
+        Overlapped where every running row is `Sampler.plain` and the device runs graphs: the step is
+        launched with the last step's tokens still on the device (fed from there), and only then
+        does the host wait for those tokens, append them and see who finished, while the device
+        computes. A row that ended at the last step runs once more for nothing (its token dropped);
+        one that reaches its token limit with the last step's token is left out."""
         self._first_tokens()
         live = [r for r in self.running if not r.finish]
-        if live:
-            self.state.stats.forward_batches += 1
-            logits = self.model_runner.decode(live)
-        self._release_finished()    # host work while the device computes the step
-        if live:
-            self._pick(live, logits)
-        done = [r for r in self.running if r.finish]
+        if self.overlap and all(self.sampler.plain(r) for r in live):
+            rows = [r for r in live if len(r.out) + r.pending < r.params.max_new_tokens]
+            if rows:
+                self.state.stats.forward_batches += 1
+                logits = self.model_runner.decode(rows, self._inflight.tokens if self._inflight else None)
+            self._land()
+            if rows:
+                self._inflight = self.sampler.launch(rows, logits)
+            self._release_finished()    # host work while the device computes the step
+        else:
+            self._land()
+            live = [r for r in self.running if not r.finish]
+            if live:
+                self.state.stats.forward_batches += 1
+                logits = self.model_runner.decode(live)
+            self._release_finished()
+            if live:
+                self._pick(live, logits)
+        return self._drop_finished()
+
+    def _land(self) -> None:
+        """The tokens of the step in flight, appended to its rows."""
+        if self._inflight is not None:
+            launched, self._inflight = self._inflight, None
+            self.sampler.land(launched)
+
+    def _drop_finished(self) -> int:
+        """Requests that ended (and wait for no token in flight) leave the batch, to be released during
+        the next step; how many."""
+        done = [r for r in self.running if r.finish and not r.pending]
         if done:
             self._finished += done
-            self.running = [r for r in self.running if not r.finish]
+            self.running = [r for r in self.running if not (r.finish and not r.pending)]
         return len(done)
 
     def _pick(self, rows: list[Running], logits: torch.Tensor) -> None:

@@ -2,8 +2,9 @@
 
 A decode step of B sequences (one new token each) is launch-bound: dozens of small kernels per layer.
 Each bucket's whole forward is captured once over static input buffers and replayed; attention
-inside the graph is our Triton kernel, which reads its metadata (kv_indptr, kv_indices) from device
-buffers refreshed before each replay. A batch is padded up to its bucket: padding rows read and
+inside the graph is our Triton decode kernel (split over key ranges, a KV head's query heads
+together), which reads its metadata (kv_indptr, kv_indices) from device buffers refreshed before
+each replay. A batch is padded up to its bucket: padding rows read and
 write one scratch KV slot that the pool never hands out.
 """
 from __future__ import annotations
@@ -32,20 +33,20 @@ class _GraphAttention(AttentionBackend):
     """Triton decode attention over static device buffers (no host work inside the graph)."""
 
     def __init__(self, pool: KVPool, num_heads: int, head_dim: int, scale: float | None, softcap: float,
-                 qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
+                 kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
         super().__init__(pool, num_heads, head_dim, scale, softcap)
-        self.qo, self.kv, self.kv_indices = qo_indptr, kv_indptr, kv_indices
+        self.kv, self.kv_indices = kv_indptr, kv_indices
 
     def plan(self, batch: ForwardBatch) -> None:
         self.batch = batch
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 window: int | None = None) -> torch.Tensor:
-        from lmbatch.kernels.extend_attention import extend_attention
+        from lmbatch.kernels.decode_attention import decode_attention
 
         self.store(layer, k, v)
-        return extend_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices, self.qo, self.kv, 1,
-                                self.scale, window, self.softcap)
+        return decode_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices, self.kv, self.scale,
+                                window, self.softcap)
 
 
 class DecodeGraphs:
@@ -60,7 +61,6 @@ class DecodeGraphs:
         self.kv_indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)
         # at least a slot per row of the largest bucket: a capture's rows read one index each
         self.kv_indices = torch.full((max(pool.num_slots, n),), scratch_slot, dtype=torch.int32, device=dev)
-        self.qo_indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.rows = torch.arange(n, dtype=torch.int64, device=dev)  # every graph input must outlive capture
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool_handle: _POOL_HANDLE | None = None
@@ -75,7 +75,6 @@ class DecodeGraphs:
     def _capture(self, b: int) -> None:
         cfg = self.model.cfg
         attn = _GraphAttention(self.pool, cfg.num_heads, cfg.head_dim, cfg.attn_scale, cfg.attn_softcap,
-                               self.qo_indptr[:b + 1],
                                self.kv_indptr[:b + 1], self.kv_indices)
         batch = ForwardBatch(self.ids[:b], self.pos[:b], self.out_slots[:b], [], [], self.kv_indices, self.rows[:b])
         self.kv_indptr[:b + 1] = torch.arange(b + 1, dtype=torch.int32, device=self.ids.device)
@@ -91,29 +90,37 @@ class DecodeGraphs:
         self.pool_handle = graph.pool()
         self.graphs[b] = (graph, logits)
 
-    def run(self, tokens: list[int], positions: list[int], seqs: list, rows: list[int] | None = None) -> torch.Tensor:
+    def run(self, tokens: list[int], positions: list[int], seqs: list, rows: list[int] | None = None,
+            pending: tuple[np.ndarray, torch.Tensor] | None = None) -> torch.Tensor:
         """One decode step: token t of row i sits at positions[i]; seqs[i] (1-D int arrays) are its KV
         slots up to and including that position. Rows may be consecutive tokens of one sequence (each
-        stores its KV before any attends). Returns float32 logits [len(rows), vocab] of the rows asked
-        for (default: all), a copy. Past the largest bucket, rows run in order in several replays."""
+        stores its KV before any attends). `pending` = (src, device tokens): row i's token is
+        tokens[src[i]] where src[i] >= 0 (sampled by the last step, never seen by the host). Returns
+        float32 logits [len(rows), vocab] of the rows asked for (default: all): a view of the graph's
+        output when those are all its rows of one replay (valid until the next: graphs share their memory),
+        else a copy. Past the largest bucket, rows run in order in several replays."""
         rows = list(range(len(tokens))) if rows is None else rows
         cap = self.buckets[-1]
         parts = []
         for lo in range(0, len(tokens), cap):
             hi = lo + cap
-            logits = self._replay(tokens[lo:hi], positions[lo:hi], seqs[lo:hi])
+            feed = (pending[0][lo:hi], pending[1]) if pending is not None else None
+            logits = self._replay(tokens[lo:hi], positions[lo:hi], seqs[lo:hi], feed)
             mine = [r - lo for r in rows if lo <= r < hi]
-            if mine:
+            if mine == list(range(len(logits))) and len(tokens) <= cap:
+                parts.append(logits)        # the only replay: nothing overwrites it before the caller reads it
+            elif mine:
                 parts.append(logits[to_device(torch.tensor(mine), logits.device)])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _replay(self, tokens: list[int], positions: list[int], seqs: list) -> torch.Tensor:
+    def _replay(self, tokens: list[int], positions: list[int], seqs: list,
+                pending: tuple[np.ndarray, torch.Tensor] | None = None) -> torch.Tensor:
         n = len(tokens)
         b = next(x for x in self.buckets if x >= n)
         if b not in self.graphs:
             self._capture(b)
         pad = b - n
-        # host: one int64 array [ids | positions | out slots | kv_indptr | kv_indices], one copy
+        # host: one int64 array [ids | positions | out slots | kv_indptr | src | kv_indices], one copy
         lens = np.fromiter(map(len, seqs), dtype=np.int64, count=n)
         total = int(lens.sum()) + pad
         if total > len(self.kv_indices):  # shared prefixes counted per sequence: grow, recapture
@@ -121,11 +128,12 @@ class DecodeGraphs:
             self.graphs.clear()
             self.pool_handle = None     # the graphs' memory pool went with them: capturing into it asserts
             self.capture_all()
-            return self._replay(tokens, positions, seqs)
-        host = np.empty(3 * b + b + 1 + total, dtype=np.int64)
-        ids, pos, out, indptr, flat = np.split(host, np.cumsum([b, b, b, b + 1]))
+            return self._replay(tokens, positions, seqs, pending)
+        host = np.empty(3 * b + b + 1 + b + total, dtype=np.int64)
+        ids, pos, out, indptr, src, flat = np.split(host, np.cumsum([b, b, b, b + 1, b]))
         ids[:n], ids[n:] = tokens, 0
         pos[:n], pos[n:] = positions, 0
+        src[:n], src[n:] = (pending[0] if pending is not None else -1), -1
         indptr[0] = 0
         np.cumsum(np.concatenate([lens, np.ones(pad, dtype=np.int64)]), out=indptr[1:])
         flat[:total - pad] = np.concatenate(seqs)
@@ -134,7 +142,10 @@ class DecodeGraphs:
         dev = to_device(torch.from_numpy(host), self.ids.device)
         self.ids[:b], self.pos[:b], self.out_slots[:b] = dev[:b], dev[b:2 * b], dev[2 * b:3 * b]
         self.kv_indptr[:b + 1] = dev[3 * b:4 * b + 1]
-        self.kv_indices[:total] = dev[4 * b + 1:]
+        if pending is not None:         # the last step's tokens, where they are
+            s = dev[4 * b + 1:5 * b + 1]
+            self.ids[:b] = torch.where(s >= 0, pending[1][s.clamp(min=0)], self.ids[:b])
+        self.kv_indices[:total] = dev[5 * b + 1:]
         graph, logits = self.graphs[b]
         graph.replay()
         return logits[:n]

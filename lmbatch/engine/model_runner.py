@@ -99,24 +99,35 @@ class ModelRunner:
         """Logits at the batch's logit rows (launched; the device may still be computing them)."""
         return self.model(batch.build().to(self.device), self.attn)
 
-    def decode(self, rows: list[Running]) -> torch.Tensor:
+    def decode(self, rows: list[Running], pending: torch.Tensor | None = None) -> torch.Tensor:
         """Run each row's tokens that are not in the KV pool yet (one after a sampled token, several
         after a jump-forward); logits at each row's last token. On CUDA every token is one row of
         the decode graphs: a row's tokens sit at consecutive positions, and every layer stores all
-        rows' KV before attending, so each token attends to those before it in the same step."""
+        rows' KV before attending, so each token attends to those before it in the same step.
+        A row with a `pending` token (graphs only) feeds that token, still on the device: row
+        `pending_src` of `pending`, the tokens the last step sampled."""
         if self.graphs is not None:
             self.capture_graphs()
-            toks, positions, seqs, last = [], [], [], []
+            toks, positions, seqs, last, src = [], [], [], [], []
             for r in rows:
                 start = r.prompt_len + r.fed
                 slots = r.slots
-                for j, t in enumerate(r.out[r.fed:]):
-                    toks.append(t)
-                    positions.append(start + j)
-                    seqs.append(slots[:start + j + 1])
+                if r.pending:
+                    toks.append(0)
+                    positions.append(start)
+                    seqs.append(slots[:start + 1])
+                    src.append(r.pending_src)
+                    r.fed += 1
+                else:
+                    for j, t in enumerate(r.out[r.fed:]):
+                        toks.append(t)
+                        positions.append(start + j)
+                        seqs.append(slots[:start + j + 1])
+                        src.append(-1)
+                    r.fed = len(r.out)
                 last.append(len(toks) - 1)
-                r.fed = len(r.out)
-            return self.graphs.run(toks, positions, seqs, last)
+            feed = (np.array(src), pending) if pending is not None else None
+            return self.graphs.run(toks, positions, seqs, last, feed)
         b = TokenBatch()
         for r in rows:
             start, end = r.prompt_len + r.fed, r.prompt_len + len(r.out)

@@ -14,7 +14,7 @@ class EngineOptions:
     max_tokens_per_batch: int | None = 4096     # prefill batch budget (None: likewise)
     attention: str | None = None        # backend name (lmbatch.attention.BACKENDS); None: the device's default
     cache: bool = True                  # reuse KV across requests (the radix cache)
-    max_running: int = 256              # decode rows
+    max_running: int = 512              # decode rows (the largest decode graph holds 512)
     cuda_graphs: bool = True            # replay decode steps as CUDA graphs (CUDA only)
     jump_forward: bool = True           # append grammar-forced text without decoding it
     masks: str = "overlap"              # when grammar rows fill their token masks (MASK_MODES)

@@ -16,7 +16,7 @@ import torch
 
 from lmbatch.attention import to_device
 from lmbatch.engine.options import MASK_MODES
-from lmbatch.engine.sampling import sample
+from lmbatch.engine.sampling import sample, sample_on_device
 from lmbatch.engine.state import Running
 from lmbatch.model.config import ModelConfig
 
@@ -25,6 +25,14 @@ if TYPE_CHECKING:      # lmbatch.grammar imports xgrammar: loaded only where a g
 
 STOP_MARGIN = 4     # tokens decoded before a stop string's longest reach (see Sampler._stop_in_tail)
 AHEAD_ROWS = 4      # masks filled between two looks at the device (one by one: a batched fill overshoots)
+
+
+class Launched(NamedTuple):
+    """Tokens sampled on the device for `rows`, on their way to the host (`done` says they are there)."""
+    rows: list[Running]
+    tokens: torch.Tensor        # on the device, a row each
+    host: torch.Tensor          # the same, copied into pinned memory
+    done: torch.cuda.Event
 
 
 class Picked(NamedTuple):
@@ -45,6 +53,7 @@ class Sampler:
         self.masks, self.jump_forward, self.max_rows = masks, jump_forward, max_rows
         self._mask_buf: torch.Tensor | None = None
         self._retok_memo: dict = {}     # retokenized jump boundaries (the tokenizer never changes)
+        self._host_buf: torch.Tensor | None = None     # pinned: launched tokens on their way to the host
 
     def pick(self, rows: list[Running], logits: torch.Tensor) -> Picked:
         """Pick each row's next token (within its grammar, if it has one) and append it.
@@ -74,6 +83,37 @@ class Sampler:
             r.steps += 1
             self._append(r, t)
         return Picked(len(ahead) + len(redo), len(redo))
+
+    def launch(self, rows: list[Running], logits: torch.Tensor) -> Launched:
+        """Sample each row's next token on the device and start its copy to the host, waiting for nothing:
+        the tokens feed the next step on the device (`Running.pending`) and reach the rows at `land`.
+        For rows without a grammar or thinking (`plain`), on CUDA."""
+        tokens = sample_on_device(logits, [r.params for r in rows], [r.steps for r in rows])
+        if self._host_buf is None or len(self._host_buf) < len(rows):
+            self._host_buf = torch.empty(max(len(rows), 2 * self.max_rows), dtype=torch.int64).pin_memory()
+        host = self._host_buf[:len(rows)]
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        for k, r in enumerate(rows):
+            r.pending, r.pending_src = 1, k
+        return Launched(rows, tokens, host, done)
+
+    def land(self, launched: Launched) -> None:
+        """Append a launch's tokens to its rows (those that ended meanwhile drop theirs). The host buffer is
+        free again once this returns: the next launch may reuse it."""
+        launched.done.synchronize()
+        for r, t in zip(launched.rows, launched.host.tolist()):
+            r.pending = 0
+            if not r.finish:
+                r.steps += 1
+                self._append(r, t)
+
+    @staticmethod
+    def plain(r: Running) -> bool:
+        """Whether a row's next input is its sampled token whatever it is (no grammar to check it, no
+        thinking marker to append after it): its step can start before the host sees the token."""
+        return r.constraint is None and not r.params.think_end
 
     def _mask_ahead(self, rows: list[Running], grammar: list[int], logits: torch.Tensor) -> list[int]:
         """Fill and apply the token masks of grammar rows before their first pick; returns those rows.

@@ -33,6 +33,11 @@ def _unit(bits: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
     """One token per row; `steps[i]` is how many tokens row i's request has sampled before."""
+    return sample_on_device(logits, params, steps).tolist()
+
+
+def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> torch.Tensor:
+    """As `sample`, the tokens left on the logits' device (launched: nothing waits for them)."""
     out = logits.argmax(dim=-1)
     hot = [i for i, p in enumerate(params) if p.temperature > 0]
     if hot:
@@ -50,4 +55,4 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int])
         st = torch.tensor([steps[i] for i in hot], device=dev, dtype=torch.int64)
         gumbel = -torch.log(-torch.log(_uniform(seeds, st, z.shape[-1])))
         out[idx] = (z + gumbel).argmax(dim=-1)
-    return out.tolist()
+    return out

@@ -46,6 +46,8 @@ class Running:
     think_start: int = 0            # where the end-of-thinking marker begins in `out`
     think_len: int = 0              # tokens of `out` before the answer (thinking and marker)
     stop_seen: int = 0              # tokens of `out` searched for stop strings so far
+    pending: int = 0                # a token sampled on the device, not in `out` yet (overlapped decode: 0 or 1)
+    pending_src: int = 0            # its row in the step that sampled it
 
 
 class RunState:

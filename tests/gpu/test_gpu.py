@@ -63,6 +63,33 @@ def test_backend_matches_reference(name, shape, window, softcap):
     assert ((got - ref).norm() / ref.norm()) < 1e-2
 
 
+@pytest.mark.parametrize("shape,window,softcap", [((12, 2, 128), None, 0.0), ((32, 8, 128), None, 0.0),
+                                                  ((8, 8, 64), None, 0.0), ((16, 1, 256), None, 0.0),
+                                                  ((14, 2, 64), 50, 0.0), ((9, 3, 64), 7, 3.0)])
+@pytest.mark.parametrize("splits", [None, 1, 16])
+def test_split_decode_kernel_matches_reference(shape, window, softcap, splits):
+    """The decode graphs' kernel: one query per row over rows of 1 to 4,100 keys (a short row leaves key
+    ranges empty), every head of a KV head at once, against attention computed in float32."""
+    from lmbatch.kernels.decode_attention import decode_attention
+
+    H, KVH, D = shape
+    g = torch.Generator("cuda").manual_seed(0)
+    lens = [1, 2, 63, 64, 65, 300, 1000, 4100, 17]
+    k = torch.randn(8192, KVH, D, generator=g, device="cuda").to(torch.bfloat16)
+    v = torch.randn(8192, KVH, D, generator=g, device="cuda").to(torch.bfloat16)
+    idx = [torch.randperm(8192, generator=g, device="cuda")[:n] for n in lens]
+    q = torch.randn(len(lens), H, D, generator=g, device="cuda").to(torch.bfloat16)
+    indptr = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device="cuda")
+    got = decode_attention(q, k, v, torch.cat(idx).int(), indptr, 0.1, window, softcap, splits).float()
+    for i, sl in enumerate(idx):
+        sl = sl[-window:] if window else sl
+        kk, vv = (x[sl].float().repeat_interleave(H // KVH, 1) for x in (k, v))
+        sc = torch.einsum("hd,khd->hk", q[i].float(), kk) * 0.1
+        sc = softcap * torch.tanh(sc / softcap) if softcap else sc
+        want = torch.einsum("hk,khd->hd", sc.softmax(-1), vv)
+        assert (got[i] - want).abs().max() < 3e-2, (i, lens[i], (got[i] - want).abs().max())
+
+
 # every native architecture; the windowed ones (mistral, gemma2, gemma3_text: 12 tokens) on prompts of
 # up to ~60 tokens
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral", "phi3", "olmo2", "gemma2", "gemma3_text"]
@@ -194,6 +221,47 @@ def test_decode_with_cuda_graphs_matches_eager(tiny_graphed, n):
     assert eng.graphs is not None and eng.graphs.graphs, "no graph was captured"
     same = sum(a.token_ids == b.token_ids for a, b in zip(eager, graphed))
     assert same >= n - max(1, n // 8)  # bf16: a GEMM of another row count may flip a near-tie
+
+
+@pytest.mark.parametrize("max_running", [4, 64])
+def test_overlapped_decode_matches_waiting_for_each_step(tmp_path, max_running, monkeypatch):
+    """Decode steps launched before the host sees the last step's tokens (fed on the device) give what
+    waiting for them gives: greedy and seeded-sampled rows, stop strings that end rows at different
+    steps (each detected a step late, its extra token dropped), token limits from 3 to 40, rows
+    admitted while a step is in flight (max_running 4). Float32: the same graphs run either way."""
+    from conftest import make_tiny_with_tokenizer
+    from transformers import AutoTokenizer
+
+    from lmbatch.engine.sampler import Sampler
+
+    path = make_tiny_with_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(path))
+
+    def run(reqs, overlap):
+        if not overlap:
+            monkeypatch.setattr(Sampler, "plain", staticmethod(lambda r: False))
+        eng = Engine.from_pretrained(path, device="cuda", dtype=torch.float32, attention="triton", tokenizer=tok,
+                                     max_running=max_running)
+        out = eng.generate(reqs)[0]
+        monkeypatch.undo()
+        return out
+
+    def params(i, stop=()):
+        return SamplingParams(max_new_tokens=3 + (i * 7) % 38, temperature=0.8 if i % 3 == 0 else 0.0, seed=i,
+                              ignore_eos=i % 2 == 0, stop=stop)
+
+    prompts = [tok.encode(f"Item {i}: the value of {i * 37} is") for i in range(24)]
+    first = run([GenerateRequest(p, params(i)) for i, p in enumerate(prompts)], overlap=False)
+    stops = [(r.text[len(r.text) // 2:len(r.text) // 2 + 2],) if i % 4 != 3 and len(r.text) > 4 else ()
+             for i, r in enumerate(first)]
+    reqs = [GenerateRequest(p, params(i, stops[i])) for i, p in enumerate(prompts)]
+    waited, overlapped = run(reqs, overlap=False), run(reqs, overlap=True)
+    assert sum(r.finish_reason == "stop" for r in waited) >= 8, [r.finish_reason for r in waited]
+    same = [(a.token_ids, a.finish_reason, a.text) == (b.token_ids, b.finish_reason, b.text)
+            for a, b in zip(waited, overlapped)]
+    assert sum(same) >= len(reqs) - 1, [(a.text, b.text) for a, b, ok in zip(waited, overlapped, same) if not ok]
+    for a, b in zip(waited, overlapped):
+        assert a.decode_tokens == len(a.token_ids) and b.decode_tokens == len(b.token_ids)
 
 
 def test_decode_graphs_recaptured_for_longer_rows(tmp_path):

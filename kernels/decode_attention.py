@@ -1,0 +1,112 @@
+"""Triton decode attention over a paged KV pool with page size 1: one query token per row.
+
+A decode step is bound by reading each row's KV. The extend kernel gives every query head its own
+program, so a KV head's keys are read once per query head that shares it (6 times for Qwen2.5-1.5B);
+and a long row is one program walking all its keys while others wait. Here a program takes one row,
+one KV head with all its query heads (a block of the dot product), and one of SPLITS contiguous
+ranges of the row's keys; it writes that range's softmax-weighted values and log-sum-exp, and a
+second kernel merges the ranges of each (row, head). SPLITS is fixed per call, so a CUDA graph
+captures it; a short row leaves its last ranges empty (they weigh nothing in the merge).
+
+WINDOW and SOFTCAP as in the extend kernel: the row's query sits at its last position.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _split_kernel(Q, K, V, MidO, MidL, kv_indices, kv_indptr,  # type: ignore[no-untyped-def]
+                  scale, window, stride_qt, stride_qh, stride_ks, stride_kh,
+                  SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kv_start = tl.load(kv_indptr + row)
+    kv_len = tl.load(kv_indptr + row + 1) - kv_start
+    begin = 0
+    if window > 0:                                  # the query (position kv_len - 1) sees the last WINDOW keys
+        begin = tl.maximum(kv_len - window, 0)
+    per = tl.cdiv(tl.cdiv(kv_len - begin, SPLITS), BLOCK_N) * BLOCK_N
+    lo = begin + split * per
+    hi = tl.minimum(lo + per, kv_len)
+
+    h = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + h
+    head_ok = h < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < hi
+        slots = tl.load(kv_indices + kv_start + cols, mask=col_ok, other=0).to(tl.int64)
+        kv_off = slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
+        k = tl.load(K + kv_off, mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        if SOFTCAP > 0:
+            s = SOFTCAP * (2.0 * tl.sigmoid(2.0 * s / SOFTCAP) - 1.0)     # SOFTCAP * tanh(s / SOFTCAP)
+        s = tl.where(col_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(V + kv_off, mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+    seen = l_i > 0
+    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    mid = (row * (GROUP * tl.num_programs(1)) + heads) * SPLITS + split        # MidL[row, head, split]
+    tl.store(MidO + mid[:, None] * HEAD_DIM + dims[None, :], out, mask=head_ok[:, None] & dim_ok[None, :])
+    tl.store(MidL + mid, lse, mask=head_ok)
+
+
+@triton.jit
+def _merge_kernel(MidO, MidL, O, stride_ot, stride_oh,  # type: ignore[no-untyped-def]
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+    row, head = tl.program_id(0), tl.program_id(1)
+    base = row * tl.num_programs(1) + head
+    s = tl.arange(0, SPLITS)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    lse = tl.load(MidL + base * SPLITS + s)
+    w = tl.exp(lse - tl.max(lse, axis=0))           # an empty range: lse -inf, weight 0
+    o = tl.load(MidO + (base * SPLITS + s)[:, None] * HEAD_DIM + dims[None, :], mask=dim_ok[None, :], other=0.0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    tl.store(O + row * stride_ot + head * stride_oh + dims, out.to(O.dtype.element_ty), mask=dim_ok)
+
+
+def splits_for(rows: int, kv_heads: int) -> int:
+    """Key ranges per (row, KV head): enough programs to fill a large GPU when rows are few."""
+    programs = rows * kv_heads
+    return 16 if programs < 256 else 8 if programs < 1024 else 4
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indices: torch.Tensor,
+                     kv_indptr: torch.Tensor, scale: float, window: int | None = None, softcap: float = 0.0,
+                     splits: int | None = None) -> torch.Tensor:
+    """q: [T, H, D], one query per row, row i over keys kv_indices[kv_indptr[i]:kv_indptr[i + 1]] (its
+    last key its own position); k_pool/v_pool: [slots, KVH, D]. Returns [T, H, D]."""
+    T, H, D = q.shape
+    kvh = k_pool.shape[1]
+    group = H // kvh
+    splits = splits or splits_for(T, kvh)
+    mid_o = torch.empty((T, H, splits, D), dtype=torch.float32, device=q.device)
+    mid_l = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(D)
+    _split_kernel[(T, kvh, splits)](q, k_pool, v_pool, mid_o, mid_l, kv_indices, kv_indptr, scale, window or 0,
+                                    q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
+                                    SOFTCAP=float(softcap), GROUP=group, HEAD_DIM=D, BLOCK_D=block_d,
+                                    BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=64, num_warps=4,
+                                    num_stages=2, SPLITS=splits)
+    out = torch.empty_like(q)
+    _merge_kernel[(T, H)](mid_o, mid_l, out, out.stride(0), out.stride(1), HEAD_DIM=D, BLOCK_D=block_d,
+                          SPLITS=splits)
+    return out
