@@ -15,6 +15,7 @@ from lmbatch.errors import Interrupted, UserError
 from lmbatch.options import RunOptions
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Offline batch evaluation of LM programs, executed in DFS order over a radix tree.")
 
 
@@ -31,9 +32,12 @@ def _param_name(f: dataclasses.Field) -> tuple[str, bool]:
     return f.name, False
 
 
-# what each `lmbatch run` option takes, as --help shows it (a flag takes nothing)
+# what each `lmbatch run` option takes, as --help shows it (a flag takes nothing). Never the option's own
+# name: typer 0.27.0-0.27.3 spell an option whose metavar equals its name (any case) as the metavar
+# (metavar "DTYPE" made the option --DTYPE, and --dtype "No such option"); each option's flag is given
+# explicitly too (`_run_parameters`), so that no typer version derives it.
 METAVARS = {"task": "TASK|FILE.py", "model": "DIR|HUB_ID", "subjects": "SUBJECT", "device": "auto|cpu|cuda",
-            "dtype": "DTYPE", "schedule": "dfs|fcfs|random", "out": "DIR", "run_id": "NAME",
+            "dtype": "TYPE", "schedule": "dfs|fcfs|random", "out": "DIR", "run_id": "NAME",
             "checkpoint_s": "SECONDS"}
 
 
@@ -45,7 +49,8 @@ def _metavar(name: str, annotation: Any) -> str:
 
 def _run_parameters() -> list[inspect.Parameter]:
     """`lmbatch run`'s parameters, one per `RunOptions` field (each option is declared once, in options.py),
-    in field order. A bool is a single flag: typer would otherwise add a --no-... twin."""
+    in field order, each with its flag spelled out. A bool is a single flag: typer would otherwise add a
+    --no-... twin."""
     hints = get_type_hints(RunOptions)
     params = []
     for f in dataclasses.fields(RunOptions):
@@ -54,9 +59,9 @@ def _run_parameters() -> list[inspect.Parameter]:
         if f.metadata.get("argument"):
             info: Any = typer.Argument(..., help=f.metadata["help"], metavar=metavar)
         else:
-            flag = f.metadata.get("flag") or ("--" + f.name.replace("_", "-") if hints[f.name] is bool else None)
-            info = typer.Option(not f.default if negated else f.default, *[flag] if flag else [],
-                                help=f.metadata["help"], metavar=metavar)
+            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            info = typer.Option(not f.default if negated else f.default, flag, help=f.metadata["help"],
+                                metavar=metavar)
         params.append(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=info,
                                         annotation=hints[f.name]))
     return params

@@ -147,6 +147,22 @@ def test_run_options_are_the_fields_of_RunOptions():
     assert "--no-jump-forward" in help_text and "--kv-cache-tokens" in help_text and "[default: dfs]" in help_text
 
 
+def test_every_option_is_declared_as_every_typer_reads_it():
+    """Each option's flag is spelled out and no metavar is its option's name: typer 0.27.0-0.27.3 named an
+    option after a metavar equal to it (--DTYPE), and --dtype was "No such option". tools/smoke_cli.py parses
+    every option on the oldest typer too (tools/smoke.sh --oldest)."""
+    import typer.main
+
+    command = typer.main.get_command(app)
+    for sub in ("run", "report"):
+        for p in command.commands[sub].params:
+            names = {o.lstrip("-").lower() for o in p.opts} | {p.name.lower().replace("_", "-")}
+            assert (p.metavar or "").lower().replace("_", "-") not in names, (sub, p.name, p.metavar)
+    run_opts = {p.name: p.opts for p in command.commands["run"].params}
+    assert run_opts["dtype"] == ["--dtype"] and run_opts["checkpoint_s"] == ["--checkpoint-s"]
+    assert lmbatch("run", "-h").exit_code == 0 and "--dtype" in lmbatch("run", "-h").output
+
+
 def test_report_and_compare_exit_codes(tiny, tmp_path):
     for name, extra in (("base", []), ("nocache", ["--no-cache"])):
         assert lmbatch(*run_args(tiny, tmp_path, name, *extra)).exit_code == 0
