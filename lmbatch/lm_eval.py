@@ -380,7 +380,9 @@ def check_model_args(args: dict[str, Any]) -> None:
     from lmbatch.scheduler.planner import SCHEDULES
 
     def bad(name: str, takes: str) -> UserError:
-        return UserError(f"--model_args {name}={args[name]}: {takes}")
+        value = args[name]      # lm-eval reads "-5" as -5.0
+        shown = int(value) if isinstance(value, float) and value.is_integer() else value
+        return UserError(f"--model_args {name}={shown}: {takes}")
 
     choices = {"dtype": ("auto", *DTYPES), "device": DEVICES, "attention": ATTENTION, "schedule": SCHEDULES}
     for name, allowed in choices.items():
@@ -440,14 +442,17 @@ def _check_tasks(names: list[str], include_path: str | None) -> None:
 
     from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=include_path)
-    if len(names) == 1 and Path(names[0]).is_dir() and not manager.match_tasks(names):
-        return                      # a folder of task files, as lm-eval takes it
     for name in names:
-        if name.endswith(".yaml"):
-            if not glob.glob(name):
-                raise UserError(f"--tasks {name}: no such task file")
-        elif not manager.match_tasks([name]):
+        if name.endswith(".yaml") and not glob.glob(name):
+            raise UserError(f"--tasks {name}: no such task file")
+    if len(names) == 1 and Path(names[0]).is_dir():
+        return          # a folder of task files (unless a task has its name): lm-eval reads it
+    names = [n for n in names if not n.endswith(".yaml")]
+    if not names:
+        return
+    manager = TaskManager(include_path=include_path)
+    for name in names:
+        if not manager.match_tasks([name]):
             close = difflib.get_close_matches(name, manager.all_tasks, n=3)
             raise UserError(f"--tasks {name}: lm-eval has no task, group or tag of that name"
                             + (f" (close: {', '.join(close)})" if close else "")
@@ -455,7 +460,7 @@ def _check_tasks(names: list[str], include_path: str | None) -> None:
     offline = next((v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
                     if os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")), None)
     if offline:
-        for asked, task, dataset in _hub_datasets(manager, [n for n in names if not n.endswith(".yaml")]):
+        for asked, task, dataset in _hub_datasets(manager, names):
             if not _in_local_cache(dataset):
                 of = "" if asked == task else f" (of {asked})"
                 raise UserError(f"--tasks {asked}: lm-eval task {task}{of} reads {dataset} from the Hugging Face "
