@@ -40,6 +40,7 @@ class _Shapes:
         # keyed as weights.py reads them: without the "model." prefix
         self.tensors = {name.removeprefix("model."): (name, h) for name, h in tensors.items()}
         self.prefix = "model." if any(name.startswith("model.") for name in tensors) else ""
+        self.holds = "hold" if len({h.file for h in tensors.values()}) > 1 else "holds"   # `where`'s verb
 
     # ---- what config.json says, in words --------------------------------------------------------
     def _given(self, field: str) -> str:
@@ -112,11 +113,11 @@ class _Shapes:
         if not found:
             raise _Mismatch(f"{words} but there are no {self.prefix}layers.* tensors in {self.where}")
         if max(found) + 1 != n:
-            raise _Mismatch(f"{words} but {self.where} holds {max(found) + 1} layers "
+            raise _Mismatch(f"{words} but {self.where} {self.holds} {max(found) + 1} layers "
                             f"({self.prefix}layers.0 to {self.prefix}layers.{max(found)})")
         missing = sorted(set(range(n)) - found)
         if missing:
-            raise _Mismatch(f"{words} but {self.where} has no tensors of layer {missing[0]} "
+            raise _Mismatch(f"{words} but {self.where} {self.holds} no tensors of layer {missing[0]} "
                             f"({self.prefix}layers.{missing[0]}.*)")
 
     def attention(self, i: int) -> None:

@@ -224,7 +224,7 @@ FOLDER_CASES = {
     "fewer-layers": (_config(num_hidden_layers=1), ": config.json num_hidden_layers is 1 but model.safetensors holds 2 "
                                                    "layers (model.layers.0 to model.layers.1)"),
     "layer-missing": (_tensors(lambda names: [n for n in names if not n.startswith("model.layers.0.")]),
-                      ": config.json num_hidden_layers is 2 but model.safetensors has no tensors of layer 0 "
+                      ": config.json num_hidden_layers is 2 but model.safetensors holds no tensors of layer 0 "
                       "(model.layers.0.*)"),
     "projection-missing": (_tensors(lambda names: [n for n in names if n != "model.layers.1.self_attn.v_proj.weight"]),
                            ": there is no model.layers.1.self_attn.v_proj.weight in model.safetensors"),
@@ -312,6 +312,38 @@ FAMILY_CASES = {   # (family, config changes, the line after "model at DIR: conf
     "qwen2-layers": ("qwen2", {"num_hidden_layers": 1, "layer_types": None},
                      "num_hidden_layers is 1 but model.safetensors holds 2 layers (model.layers.0 to model.layers.1)"),
 }
+
+
+def _sharded(d):
+    """model.safetensors split in two shards (embeddings and layer 0; the rest), with their index."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    first = {k for k in tensors if not k.startswith("model.layers.") or k.startswith("model.layers.0.")}
+    shards = {"model-00001-of-00002.safetensors": sorted(first),
+              "model-00002-of-00002.safetensors": sorted(set(tensors) - first)}
+    for file, names in shards.items():
+        save_file({k: tensors[k] for k in names}, str(d / file), metadata={"format": "pt"})
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: file for file, names in shards.items() for k in names}}))
+
+
+def test_a_sharded_checkpoint_is_checked_over_its_shards(good, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(good, model)
+    _sharded(model)
+    assert resolve_model(str(model)) == model.resolve()
+    _config(num_hidden_layers=3)(model)
+    with pytest.raises(UserError) as e:
+        resolve_model(str(model))
+    assert str(e.value) == (f"model at {model}: config.json num_hidden_layers is 3 but the shards of "
+                            f"model.safetensors.index.json hold 2 layers (model.layers.0 to model.layers.1)")
+    _config(num_hidden_layers=2, intermediate_size=64)(model)
+    with pytest.raises(UserError) as e:
+        resolve_model(str(model))
+    assert str(e.value) == (f"model at {model}: config.json intermediate_size is 64 but "
+                            f"model-00001-of-00002.safetensors has 128 rows in model.layers.0.mlp.gate_proj.weight")
 
 
 @pytest.fixture(scope="module")
