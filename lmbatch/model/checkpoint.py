@@ -217,7 +217,8 @@ def _check_weights(path: Path, native: bool) -> tuple[dict[str, TensorHeader], s
         for name, entry in header.items():
             if name != "__metadata__":
                 tensors[name] = TensorHeader(tuple(entry["shape"]), f.name)
-    where = files[0].name if len(files) == 1 else f"the shards of {index.name}"
+    where = files[0].name if len(files) == 1 else f"the shards of {index.name}" if index.is_file() else \
+        ", ".join(f.name for f in files)
     return tensors, where
 
 
@@ -241,11 +242,6 @@ def check_tokenizer_files(path: Path) -> None:
 
 
 SAFETENSORS_MAX_HEADER = 100_000_000    # as the safetensors library limits it
-
-
-def safetensors_problem(file: Path) -> str | None:
-    """What is wrong with a safetensors file's framing, from its header alone (None: nothing)."""
-    return read_safetensors_header(file)[1]
 
 
 def read_safetensors_header(file: Path) -> tuple[dict, str | None]:
