@@ -19,13 +19,16 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import lm_eval.models  # noqa: F401  (lm-eval's own names first: it loads them only into an empty registry)
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
+from lmbatch.errors import UserError, first_line
 from lmbatch.requests import GenerateRequest, RunStats, SamplingParams, ScoreRequest, optimal_hit_rate
 
 if TYPE_CHECKING:
@@ -57,15 +60,20 @@ class LMBatch(TemplateLM):
 
         from lmbatch.engine.build import fit, fit_pool, make_engine
         from lmbatch.engine.options import EngineOptions, EngineSpec
-        from lmbatch.model.checkpoint import resolve_model
+        from lmbatch.model.checkpoint import check_tokenizer_files, resolve_model
         from lmbatch.model.config import ModelConfig
 
+        check_model_args({"dtype": dtype, "device": device, "max_length": max_length, "add_bos_token": add_bos_token,
+                          "prefix_token_id": prefix_token_id, "max_tokens_per_batch": max_tokens_per_batch,
+                          "kv_cache_tokens": kv_cache_tokens, "schedule": schedule, "data_parallel": data_parallel,
+                          "tensor_parallel": tensor_parallel, "attention": attention})
         if batch_size not in (None, 1, "1") or max_batch_size is not None:
             log.info("lmbatch: batch_size/max_batch_size have no effect: each call's requests run as one batch, "
                      "in token-budgeted forward passes, and scores do not depend on batching")
         if unused:
             log.warning("lmbatch: model_args not used: %s", ", ".join(sorted(unused)))
-        model_dir = resolve_model(pretrained)
+        model_dir = resolve_model(pretrained)      # checked by our own code before transformers reads it
+        check_tokenizer_files(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.add_bos_token, self.custom_prefix_token_id = add_bos_token, prefix_token_id
         self._prefix_text = str(self.tokenizer.decode(self.prefix_token_id))
@@ -309,22 +317,25 @@ def cache_templates() -> None:
 def main(args: list[str]) -> int:
     """`lmbatch lm-eval ARGS`: lm-eval's own command line with `--model lmbatch` (unless another model
     is named), then lmbatch's figures beside lm-eval's results (`lmbatch_*.json` in --output_path)
-    and in a closing line."""
+    and in a closing line. What can be checked before lm-eval starts is (`check_run`): a bad input is a
+    UserError of one line, not lm-eval's traceback."""
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
 
     start = time.perf_counter()
-    if "--model" not in args and not any(a.startswith("--model=") for a in args):
-        args = ["--model", "lmbatch", *args]
-        if "--device" not in args and not any(a.startswith("--device=") for a in args):
-            args += ["--device", "auto"]      # lm-eval's own default would be cuda, GPU or not
-    if not args or args[0] not in ("run", "ls", "validate"):
-        args = ["run", *args]
+    args = _command_line(args)
     sys.argv = ["lm-eval", *args]
-    setup_logging()
-    cache_templates()
     cli = HarnessCLI()
-    cli.execute(cli.parse_args())
+    ns = cli.parse_args()
+    with _index_built_once() as checked, _tasks_name_their_data():
+        if getattr(ns, "command", None) == "run":
+            if ns.model == "lmbatch" and ns.device is None and "device" not in (ns.model_args or {}):
+                ns.device = "auto"      # lm-eval's own default would be cuda, GPU or not
+            check_run(ns)
+        checked()
+        setup_logging()
+        cache_templates()
+        cli.execute(ns)
     if not INSTANCES:
         return 0
     report = INSTANCES[-1].report()
@@ -339,6 +350,219 @@ def main(args: list[str]) -> int:
           f"{report['tokens']['prompt']:,} prompt tokens  wall {report['time_s']['total']:.1f}s (load "
           f"{report['time_s']['load']:.1f}, execute {report['time_s'].get('execute', 0.0):.1f})", file=sys.stderr)
     return 0
+
+
+def _command_line(args: list[str]) -> list[str]:
+    """lm-eval's arguments for `lmbatch lm-eval ARGS`: its `run` unless another command is named (`ls`,
+    `validate`), and for `run`, `--model lmbatch` unless another model is named."""
+    command, rest = (args[0], args[1:]) if args and args[0] in ("run", "ls", "validate") else ("run", args)
+    if command == "run" and not any(a in ("--model", "-M") or a.startswith("--model=") for a in rest):
+        rest = ["--model", "lmbatch", *rest]
+    return [command, *rest]
+
+
+# ---- `lmbatch lm-eval run`'s inputs, checked before lm-eval starts ------------------------------------
+def _alternatives(values: Sequence[str]) -> str:
+    return ", ".join(values[:-1]) + " or " + values[-1]
+
+
+def _whole(value: Any, least: int) -> bool:
+    """A whole number of at least `least`, as lm-eval parses it from --model_args (42, or a quoted "42")."""
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    return type(value) is int and value >= least
+
+
+def check_model_args(args: dict[str, Any]) -> None:
+    """The model_args lmbatch takes, as `LMBatch` gets them (None: not given): a UserError naming the
+    argument and what it takes, before any work."""
+    from lmbatch.engine.build import ATTENTION, DEVICES, DTYPES
+    from lmbatch.scheduler.planner import SCHEDULES
+
+    def bad(name: str, takes: str) -> UserError:
+        value = args[name]      # lm-eval reads "-5" as -5.0
+        shown = int(value) if isinstance(value, float) and value.is_integer() else value
+        return UserError(f"--model_args {name}={shown}: {takes}")
+
+    choices = {"dtype": ("auto", *DTYPES), "device": DEVICES, "attention": ATTENTION, "schedule": SCHEDULES}
+    for name, allowed in choices.items():
+        if args.get(name) is not None and args[name] not in allowed:
+            raise bad(name, f"use {_alternatives(allowed)}")
+    for name in ("max_length", "max_tokens_per_batch", "kv_cache_tokens", "tensor_parallel"):
+        if args.get(name) is not None and not _whole(args[name], 1):
+            raise bad(name, "use a whole number, at least 1")
+    workers = args.get("data_parallel")
+    if workers is not None and workers != "auto" and not _whole(workers, 1):
+        raise bad("data_parallel", "use a number of workers (at least 1) or auto")
+    if args.get("prefix_token_id") is not None and not _whole(args["prefix_token_id"], 0):
+        raise bad("prefix_token_id", "use a token id (a whole number, at least 0)")
+    if args.get("add_bos_token") not in (None, True, False):
+        raise bad("add_bos_token", "use true or false")
+
+
+def check_run(ns: Any) -> None:
+    """`lmbatch lm-eval run`'s inputs (lm-eval's parsed arguments), each bad one a UserError of one line
+    (lm-eval would raise its ValueError or a ConnectionError deep inside, or lmbatch an error of its own
+    after lm-eval's start): lmbatch's model_args and its model folder, that tasks are named, that lm-eval
+    knows them, and, offline, that their data is at hand."""
+    model_args = dict(ns.model_args or {})
+    if ns.model == "lmbatch":
+        passed = {"batch_size": True, "max_batch_size": ns.max_batch_size is not None, "device": ns.device is not None}
+        for key in (k for k, given in passed.items() if given and k in model_args):
+            raise UserError(f"--model_args {key}={model_args[key]}: lm-eval gives the model its {key} itself: "
+                            f"give it as --{key} only")
+        if ns.device is not None and ns.device not in ("auto", "cpu", "cuda"):
+            raise UserError(f"--device {ns.device}: lmbatch runs on auto, cpu or cuda")
+        check_model_args(model_args)
+    if not ns.tasks:
+        if ns.config:       # tasks may come from the config file: lm-eval reads it
+            return
+        raise UserError("give --tasks: lm-eval task, group or tag names, comma-separated "
+                        "(`lmbatch lm-eval ls tasks` lists them)")
+    if ns.model == "lmbatch":
+        _check_pretrained(model_args.get("pretrained"))
+    _check_tasks([t for task in ns.tasks for t in str(task).split(",") if t], ns.include_path)
+
+
+def _check_pretrained(pretrained: Any) -> None:
+    """The model folder `pretrained=` names (the embedded model where none is): checked as `lmbatch run`
+    checks it, before lm-eval starts; a hub id is left to `LMBatch` (it downloads)."""
+    from lmbatch.model.checkpoint import check_tokenizer_files, names_hub_model, resolve_model
+
+    if pretrained is not None and names_hub_model(str(pretrained)):
+        return
+    check_tokenizer_files(resolve_model(None if pretrained is None else str(pretrained)))
+
+
+def _check_tasks(names: list[str], include_path: str | None) -> None:
+    """Every task name is one lm-eval's index has (a task, group or tag, or a glob of them), or a task
+    file; offline, every task's data is local."""
+    import difflib
+    import glob
+
+    from lm_eval.tasks import TaskManager
+
+    for name in names:
+        if name.endswith(".yaml") and not glob.glob(name):
+            raise UserError(f"--tasks {name}: no such task file")
+    if len(names) == 1 and Path(names[0]).is_dir():
+        return          # a folder of task files (unless a task has its name): lm-eval reads it
+    names = [n for n in names if not n.endswith(".yaml")]
+    if not names:
+        return
+    manager = TaskManager(include_path=include_path)
+    for name in names:
+        if not manager.match_tasks([name]):
+            close = difflib.get_close_matches(name, manager.all_tasks, n=3)
+            raise UserError(f"--tasks {name}: lm-eval has no task, group or tag of that name"
+                            + (f" (close: {', '.join(close)})" if close else "")
+                            + ("" if include_path else "; tasks of your own go in a folder given as --include_path"))
+    offline = next((v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+                    if os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")), None)
+    if offline:
+        for asked, task, dataset in _hub_datasets(manager, names):
+            if not _in_local_cache(dataset):
+                of = "" if asked == task else f" (of {asked})"
+                raise UserError(f"--tasks {asked}: lm-eval task {task}{of} reads {dataset} from the Hugging Face "
+                                f"Hub, which is not in the local cache, and {offline} is set: run it once online, "
+                                f"or use tasks over local files (lmbatch.lm_eval.write_offline_tasks writes "
+                                f"mmlu_offline, hellaswag_offline and gsm8k_offline for --include_path)")
+
+
+def _hub_datasets(manager: Any, names: list[str]) -> Iterator[tuple[str, str, str]]:
+    """(name asked for, task, dataset) of every task the names stand for (groups and tags expanded through
+    lm-eval's index) whose dataset_path is a Hugging Face Hub dataset: neither one of `datasets`'
+    packaged builders (json, arrow, ...) nor a local path; tasks of Python classes or custom loaders
+    are not looked into."""
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+    index = manager.task_index
+    stack: list[tuple[str, Any]] = [(n, m) for n in names for m in manager.match_tasks([n])]
+    seen: set[str] = set()
+    while stack:
+        asked, item = stack.pop()
+        if isinstance(item, dict):          # a group's member given with overrides, or a group inline
+            stack += [(asked, m) for m in _members(item.get("task"))]
+            continue
+        entry = index.get(item) if isinstance(item, str) and item not in seen else None
+        if entry is None:
+            continue
+        seen.add(item)
+        kind, cfg = entry.kind.name, entry.cfg or {}
+        if kind == "GROUP":
+            stack += [(asked, m) for m in _members(cfg.get("task"))]
+        elif kind == "TAG":
+            stack += [(asked, m) for m in sorted(entry.tags)]
+        elif kind == "TASK" and not ({"class", "custom_dataset"} & set(cfg)):
+            path = cfg.get("dataset_path")
+            if isinstance(path, str) and path not in _PACKAGED_DATASETS_MODULES and not Path(path).exists():
+                yield asked, item, path
+
+
+def _members(task: Any) -> list[Any]:
+    return list(task) if isinstance(task, list) else [task] if task else []
+
+
+def _in_local_cache(dataset: str) -> bool:
+    """Whether a Hub dataset has been fetched here before (`datasets`' cache or the hub's)."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    return (Path(datasets.config.HF_DATASETS_CACHE) / dataset.replace("/", "___")).is_dir() or \
+        (Path(constants.HF_HUB_CACHE) / ("datasets--" + dataset.replace("/", "--"))).is_dir()
+
+
+@contextmanager
+def _index_built_once() -> Iterator[Callable[[], None]]:
+    """lm-eval's task index (every task file read: ~6 s) made once for `check_run` and lm-eval both:
+    an index built until the context's value is called is kept, and the next build over the same
+    folders takes it instead of reading them again (once: lm-eval's own use is left to itself)."""
+    from lm_eval.tasks._index import TaskIndex
+
+    own = TaskIndex.__dict__["build"]
+    kept: dict[tuple[tuple[str, ...], bool], Any] = {}
+    recording = [True]
+
+    def build(roots: Any, *, resolve_includes: bool = True) -> Any:
+        roots = list(roots)
+        key = (tuple(str(r) for r in roots), resolve_includes)
+        if not recording[0] and key in kept:
+            return kept.pop(key)
+        index = own.__func__(roots, resolve_includes=resolve_includes)
+        if recording[0]:
+            kept[key] = index
+        return index
+
+    TaskIndex.build = staticmethod(build)
+    try:
+        yield lambda: recording.__setitem__(0, False)
+    finally:
+        TaskIndex.build = own
+
+
+@contextmanager
+def _tasks_name_their_data() -> Iterator[None]:
+    """While lm-eval runs, a task whose data cannot be read (the Hub unreachable or offline, a data file
+    missing: an OSError, ConnectionError included) is a UserError of one line naming the task and its
+    dataset, not lm-eval's traceback. What cannot be checked up front; any other error is left as it is."""
+    from lm_eval.api.task import ConfigurableTask
+
+    own = ConfigurableTask.download
+
+    def download(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            own(self, *args, **kwargs)
+        except OSError as e:
+            c = self.config
+            raise UserError(f"lm-eval task {c.task}: its data ({c.dataset_path}"
+                            f"{', ' + str(c.dataset_name) if c.dataset_name else ''}) cannot be loaded: "
+                            f"{type(e).__name__}: {first_line(e)}") from None
+
+    ConfigurableTask.download = download
+    try:
+        yield
+    finally:
+        ConfigurableTask.download = own
 
 
 def _output_dir(args: list[str]) -> Path | None:

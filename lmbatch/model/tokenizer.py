@@ -19,6 +19,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
+from lmbatch.errors import first_line
+
 # what a tokenizer is made of: AutoTokenizer needs at least one of these (tokenizer_config.json names
 # the class; the others hold the vocabulary of fast, GPT-2, SentencePiece or WordPiece tokenizers)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -129,6 +131,44 @@ QWEN2_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
 # the transformers versions whose AutoTokenizer this mirrors (tests/unit/test_tokenizer_build.py compares
 # the two on the installed one); any other builds the tokenizer with transformers
 VALIDATED = ((5, 0), (5, 24))
+
+
+# the tokenizer.json `check_tokenizer_json` checked last, as loaded (by its path, size and mtime), until
+# `build_tokenizer` takes it: a run parses the file once
+_CHECKED: dict[tuple[str, int, int], tuple[dict, Tokenizer]] = {}
+
+
+def _file_key(file: Path) -> tuple[str, int, int]:
+    st = file.stat()
+    return str(file.resolve()), st.st_size, st.st_mtime_ns
+
+
+def check_tokenizer_json(file: Path) -> str | None:
+    """What is wrong with a tokenizer.json, as a phrase after its name (None: nothing): not UTF-8 JSON,
+    not an object, or not a tokenizer the `tokenizers` library loads. Checked before transformers reads
+    it (a truncated file there ends in its JSONDecodeError); what it loaded is kept for `build_tokenizer`."""
+    try:
+        text = file.read_text(encoding="utf-8")
+        spec = json.loads(text)
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    except ValueError as e:     # not UTF-8, or not JSON (json.JSONDecodeError)
+        return f"is not readable JSON ({e})"
+    if not isinstance(spec, dict):
+        return f"is not a JSON object (it holds a {type(spec).__name__})"
+    try:
+        tok = Tokenizer.from_str(text)
+    except Exception as e:  # noqa: BLE001  the library's one error type for a spec it cannot load
+        return f"does not load as a tokenizer ({first_line(e)})"
+    _CHECKED.clear()
+    _CHECKED[_file_key(file)] = (spec, tok)
+    return None
+
+
+def _load_json_spec(file: Path) -> tuple[dict, Tokenizer | None]:
+    """tokenizer.json's content, and the tokenizer it makes where `check_tokenizer_json` loaded it."""
+    checked = _CHECKED.pop(_file_key(file), None)
+    return checked if checked is not None else (json.loads(file.read_text(encoding="utf-8")), None)
 
 
 class Fallback(Exception):
@@ -362,10 +402,12 @@ def build_tokenizer(folder: str | os.PathLike) -> Tokenizer:
         if tc.get(key):
             raise Fallback(key)
     cls = choose_class(folder, tc, cfg)
-    spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    spec, loaded = _load_json_spec(folder / "tokenizer.json")
     kw = _kwargs(folder, tc, spec, REBUILT.get(cls, {}))
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json")) if cls == "TokenizersBackend" \
-        else _rebuild(cls, spec, kw["init"])
+    if cls == "TokenizersBackend":
+        tok = loaded if loaded is not None else Tokenizer.from_file(str(folder / "tokenizer.json"))
+    else:
+        tok = _rebuild(cls, spec, kw["init"])
     # TokenizersBackend.__init__: added_tokens_decoder, then the named and extra special tokens not there yet
     to_add = [t for _, t in sorted(kw["added"].items())]
     present = [tok.get_added_tokens_decoder()[i].content for i in sorted(tok.get_added_tokens_decoder())]

@@ -92,6 +92,12 @@ def test_causal_lm_folders_are_accepted(tmp_path, config):
              "num_attention_heads": 4}      # a native model's config must give them
     (tmp_path / "config.json").write_text(json.dumps({**sizes, **config}))
     (tmp_path / "model.safetensors").write_bytes((8).to_bytes(8, "little") + b"{}      ")   # no tensors
+    if config["model_type"] == "llama":     # native: its weights must have its config's shapes (model/shapes.py)
+        from conftest import make_tiny_hf
+
+        make_tiny_hf("llama", tmp_path)
+        saved = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in saved.items() if k != "architectures"}))
     assert resolve_model(str(tmp_path)) == tmp_path.resolve()
 
 

@@ -189,11 +189,20 @@ def test_folder_with_non_causal_architecture(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_supported_folder(tmp_path: Path, model_type: str) -> None:
+    from conftest import make_tiny_hf
+
+    make_tiny_hf(model_type, tmp_path)
+    assert resolve_model(str(tmp_path)) == tmp_path.resolve()
+
+
+def test_supported_folder_without_tensors(tmp_path: Path) -> None:
+    """Whole safetensors framing but no tensors: the weights have none of the config's shapes."""
     sizes = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
              "num_attention_heads": 4}
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, **sizes}))
-    (tmp_path / "model.safetensors").write_bytes((8).to_bytes(8, "little") + b"{}      ")   # no tensors
-    assert resolve_model(str(tmp_path)) == tmp_path.resolve()
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **sizes}))
+    (tmp_path / "model.safetensors").write_bytes((8).to_bytes(8, "little") + b"{}      ")
+    with pytest.raises(UserError, match="^model at .*: there is no embed_tokens.weight in model.safetensors$"):
+        resolve_model(str(tmp_path))
 
 
 @pytest.mark.parametrize("spec", ["./no-such-model", "/no/such/model", "no-such-model"])

@@ -1,0 +1,181 @@
+"""A native checkpoint's tensor shapes against its config.json, read from the safetensors headers alone
+(never the tensors): vocabulary, hidden size, layers, attention and KV heads, MLP and expert sizes, for
+the tensor names and layouts lmbatch/model/weights.py loads (q/k/v and gate/up one by one, or fused as
+Phi-3 stores them; experts one by one under Qwen3-MoE's or Mixtral's names, or stacked). A config that
+disagreed with its weights used to fail only when the weights were copied into the model, after the
+data was loaded and tokenized, as a tensor-size RuntimeError."""
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from lmbatch.model.config import DEFAULTS, ModelConfig
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+class TensorHeader(NamedTuple):
+    shape: tuple[int, ...]
+    file: str           # the name of the safetensors file that holds it
+
+
+class _Mismatch(Exception):
+    """The first disagreement found; its message is the phrase reported."""
+
+
+def shape_problem(cfg: ModelConfig, raw: dict, tensors: dict[str, TensorHeader], where: str) -> str | None:
+    """The first way the checkpoint's tensors (named as stored) disagree with the config (`raw`: config.json
+    as written, `cfg`: what lmbatch makes of it), in one phrase naming config.json's field, the file and
+    both values; None where they agree. `where` names the weights: the file, or the shards of an index."""
+    try:
+        _Shapes(cfg, raw, tensors, where).check()
+    except _Mismatch as m:
+        return str(m)
+    return None
+
+
+class _Shapes:
+    def __init__(self, cfg: ModelConfig, raw: dict, tensors: dict[str, TensorHeader], where: str):
+        self.cfg, self.raw, self.where = cfg, raw, where
+        # keyed as weights.py reads them: without the "model." prefix
+        self.tensors = {name.removeprefix("model."): (name, h) for name, h in tensors.items()}
+        self.prefix = "model." if any(name.startswith("model.") for name in tensors) else ""
+        self.holds = "hold" if len({h.file for h in tensors.values()}) > 1 else "holds"   # `where`'s verb
+
+    # ---- what config.json says, in words --------------------------------------------------------
+    def _given(self, field: str) -> str:
+        return "" if self.raw.get(field) is not None else " (not given)"
+
+    def size(self, field: str, value: int) -> tuple[str, int]:
+        return f"{field} is {value}{self._given(field)}", value
+
+    def _head_dim(self) -> str:
+        if self.raw.get("head_dim") is not None:
+            return "head_dim"
+        if DEFAULTS[self.cfg.model_type].get("head_dim"):
+            return "head_dim (not given: its default)"
+        return "head_dim (hidden_size / num_attention_heads)"
+
+    def head_dim(self) -> tuple[str, int]:
+        return f"{self._head_dim()} is {self.cfg.head_dim}", self.cfg.head_dim
+
+    def heads(self, field: str, n: int) -> tuple[str, int]:
+        hd = self.cfg.head_dim
+        return f"{field}{self._given(field)} x {self._head_dim()} is {n} x {hd} = {n * hd}", n * hd
+
+    def fused_heads(self) -> tuple[str, int]:
+        c = self.cfg
+        n = c.num_heads + 2 * c.num_kv_heads
+        return (f"(num_attention_heads + 2 x num_key_value_heads{self._given('num_key_value_heads')}) x "
+                f"{self._head_dim()} is ({c.num_heads} + 2 x {c.num_kv_heads}) x {c.head_dim} = {n * c.head_dim}",
+                n * c.head_dim)
+
+    # ---- what the headers say ---------------------------------------------------------------------
+    def need(self, key: str, rank: int) -> TensorHeader:
+        if key not in self.tensors:
+            raise _Mismatch(f"there is no {self.prefix}{key} in {self.where}")
+        name, h = self.tensors[key]
+        if len(h.shape) != rank:
+            raise _Mismatch(f"{h.file} has {name} of shape {list(h.shape)}, where a {rank}-D tensor belongs")
+        return h
+
+    def dims(self, key: str, *wants: tuple[tuple[str, int], str] | None) -> None:
+        """The tensor is there, of len(wants) dimensions, each the size config.json gives (None: not checked);
+        a want is ((config.json's words, size), what the dimension counts)."""
+        h = self.need(key, len(wants))
+        for got, want in zip(h.shape, wants):
+            if want is not None and got != want[0][1]:
+                raise _Mismatch(f"config.json {want[0][0]} but {h.file} has {got} {want[1]} in {self.tensors[key][0]}")
+
+    # ---- the checks -----------------------------------------------------------------------------------
+    def check(self) -> None:
+        c = self.cfg
+        vocab, hidden = (self.size("vocab_size", c.vocab_size), "rows"), (self.size("hidden_size", c.hidden_size),
+                                                                         "columns")
+        self.dims("embed_tokens.weight", vocab, hidden)
+        if "lm_head.weight" in self.tensors:
+            self.dims("lm_head.weight", vocab, hidden)
+        elif not c.tie_word_embeddings:
+            raise _Mismatch(f"config.json tie_word_embeddings is false{self._given('tie_word_embeddings')} but there "
+                            f"is no lm_head.weight in {self.where}")
+        self.layers()
+        for i in range(c.num_layers):
+            self.attention(i)
+            if c.sparse_layers and c.sparse_layers[i]:
+                self.experts(i)
+            else:
+                self.dense_mlp(i)
+
+    def layers(self) -> None:
+        n = self.cfg.num_layers
+        found = {int(m.group(1)) for key in self.tensors if (m := _LAYER.match(key))}
+        words = f"config.json num_hidden_layers is {n}"
+        if not found:
+            raise _Mismatch(f"{words} but there are no {self.prefix}layers.* tensors in {self.where}")
+        if max(found) + 1 != n:
+            raise _Mismatch(f"{words} but {self.where} {self.holds} {max(found) + 1} layers "
+                            f"({self.prefix}layers.0 to {self.prefix}layers.{max(found)})")
+        missing = sorted(set(range(n)) - found)
+        if missing:
+            raise _Mismatch(f"{words} but {self.where} {self.holds} no tensors of layer {missing[0]} "
+                            f"({self.prefix}layers.{missing[0]}.*)")
+
+    def attention(self, i: int) -> None:
+        c, p = self.cfg, f"layers.{i}.self_attn."
+        hidden = (self.size("hidden_size", c.hidden_size), "columns")
+        q = self.heads("num_attention_heads", c.num_heads)
+        kv = self.heads("num_key_value_heads", c.num_kv_heads)
+        if c.qk_norm == "head":                 # per head: pins head_dim itself
+            self.dims(p + "q_norm.weight", (self.head_dim(), "entries"))
+            self.dims(p + "k_norm.weight", (self.head_dim(), "entries"))
+        if p + "qkv_proj.weight" in self.tensors:
+            self.dims(p + "qkv_proj.weight", (self.fused_heads(), "rows"), hidden)
+        else:
+            self.dims(p + "q_proj.weight", (q, "rows"), hidden)
+            self.dims(p + "k_proj.weight", (kv, "rows"), hidden)
+            self.dims(p + "v_proj.weight", (kv, "rows"), hidden)
+        if c.qk_norm == "proj":                 # over the whole projections (olmo2)
+            self.dims(p + "q_norm.weight", (q, "entries"))
+            self.dims(p + "k_norm.weight", (kv, "entries"))
+        self.dims(p + "o_proj.weight", (self.size("hidden_size", c.hidden_size), "rows"), (q, "columns"))
+
+    def dense_mlp(self, i: int) -> None:
+        c, p = self.cfg, f"layers.{i}.mlp."
+        inter = self.size("intermediate_size", c.intermediate_size)
+        hidden = self.size("hidden_size", c.hidden_size)
+        if p + "gate_up_proj.weight" in self.tensors:     # fused (phi3)
+            both = (f"2 x intermediate_size is 2 x {c.intermediate_size} = {2 * c.intermediate_size}",
+                    2 * c.intermediate_size)
+            self.dims(p + "gate_up_proj.weight", (both, "rows"), (hidden, "columns"))
+        else:
+            self.dims(p + "gate_proj.weight", (inter, "rows"), (hidden, "columns"))
+            self.dims(p + "up_proj.weight", (inter, "rows"), (hidden, "columns"))
+        self.dims(p + "down_proj.weight", (hidden, "rows"), (inter, "columns"))
+
+    def experts(self, i: int) -> None:
+        c = self.cfg
+        mixtral = f"layers.{i}.block_sparse_moe.gate.weight" in self.tensors or (
+            c.model_type == "mixtral" and f"layers.{i}.mlp.gate.weight" not in self.tensors)
+        block = f"layers.{i}.block_sparse_moe." if mixtral else f"layers.{i}.mlp."
+        n = self.size("num_experts" if "num_experts" in self.raw else "num_local_experts", c.num_experts)
+        field = "moe_intermediate_size" if c.model_type == "qwen3_moe" else "intermediate_size"
+        inter = self.size(field, c.moe_intermediate_size)
+        hidden = self.size("hidden_size", c.hidden_size)
+        if block + "gate.weight" not in self.tensors:
+            why = (f"yet config.json's mlp_only_layers and decoder_sparse_step make layer {i} one of routed experts"
+                   if c.model_type == "qwen3_moe" else f"and every layer of a {c.model_type} model routes to experts")
+            raise _Mismatch(f"there is no {self.prefix}{block}gate.weight (the experts' router) in {self.where}, {why}")
+        self.dims(block + "gate.weight", (n, "rows (experts)"), (hidden, "columns"))
+        stacked = f"layers.{i}.mlp.experts."
+        if stacked + "gate_up_proj" in self.tensors:
+            both = (f"2 x {field} is 2 x {c.moe_intermediate_size} = {2 * c.moe_intermediate_size}",
+                    2 * c.moe_intermediate_size)
+            self.dims(stacked + "gate_up_proj", (n, "experts"), (both, "rows per expert"), (hidden, "columns"))
+            self.dims(stacked + "down_proj", (n, "experts"), (hidden, "rows per expert"), (inter, "columns"))
+            return
+        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        for e in range(c.num_experts):
+            x = f"{block}experts.{e}."
+            self.dims(f"{x}{gate}.weight", (inter, "rows"), (hidden, "columns"))
+            self.dims(f"{x}{up}.weight", (inter, "rows"), (hidden, "columns"))
+            self.dims(f"{x}{down}.weight", (hidden, "rows"), (inter, "columns"))
