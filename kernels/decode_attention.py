@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lmbatch.kernels.extend_attention import attend_block
+
 
 @triton.jit
 def _split_kernel(Q, K, V, MidO, MidL, kv_indices, kv_indptr,  # type: ignore[no-untyped-def]
@@ -47,19 +49,8 @@ def _split_kernel(Q, K, V, MidO, MidL, kv_indices, kv_indptr,  # type: ignore[no
         col_ok = cols < hi
         slots = tl.load(kv_indices + kv_start + cols, mask=col_ok, other=0).to(tl.int64)
         kv_off = slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
-        k = tl.load(K + kv_off, mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-        if SOFTCAP > 0:
-            s = SOFTCAP * (2.0 * tl.sigmoid(2.0 * s / SOFTCAP) - 1.0)     # SOFTCAP * tanh(s / SOFTCAP)
-        s = tl.where(col_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(V + kv_off, mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+        m_i, l_i, acc = attend_block(q, K, V, kv_off, col_ok[:, None] & dim_ok[None, :], col_ok[None, :], scale, m_i,
+                                     l_i, acc, SOFTCAP)
     seen = l_i > 0
     out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))

@@ -17,6 +17,26 @@ import triton.language as tl
 
 
 @triton.jit
+def attend_block(q, K, V, kv_off, kv_ok, visible, scale, m_i, l_i, acc,  # type: ignore[no-untyped-def]
+                 SOFTCAP: tl.constexpr):
+    """A block of keys into the online softmax of the query rows `q`: K/V rows at `kv_off` (loaded where
+    `kv_ok`), scores where `visible`; returns the running max, sum and weighted values."""
+    k = tl.load(K + kv_off, mask=kv_ok, other=0.0)
+    s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+    if SOFTCAP > 0:
+        s = SOFTCAP * (2.0 * tl.sigmoid(2.0 * s / SOFTCAP) - 1.0)     # SOFTCAP * tanh(s / SOFTCAP)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(V + kv_off, mask=kv_ok, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _extend_kernel(Q, K, V, O, kv_indices, qo_indptr, kv_indptr,  # type: ignore[no-untyped-def]
                    scale, window, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh,
                    SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -51,22 +71,11 @@ def _extend_kernel(Q, K, V, O, kv_indices, qo_indptr, kv_indptr,  # type: ignore
         col_ok = cols < kv_end
         slots = tl.load(kv_indices + kv_start + cols, mask=col_ok, other=0).to(tl.int64)
         kv_off = slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
-        k = tl.load(K + kv_off, mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-        if SOFTCAP > 0:
-            s = SOFTCAP * (2.0 * tl.sigmoid(2.0 * s / SOFTCAP) - 1.0)     # SOFTCAP * tanh(s / SOFTCAP)
         visible = (cols[None, :] <= qpos[:, None]) & col_ok[None, :]
         if window > 0:
             visible = visible & (cols[None, :] > qpos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(V + kv_off, mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+        m_i, l_i, acc = attend_block(q, K, V, kv_off, col_ok[:, None] & dim_ok[None, :], visible, scale, m_i, l_i,
+                                     acc, SOFTCAP)
     out = acc / l_i[:, None]
     tl.store(O + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
