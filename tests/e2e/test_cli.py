@@ -1,5 +1,6 @@
 """The CLI end to end on a tiny random model with a small trained tokenizer: outputs, user errors, report."""
 import json
+import os
 
 import pyarrow.parquet as pq
 import pytest
@@ -375,3 +376,20 @@ def test_report_of_an_incomplete_run_says_how_to_resume(tmp_path):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "INCOMPLETE").write_text("")
     _error(lmbatch("report", tmp_path / "x"), "incomplete run", "resume")
+
+
+def test_an_unwritable_workload_cache_is_one_notice_and_the_run_goes_on(tiny, tmp_path):
+    """LMBATCH_CACHE on something that cannot hold folders: the workload cache says so in one line naming
+    the variable; the run itself completes (the embedded model's conversion, which needs the cache, is a
+    one-line error: tests/e2e/test_bad_inputs.py)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "file").write_text("")
+    r = subprocess.run([sys.executable, "-c", "from lmbatch.cli import main; main()",
+                        *map(str, run_args(tiny, tmp_path, "a"))], capture_output=True, text=True,
+                       env={**os.environ, "LMBATCH_CACHE": str(tmp_path / "file")})
+    assert r.returncode == 0, r.stderr      # the workload is prepared by a forked child: its line is on fd 2
+    notes = [ln for ln in r.stderr.splitlines() if "LMBATCH_CACHE" in ln]
+    assert len(notes) == 1 and "workload cache" in notes[0] and "not writable" in notes[0], r.stderr
+    assert "Traceback" not in r.stderr and (tmp_path / "a" / "summary.json").is_file()
