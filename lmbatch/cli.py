@@ -15,6 +15,7 @@ from lmbatch.errors import Interrupted, UserError
 from lmbatch.options import RunOptions
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Offline batch evaluation of LM programs, executed in DFS order over a radix tree.")
 
 

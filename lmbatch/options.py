@@ -130,7 +130,8 @@ def check(o: RunOptions, w: Workload) -> None:
 
 
 def _check_task_options(o: RunOptions, w: Workload) -> None:
-    """The options that must fit the task: shots, subjects, chat and thinking options."""
+    """The options that must fit the task: shots, subjects, chat and thinking options (an option that
+    would do nothing for the task is refused rather than ignored)."""
     if w.max_shots is not None and (o.shots < 0 or o.shots > w.max_shots):
         raise UserError(f"--shots {o.shots} is out of range: {w.name} takes 0 to {w.max_shots} few-shot examples")
     if o.shots < 0:
@@ -153,6 +154,13 @@ def _check_task_options(o: RunOptions, w: Workload) -> None:
         raise UserError("--think-end goes with --think-budget")
     if o.think_budget is not None and o.think_budget < 0:
         raise UserError("--think-budget must be at least 0")
+    if not w.generates:
+        given = [flag for flag, on in (("--think-budget", o.think_budget is not None),
+                                       ("--think-end", o.think_end is not None),
+                                       ("--no-jump-forward", not o.jump_forward)) if on]
+        if given:
+            raise UserError(f"{given[0]} does nothing for {w.name}, which generates no text (it only scores "
+                            "choices): leave it out")
 
 
 def engine_spec(o: RunOptions, model_dir: Path, generates: bool) -> EngineSpec:

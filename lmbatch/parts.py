@@ -91,7 +91,7 @@ def instance_rows(w: Workload, runs: list[ProgramRun]) -> list[dict[str, Any]]:
         if error is None and w.score is not None:
             try:
                 metrics = {k: float(v) for k, v in w.score(inst, s).items()}
-            except Exception as e:  # the user's scoring code: kept with its instance
+            except (Exception, SystemExit) as e:  # the user's scoring code: kept with its instance
                 error = f"score: {type(e).__name__}: {e}"
         assert s is not None
         ans = s.meta(w.answer) if w.answer and w.answer in s and run.error is None else None

@@ -378,6 +378,16 @@ def test_report_of_an_incomplete_run_says_how_to_resume(tmp_path):
     _error(lmbatch("report", tmp_path / "x"), "incomplete run", "resume")
 
 
+def test_h_is_help_for_every_command_and_lm_eval_keeps_its_own():
+    """Issue 36: `-h` is `--help` everywhere; `lmbatch lm-eval -h` is lm-eval's own help."""
+    for args in ([], ["run"], ["tasks"], ["report"]):
+        r = lmbatch(*args, "-h")
+        assert r.exit_code == 0 and "Usage: " in r.output and "--help" in r.output, (args, r.output)
+        assert r.output == lmbatch(*args, "--help").output
+    r = lmbatch("lm-eval", "-h")
+    assert r.exit_code == 0 and "usage: lm-eval" in r.output
+
+
 def test_an_unwritable_workload_cache_is_one_notice_and_the_run_goes_on(tiny, tmp_path):
     """LMBATCH_CACHE on something that cannot hold folders: the workload cache says so in one line naming
     the variable; the run itself completes (the embedded model's conversion, which needs the cache, is a
