@@ -75,6 +75,10 @@ class RunOptions:
     dry_run: bool = _option(False, "Load, tokenize and plan only; print the plan's figures as JSON (no weights "
                                    "loaded, nothing written).")
 
+    def __post_init__(self) -> None:
+        if self.subjects:       # a subject given twice is one subject (its questions would run twice)
+            self.subjects = list(dict.fromkeys(self.subjects))
+
 
 RUN_ID_MAX = 200    # bytes of a run id: room for the `.NAME.old-PID` a replaced run is kept as (a name's limit is 255)
 
