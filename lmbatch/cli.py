@@ -128,6 +128,10 @@ def report(
 
     try:
         if compare:
+            if run_dirs:
+                raise UserError(f"--compare BASE CAND takes no other run directory ({run_dirs[0]} was given too): "
+                                "compare two runs, or tabulate runs without --compare")
+            rep.check_thresholds(max_slowdown=max_slowdown, min_hit_ratio=min_hit_ratio, max_acc_drop=max_acc_drop)
             base, cand = (rep.load_summary(p) for p in compare)
             ok, lines = rep.compare(base, cand, max_slowdown=max_slowdown, min_hit_ratio=min_hit_ratio,
                                     max_acc_drop=max_acc_drop)
