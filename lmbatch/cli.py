@@ -7,7 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, List, Optional, Tuple, get_type_hints
+from typing import Any, List, NoReturn, Optional, Tuple, get_type_hints
 
 import typer
 
@@ -19,7 +19,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Offline batch evaluation of LM programs, executed in DFS order over a radix tree.")
 
 
-def _fail(e: UserError) -> None:
+def _fail(e: UserError) -> NoReturn:
     typer.echo(f"error: {e}", err=True)
     raise typer.Exit(2)
 
@@ -56,6 +56,7 @@ def _run_parameters() -> list[inspect.Parameter]:
     for f in dataclasses.fields(RunOptions):
         name, negated = _param_name(f)
         metavar = _metavar(f.name, hints[f.name])
+        annotation = str if hints[f.name] is Path else hints[f.name]     # a path as given: '' is not '.'
         if f.metadata.get("argument"):
             info: Any = typer.Argument(..., help=f.metadata["help"], metavar=metavar)
         else:
@@ -63,16 +64,22 @@ def _run_parameters() -> list[inspect.Parameter]:
             info = typer.Option(not f.default if negated else f.default, flag, help=f.metadata["help"],
                                 metavar=metavar)
         params.append(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=info,
-                                        annotation=hints[f.name]))
+                                        annotation=annotation))
     return params
 
 
 def _options(values: dict[str, Any]) -> RunOptions:
     """`RunOptions` from the values of the parameters `_run_parameters` made."""
+    hints = get_type_hints(RunOptions)
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(RunOptions):
         name, negated = _param_name(f)
         value = values[name]
+        if hints[f.name] is Path:
+            if not str(value).strip():
+                raise UserError(f"--{f.name.replace('_', '-')} is empty: name a folder (default "
+                                f"{f.default}; '.' is the current one)")
+            value = Path(value)
         kwargs[f.name] = not value if negated else (value or None) if isinstance(value, list) else value
     return RunOptions(**kwargs)
 
@@ -81,8 +88,8 @@ def run(**values: Any) -> None:
     """Run a task's every instance through the engine; write results/<run_id>/."""
     from lmbatch.run import run as do_run
 
-    opts = _options(values)
     try:
+        opts = _options(values)
         result = do_run(opts)
     except UserError as e:
         _fail(e)
@@ -125,6 +132,10 @@ def report(
 
     try:
         if compare:
+            if run_dirs:
+                raise UserError(f"--compare BASE CAND takes no other run directory ({run_dirs[0]} was given too): "
+                                "compare two runs, or tabulate runs without --compare")
+            rep.check_thresholds(max_slowdown=max_slowdown, min_hit_ratio=min_hit_ratio, max_acc_drop=max_acc_drop)
             base, cand = (rep.load_summary(p) for p in compare)
             ok, lines = rep.compare(base, cand, max_slowdown=max_slowdown, min_hit_ratio=min_hit_ratio,
                                     max_acc_drop=max_acc_drop)

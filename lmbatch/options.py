@@ -2,8 +2,9 @@
 from its fields), and their checks against the task, made before any work (`check`)."""
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 from typing import Any
 
 from lmbatch.engine.build import ATTENTION, DEVICES, DTYPES, check_data_parallel
@@ -74,11 +75,67 @@ class RunOptions:
     dry_run: bool = _option(False, "Load, tokenize and plan only; print the plan's figures as JSON (no weights "
                                    "loaded, nothing written).")
 
+    def __post_init__(self) -> None:
+        if self.subjects:       # a subject given twice is one subject (its questions would run twice)
+            self.subjects = list(dict.fromkeys(self.subjects))
+
+
+RUN_ID_MAX = 200    # bytes of a run id: room for the `.NAME.old-PID` a replaced run is kept as (a name's limit is 255)
+
+
+def run_id_problem(name: str) -> str | None:
+    """What makes `name` unfit as a run id, which must be one folder name inside --out; None if it is fit."""
+    if not name.strip():
+        return "is empty"
+    bad = [c for c in name if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")]
+    if bad:
+        return f"has a control character ({ascii(bad[0])})"
+    if name.startswith(("/", "\\")) or PureWindowsPath(name).drive:
+        return "is an absolute path (or names a drive)"
+    if name in (".", ".."):
+        return f"is {name!r}, a place rather than a folder name"
+    if ".." in name.replace("\\", "/").split("/"):
+        return "climbs out of --out ('..')"
+    if "/" in name or "\\" in name:
+        return "has a path separator ('/' or '\\'): nested folders are not run ids"
+    if name.startswith("."):
+        return "starts with '.' (a hidden name: lmbatch's own temporary folders have those)"
+    if len(name.encode("utf-8", "surrogateescape")) > RUN_ID_MAX:
+        return f"is {len(name.encode('utf-8', 'surrogateescape'))} bytes long, more than {RUN_ID_MAX}"
+    return None
+
 
 def check(o: RunOptions, w: Workload) -> None:
     """Every option a user can get wrong, before any work."""
     from lmbatch.scheduler.planner import SCHEDULES
 
+    _check_task_options(o, w)
+    if o.run_id is not None and (problem := run_id_problem(o.run_id)) is not None:
+        raise UserError(f"--run-id {o.run_id!r} {problem}: a run id is one folder name inside --out")
+    if o.limit is not None and o.limit < 1:
+        raise UserError("--limit must be at least 1")
+    if o.device not in DEVICES:
+        raise UserError(f"--device {o.device}: use auto, cpu or cuda")
+    if o.dtype is not None and o.dtype not in DTYPES:
+        raise UserError(f"--dtype {o.dtype}: use one of {', '.join(DTYPES)}")
+    if o.attention not in ATTENTION:
+        raise UserError(f"--attention {o.attention}: use one of {', '.join(ATTENTION)}")
+    if o.max_tokens_per_batch is not None and o.max_tokens_per_batch < 1:
+        raise UserError("--max-tokens-per-batch must be at least 1")
+    if not o.checkpoint_s > 0:
+        raise UserError("--checkpoint-s must be more than 0")
+    if o.kv_cache_tokens is not None and o.kv_cache_tokens < 1:
+        raise UserError("--kv-cache-tokens must be at least 1")
+    check_data_parallel(o.data_parallel)
+    if o.tensor_parallel < 1:
+        raise UserError("--tensor-parallel must be at least 1")
+    if o.schedule not in SCHEDULES:
+        raise UserError(f"--schedule {o.schedule}: use one of {', '.join(SCHEDULES)}")
+
+
+def _check_task_options(o: RunOptions, w: Workload) -> None:
+    """The options that must fit the task: shots, subjects, chat and thinking options (an option that
+    would do nothing for the task is refused rather than ignored)."""
     if w.max_shots is not None and (o.shots < 0 or o.shots > w.max_shots):
         raise UserError(f"--shots {o.shots} is out of range: {w.name} takes 0 to {w.max_shots} few-shot examples")
     if o.shots < 0:
@@ -92,16 +149,6 @@ def check(o: RunOptions, w: Workload) -> None:
         for subject in o.subjects:
             if subject not in valid:
                 raise UserError(f"unknown MMLU subject {subject!r}; valid: {', '.join(valid)}")
-    if o.limit is not None and o.limit < 1:
-        raise UserError("--limit must be at least 1")
-    if o.device not in DEVICES:
-        raise UserError(f"--device {o.device}: use auto, cpu or cuda")
-    if o.dtype is not None and o.dtype not in DTYPES:
-        raise UserError(f"--dtype {o.dtype}: use one of {', '.join(DTYPES)}")
-    if o.attention not in ATTENTION:
-        raise UserError(f"--attention {o.attention}: use one of {', '.join(ATTENTION)}")
-    if o.max_tokens_per_batch is not None and o.max_tokens_per_batch < 1:
-        raise UserError("--max-tokens-per-batch must be at least 1")
     if (o.apply_chat_template or o.system_instruction is not None or o.fewshot_as_multiturn) and not w.chat:
         raise UserError(f"--apply-chat-template, --system-instruction and --fewshot-as-multiturn apply to mmlu and "
                         f"hellaswag, not {w.name} (a program renders its own messages with s.chat)")
@@ -111,15 +158,13 @@ def check(o: RunOptions, w: Workload) -> None:
         raise UserError("--think-end goes with --think-budget")
     if o.think_budget is not None and o.think_budget < 0:
         raise UserError("--think-budget must be at least 0")
-    if not o.checkpoint_s > 0:
-        raise UserError("--checkpoint-s must be more than 0")
-    if o.kv_cache_tokens is not None and o.kv_cache_tokens < 1:
-        raise UserError("--kv-cache-tokens must be at least 1")
-    check_data_parallel(o.data_parallel)
-    if o.tensor_parallel < 1:
-        raise UserError("--tensor-parallel must be at least 1")
-    if o.schedule not in SCHEDULES:
-        raise UserError(f"--schedule {o.schedule}: use one of {', '.join(SCHEDULES)}")
+    if not w.generates:
+        given = [flag for flag, on in (("--think-budget", o.think_budget is not None),
+                                       ("--think-end", o.think_end is not None),
+                                       ("--no-jump-forward", not o.jump_forward)) if on]
+        if given:
+            raise UserError(f"{given[0]} does nothing for {w.name}, which generates no text (it only scores "
+                            "choices): leave it out")
 
 
 def engine_spec(o: RunOptions, model_dir: Path, generates: bool) -> EngineSpec:

@@ -21,8 +21,10 @@ def _alive(pid: int) -> bool:
 
 def clean_stale(final: Path) -> list[Path]:
     """What a killed writer of `final` left beside it (its process is gone): a half-written
-    `.NAME.partial-PID` is removed; a `.NAME.old-PID` is the previous complete run, renamed back into
-    place if the kill came between the two renames, else removed. Returns what it removed/restored."""
+    `.NAME.partial-PID` is removed; a `.NAME.old-PID` holds the previous complete run, put back into place
+    if the kill came while it was moved aside (`final` holds no run: neither summary.json nor
+    INCOMPLETE), kept while the run replacing it is incomplete, else removed. Returns what it
+    removed/restored."""
     touched = []
     for kind in ("old", "partial"):
         for p in sorted(final.parent.glob(f".{final.name}.{kind}-*")):
@@ -31,6 +33,11 @@ def clean_stale(final: Path) -> list[Path]:
                 continue
             if kind == "old" and not final.exists():
                 p.rename(final)
+            elif kind == "old" and not (final / "summary.json").is_file() and not (final / "INCOMPLETE").is_file():
+                for f in sorted(p.iterdir()):
+                    if not (final / f.name).exists():
+                        f.rename(final / f.name)
+                shutil.rmtree(p, ignore_errors=True)
             elif kind == "old" and (final / "INCOMPLETE").is_file():
                 continue            # the run a killed --overwrite replaces: kept until that one completes
             else:

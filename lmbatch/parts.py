@@ -41,8 +41,10 @@ class Stop:
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.asked:
-            print("interrupted again: stopped at once (the results on disk are whole parts; re-run the same "
-                  "command to resume)", file=sys.stderr, flush=True)
+            rd = self.rundir
+            how = f"{rd.rerun} to resume {rd.path}" if rd is not None else "re-run the same command to resume"
+            print(f"interrupted again: stopped at once (the results on disk are whole parts; {how})", file=sys.stderr,
+                  flush=True)
             os._exit(130)
         self.asked = True
         if not self.executing:
@@ -54,7 +56,7 @@ class Stop:
         if rd is None or not rd.saved:
             return "nothing written (no instance had finished)"
         of = f" of {rd.total}" if rd.total else ""
-        return f"{len(rd.saved)}{of} instances kept; {rd.rerun} to resume"
+        return f"{len(rd.saved)}{of} instances kept; {rd.rerun} to resume {rd.path}"
 
 
 class Every:
@@ -89,7 +91,7 @@ def instance_rows(w: Workload, runs: list[ProgramRun]) -> list[dict[str, Any]]:
         if error is None and w.score is not None:
             try:
                 metrics = {k: float(v) for k, v in w.score(inst, s).items()}
-            except Exception as e:  # the user's scoring code: kept with its instance
+            except (Exception, SystemExit) as e:  # the user's scoring code: kept with its instance
                 error = f"score: {type(e).__name__}: {e}"
         assert s is not None
         ans = s.meta(w.answer) if w.answer and w.answer in s and run.error is None else None

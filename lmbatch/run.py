@@ -42,7 +42,10 @@ def run(o: RunOptions) -> Path | dict[str, Any]:
                 return dry_run(o, w, model, clock)
             with clock("model_files"):
                 rundir = stop.rundir = for_run(o, w, model.dir)
-            return run_in(o, w, model, rundir, stop, host_gc, clock)
+            try:
+                return run_in(o, w, model, rundir, stop, host_gc, clock)
+            finally:
+                rundir.release()
     except KeyboardInterrupt:
         raise Interrupted(stop.kept()) from None
 

@@ -1,6 +1,7 @@
 """A run directory while its run executes: result parts written as instances finish, the resume of an
 incomplete run, and the final files merged from the parts (docs/outputs.md).
 
+    RUN/.lock                             held (flock) by the run writing it (lmbatch/runplace.py)
     RUN/INCOMPLETE                        this marker, while the run is not complete
     RUN/run.json                          fingerprint, dtype, attempts, and each part's size and checksum
     RUN/parts/NNNNNN.requests.parquet     the requests of the part's instances (written first)
@@ -29,10 +30,10 @@ from lmbatch.errors import UserError, first_line
 from lmbatch.frontend.workload import Instance, Workload
 from lmbatch.options import RunOptions
 from lmbatch.outputs import INSTANCE_SCHEMA, clean_stale, file_record, request_schema, sha256
+from lmbatch.runplace import MARKER, RunLock, clear, found, move_aside, refuse_foreign, run_path
 
-MARKER = "INCOMPLETE"
 MARKER_TEXT = ("This run is incomplete: its finished instances are in parts/. Re-run the same lmbatch run command "
-               "(same --run-id) to resume it.\n")
+               "with --run-id {name} to resume it.\n")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 SAMPLE = 1 << 20        # bytes hashed at each end of a weight file
 
@@ -113,20 +114,6 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def check_out(out: Path) -> None:
-    """The parent of run directories can take one, before any work: the results are written last."""
-    import tempfile
-
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file, not a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".lmbatch-probe-"):
-            pass
-    except OSError as e:
-        raise UserError(f"--out {out} is not writable: {e.strerror or e}") from None
-
-
 def fingerprint(o: RunOptions, w: Workload, model_dir: Path) -> dict[str, Any]:
     """What decides a run's results (a resumed run must have the same): the task and its options,
     the model's files, lmbatch's version. The dtype is checked once the device is known."""
@@ -144,14 +131,25 @@ def fingerprint(o: RunOptions, w: Workload, model_dir: Path) -> dict[str, Any]:
     return fp
 
 
+def default_run_id(w: Workload, shots: int, model_dir: Path) -> str:
+    """task-Kshot-MODEL-TIME, one folder name whatever the task's and the model folder's names hold."""
+    def safe(text: str, n: int) -> str:
+        return "".join(c if c.isalnum() or c in "-_.+" else "_" for c in text)[:n].lstrip(".") or "_"
+    return f"{safe(w.name, 60)}-{shots}shot-{safe(model_dir.name, 80)}-{dt.datetime.now():%Y%m%d-%H%M%S}"
+
+
 def for_run(o: RunOptions, w: Workload, model_dir: Path) -> RunDir:
-    """The run's directory, `--out`/`--run-id` (default: task-shots-model-time), checked: a complete run
-    needs --overwrite, an incomplete one with the same fingerprint is resumed."""
-    name = o.run_id or "{}-{}shot-{}-{}".format(w.name, o.shots, model_dir.name,
-                                                dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    check_out(Path(o.out))
-    return RunDir(Path(o.out) / name, fingerprint(o, w, model_dir), o.overwrite, o.save_token_ids,
-                  named=o.run_id is not None)
+    """The run's directory, `--out`/`--run-id` (default: task-shots-model-time), inside --out and locked
+    for this run, then checked: a complete run needs --overwrite, an incomplete one with the same
+    fingerprint is resumed, a folder that is no run directory is never replaced."""
+    path = run_path(Path(o.out), o.run_id or default_run_id(w, o.shots, model_dir))
+    lock = RunLock(path).acquire()
+    try:
+        return RunDir(path, fingerprint(o, w, model_dir), o.overwrite, o.save_token_ids,
+                      named=o.run_id is not None, lock=lock)
+    except BaseException:
+        lock.release()
+        raise
 
 
 class Merged(NamedTuple):
@@ -206,12 +204,49 @@ def _check_part(run: Path, f: Path, rec: dict | None) -> None:
         raise _damaged(run, f, f"is unreadable ({first_line(e)})") from None
 
 
+def open_incomplete(path: Path, fingerprint: dict[str, Any], overwrite: bool) -> dict[str, Any] | None:
+    """run.json of the incomplete run at `path`, to resume (its fingerprint is this run's); None where it is
+    replaced instead (--overwrite, or it kept nothing); UserError where it can be neither."""
+    if (path / "summary.json").is_file():     # killed while removing what it needed no more
+        clean_up(path)
+        if not overwrite:
+            raise UserError(f"output directory {path} exists; pass --overwrite to replace it or --run-id to name "
+                            "another")
+        return None
+    if not (path / "run.json").exists() and not list(path.glob("parts/*.instances.parquet")):
+        return None         # killed before its first part: nothing kept
+    try:
+        record = json.loads((path / "run.json").read_text(encoding="utf-8"))
+        theirs = record["fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if overwrite:
+            return None
+        raise UserError(f"incomplete run {path} has no readable run.json ({type(e).__name__}): pass --overwrite to "
+                        "start it over") from None
+    diff = _differences(theirs, fingerprint)
+    if diff and not overwrite:
+        raise UserError(f"incomplete run {path} was started with other settings ({', '.join(diff[:4])}"
+                        f"{', ...' if len(diff) > 4 else ''} differ): re-run its own command to resume it, pass "
+                        "--overwrite to start it over, or --run-id to name another")
+    return None if diff else record
+
+
+def clean_up(path: Path) -> None:
+    """What a complete run no longer needs: its parts, run.json, the marker, and the run it replaced."""
+    shutil.rmtree(path / "parts", ignore_errors=True)
+    (path / "run.json").unlink(missing_ok=True)
+    (path / MARKER).unlink(missing_ok=True)
+    for old in path.parent.glob(f".{path.name}.old-*"):
+        shutil.rmtree(old, ignore_errors=True)
+
+
 class RunDir:
     """One run directory, from the check of its name before any work to its completion."""
 
     def __init__(self, path: Path, fingerprint: dict[str, Any], overwrite: bool, with_tokens: bool,
-                 named: bool = True):
-        self.path, self.fingerprint, self.with_tokens = path, fingerprint, with_tokens
+                 named: bool = True, lock: RunLock | None = None):
+        """`lock`: this run's lock on `path`, held already (it goes with `release`)."""
+        self.path, self.fingerprint, self.with_tokens, self.lock = path, fingerprint, with_tokens, lock
         # how to resume it: the same command, with the run id it got if the command named none
         self.rerun = "re-run the same command" + ("" if named else f" with --run-id {path.name}")
         self.parts_dir = path / "parts"
@@ -224,53 +259,33 @@ class RunDir:
         self.dtype: str | None = None
         self._materialized = False
         clean_stale(path)
-        if not path.exists() or not any(path.iterdir()):     # an empty folder holds nothing to lose
-            self.replace = path.exists()
+        there = found(path)
+        refuse_foreign(path, there, overwrite)
+        if there.empty:                      # an empty folder holds nothing to lose
             return
-        if (path / MARKER).is_file():
-            self._open_incomplete(overwrite)
+        if there.incomplete:
+            self.record = open_incomplete(path, fingerprint, overwrite)
+            self.replace = self.record is None
+            if self.record is not None:
+                self.saved = read_parts(path, self.record.setdefault("parts", {}))
         elif overwrite:
             self.replace = True
         else:
             raise UserError(f"output directory {path} exists; pass --overwrite to replace it or --run-id to name "
                             "another")
+        refuse_foreign(path, there, overwrite, replacing=self.replace)
+
+    def release(self) -> None:
+        """The end of this run's hold on its directory (of a run that wrote nothing, the folder goes if
+        the run made it)."""
+        if self.lock is not None:
+            self.lock.release()
 
     @property
     def resuming(self) -> bool:
         return bool(self.saved)
 
     # ---- resume -----------------------------------------------------------------------------------
-    def _open_incomplete(self, overwrite: bool) -> None:
-        if (self.path / "summary.json").is_file():     # killed while removing what it needed no more
-            self._clean_up()
-            if not overwrite:
-                raise UserError(f"output directory {self.path} exists; pass --overwrite to replace it or --run-id "
-                                "to name another")
-            self.replace = True
-            return
-        if not (self.path / "run.json").exists() and not list(self.path.glob("parts/*.instances.parquet")):
-            self.replace = True         # killed before its first part: nothing kept
-            return
-        try:
-            record = json.loads((self.path / "run.json").read_text(encoding="utf-8"))
-            theirs = record["fingerprint"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            if overwrite:
-                self.replace = True
-                return
-            raise UserError(f"incomplete run {self.path} has no readable run.json ({type(e).__name__}): pass "
-                            "--overwrite to start it over") from None
-        diff = _differences(theirs, self.fingerprint)
-        if diff:
-            if overwrite:
-                self.replace = True
-                return
-            raise UserError(f"incomplete run {self.path} was started with other settings ({', '.join(diff[:4])}"
-                            f"{', ...' if len(diff) > 4 else ''} differ): re-run its own command to resume it, "
-                            "pass --overwrite to start it over, or --run-id to name another")
-        self.record = record
-        self.saved = read_parts(self.path, record.setdefault("parts", {}))
-
     def unsaved(self, instances: list[Instance]) -> list[int]:
         """The numbers of the task's instances no part holds (all of them, unless resuming), after checking
         that the kept ones are the task's instances at their numbers."""
@@ -308,13 +323,14 @@ class RunDir:
         if self._materialized:
             return cast(dict, self.record)
         if self.replace and self.path.exists():
-            if (self.path / MARKER).is_file() or not any(self.path.iterdir()):    # nothing a user kept
-                shutil.rmtree(self.path)
+            there = found(self.path)
+            if there.incomplete or not there.complete:      # an incomplete run: nothing a user kept
+                clear(self.path)
             else:
-                self.path.rename(self.path.parent / f".{self.path.name}.old-{os.getpid()}")
+                move_aside(self.path)
             self.replace = False
         self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / MARKER).write_text(MARKER_TEXT)
+        (self.path / MARKER).write_text(MARKER_TEXT.format(name=self.path.name))
         if self.record is None:
             self.record = {"run_id": self.path.name, "fingerprint": self.fingerprint,
                            "dtype": self.dtype, "attempts": [], "parts": {}}
@@ -402,18 +418,10 @@ class RunDir:
             _write_json(self.path / "summary.json", summary)      # the run is complete from here
             _fsync_dir(self.path)
             _at("cleanup")
-            self._clean_up()
+            clean_up(self.path)
         except OSError as e:
             raise self._unwritable(e) from None
 
     def _unwritable(self, e: OSError) -> UserError:
         return UserError(f"cannot write results to {self.path}: {e.strerror or e}; the finished instances are "
                          f"kept in whole parts: {self.rerun} once the disk is writable")
-
-    def _clean_up(self) -> None:
-        """What a complete run no longer needs: its parts, run.json, the marker, and the run it replaced."""
-        shutil.rmtree(self.parts_dir, ignore_errors=True)
-        (self.path / "run.json").unlink(missing_ok=True)
-        (self.path / MARKER).unlink(missing_ok=True)
-        for old in self.path.parent.glob(f".{self.path.name}.old-*"):
-            shutil.rmtree(old, ignore_errors=True)

@@ -80,6 +80,8 @@ def _data_parallel(engine: BatchEngine, stats: RunStats) -> dict[str, Any]:
 
 
 def _metrics(w: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each metric's mean over the instances that have it (a failed instance has none: `metric_counts`
+    says how many each mean is over, beside `counts.failed_instances`)."""
     ok = [r for r in rows if r["error"] is None]
     names = sorted({k for r in ok for k in r["metrics"]})
     by_subject = defaultdict(list)
@@ -88,7 +90,9 @@ def _metrics(w: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
             by_subject[r["subject"]].append(r["metrics"]["acc"])
     return {"accuracy": _mean(r["metrics"]["acc"] for r in ok if "acc" in r["metrics"]),
             "metrics": {k: _mean(r["metrics"][k] for r in ok if k in r["metrics"]) for k in names},
-            "accuracy_by_subject": {s: sum(v) / len(v) for s, v in sorted(by_subject.items())}}
+            "metric_counts": {k: sum(k in r["metrics"] for r in ok) for k in names},
+            "accuracy_by_subject": {s: sum(v) / len(v) for s, v in sorted(by_subject.items())},
+            "accuracy_by_subject_counts": {s: len(v) for s, v in sorted(by_subject.items())}}
 
 
 def build(o: RunOptions, w: Workload, run_id: str, loaded: Loaded, merged: Merged, interp: Interpreter,
@@ -116,6 +120,7 @@ def build(o: RunOptions, w: Workload, run_id: str, loaded: Loaded, merged: Merge
         "kv_cache_tokens": spec.options.kv_cache_tokens,
         "options": options,
         "counts": {"instances": len(rows), "failed_instances": sum(r["error"] is not None for r in rows),
+                   "scored_instances": sum(r["error"] is None for r in rows),
                    "calls": sum(c.calls for c in interp.stages.values()), "requests": stats.requests,
                    "executed_requests": stats.executed, "waves": interp.waves,
                    "truncated_calls": interp.truncated,
@@ -139,17 +144,30 @@ def build(o: RunOptions, w: Workload, run_id: str, loaded: Loaded, merged: Merge
     }
 
 
-def closing_line(summary: dict[str, Any]) -> str:
-    """What a run says as it ends: instances, accuracy, hit rate and its optimum, where the time went."""
-    acc = "" if summary["accuracy"] is None else f"accuracy {summary['accuracy']:.4f}  "
+def _scores(summary: dict[str, Any]) -> str:
+    """The task's own metrics (MMLU: acc; HellaSwag: acc and acc_norm; json: complete and valid) and what
+    they are over: every instance, or those that did not fail."""
     counts = summary["counts"]
-    failed, resumed = counts["failed_instances"], counts["resumed_instances"]
+    failed, n = counts["failed_instances"], counts["instances"]
+    shown = "  ".join(f"{k} {v:.4f}" for k, v in summary["metrics"].items() if v is not None)
+    over = set(summary["metric_counts"].values())
+    if shown and over != {n}:
+        shown += f" over {max(over)} of {n} instances"
+    return (f"  {shown}" if shown else "") + (f"  {failed} FAILED (see the error column)" if failed else "")
+
+
+def closing_line(summary: dict[str, Any]) -> str:
+    """What a run says as it ends: what ran (task, shots, model, dtype, device), instances, the task's
+    metrics and what they are over, hit rate and its optimum, where the time went."""
+    counts, o = summary["counts"], summary["options"]
+    resumed = counts["resumed_instances"]
     t = summary["time_s"]
     side = largest(t, 2, MODEL_SIDE)
     runtime = f"{'native' if summary['model_runtime'] == 'native' else summary['model_runtime'] + ' fallback'} " \
               f"{summary['model_type']}"
-    return (f"{counts['instances']} instances" + (f" ({resumed} from earlier attempts)" if resumed else "")
-            + f"  {acc}hit rate {summary['hit_rate']:.4f} (optimum {summary['optimal_hit_rate']:.4f})  wall "
+    what = f"{summary['task']} {o['shots']}-shot {Path(summary['model']).name} {summary['dtype']} {summary['device']}"
+    return (f"{what}: {counts['instances']} instances" + (f" ({resumed} from earlier attempts)" if resumed else "")
+            + _scores(summary)
+            + f"  hit rate {summary['hit_rate']:.4f} (optimum {summary['optimal_hit_rate']:.4f})  wall "
             f"{t['total']:.1f}s ({largest(t)}" + (f"; model side {side}" if side else "") + ")"
-            + (f"  {failed} FAILED (see the error column)" if failed else "")
             + f"  {runtime}")

@@ -145,7 +145,10 @@ def store(path: Path, snap: Snapshot, temporary: bool = False) -> bool:
                 old.unlink(missing_ok=True)
         return True
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:         # its folder could not be made (LMBATCH_CACHE under a file, say)
+            pass
         if not temporary:
             print(f"lmbatch: the workload cache {path.parent} is not writable ({e.strerror or e}); set "
                   "LMBATCH_CACHE to a writable folder to keep prepared workloads", file=sys.stderr)

@@ -36,7 +36,7 @@ from lmbatch.frontend.runs import ProgramRun, Status
 from lmbatch.frontend.tally import StageCounts, Tally
 from lmbatch.frontend.tokenize import TextEncoder
 from lmbatch.frontend.waves import WaveBudget, pick_wave
-from lmbatch.frontend.workload import Instance
+from lmbatch.frontend.workload import Instance, exit_call
 from lmbatch.requests import RunStats
 from lmbatch.scheduler.planner import Plan, plan_requests
 
@@ -114,7 +114,8 @@ class Interpreter:
             if run.user_error is not None:
                 raise run.user_error
             if run.error is not None:
-                raise UserError(f"program failed on instance {run.instance.id}: {run.error}")
+                raise UserError(f"program failed on instance {run.instance.id}: "
+                                f"{(run.error.strip().splitlines() or ['?'])[0]}")
         self.preparer.prepare(self.ready, self._fail_before_model, known, record)
         return self.runs
 
@@ -183,6 +184,8 @@ class Interpreter:
                 program(run.state, **run.instance.inputs)
             except UserError as e:  # a call that cannot run (e.g. too long): named with its instance
                 run.error, run.user_error = str(e), e
+            except SystemExit as e:  # sys.exit() in a program ends that program, not the run
+                run.error = f"the program called {exit_call(e)}"
             except Exception as e:  # a program's own bug: kept with its instance
                 run.error = f"{type(e).__name__}: {e}"
             self.max_final_footprint = max(self.max_final_footprint, run.footprint)

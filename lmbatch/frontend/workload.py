@@ -61,6 +61,11 @@ class Workload:
 RESERVED = ("id", "gold", "subject")
 
 
+def exit_call(e: SystemExit) -> str:
+    """How a program's SystemExit came about, as its message says it: `sys.exit(1)`."""
+    return f"sys.exit({'' if e.code is None else repr(e.code)})"
+
+
 def load_file(path: Path) -> Workload:
     """A user program file defines `program(s, **inputs)` and `instances()` (a list of dicts of
     inputs; the keys id, gold and subject are kept out of the inputs), and optionally
@@ -72,8 +77,11 @@ def load_file(path: Path) -> Workload:
     module = importlib.util.module_from_spec(spec)
     try:
         cast("Loader", spec.loader).exec_module(module)
+    except SystemExit as e:     # sys.exit() in the file: the run would end with no word
+        raise UserError(f"{path}: the program file called {exit_call(e)} while it was imported: a program file "
+                        "defines functions and returns") from None
     except Exception as e:  # the user's code: report it in one line
-        raise UserError(f"{path}: {type(e).__name__}: {e}") from e
+        raise UserError(f"{path}: {type(e).__name__}: {first_line(e)}") from e
     for name in ("program", "instances"):
         if not callable(getattr(module, name, None)):
             raise UserError(f"{path} must define a function `{name}` (see the README's program file example)")
@@ -83,6 +91,8 @@ def load_file(path: Path) -> Workload:
         fn = module.instances
         try:
             rows = fn(args) if inspect.signature(fn).parameters else fn()
+        except SystemExit as e:
+            raise UserError(f"{path}: instances() called {exit_call(e)}: it must return the instances") from None
         except Exception as e:  # the user's code: report it in one line, as load errors are
             raise UserError(f"{path}: instances() raised {type(e).__name__}: {first_line(e)}") from e
         if not isinstance(rows, (list, tuple)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import os
@@ -53,9 +54,13 @@ def embedded_model_dir() -> Path:
     if (target / "config.json").is_file():
         return target
     gguf_path = embedded_gguf()
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_NAME}.", dir=target.parent))
+    except OSError as e:       # a read-only cache, or a file where the folder should be
+        raise UserError(f"cannot write the model cache {target.parent} ({e.strerror or e}): set LMBATCH_CACHE to a "
+                        f"writable folder (the embedded model is converted into it once)") from None
     print(f"converting embedded {EMBEDDED_NAME} (GGUF Q4_1) to {target} once", file=sys.stderr)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_NAME}.", dir=target.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache folder is an ordinary one
         _convert_gguf(gguf_path, tmp)
@@ -64,6 +69,11 @@ def embedded_model_dir() -> Path:
         except OSError:
             if not (target / "config.json").is_file():  # nobody else won the race: a real failure
                 raise
+    except OSError as e:        # the disk filled up while converting
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM):
+            raise
+        raise UserError(f"cannot write the model cache {target.parent} ({e.strerror or e}): set LMBATCH_CACHE to a "
+                        "writable folder with room for the embedded model (about 520 MB)") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

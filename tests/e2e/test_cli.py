@@ -1,5 +1,6 @@
 """The CLI end to end on a tiny random model with a small trained tokenizer: outputs, user errors, report."""
 import json
+import os
 
 import pyarrow.parquet as pq
 import pytest
@@ -33,8 +34,9 @@ def test_run_writes_complete_outputs(tiny, tmp_path):
     d = tmp_path / "a"
     assert sorted(p.name for p in d.iterdir()) == ["instances.parquet", "requests.parquet", "summary.json"]
     s = json.loads((d / "summary.json").read_text())
-    assert s["counts"] == {"instances": 2, "failed_instances": 0, "calls": 2, "requests": 8, "executed_requests": 2,
-                           "waves": 1, "truncated_calls": 0, "resumed_instances": 0}
+    assert s["counts"] == {"instances": 2, "failed_instances": 0, "scored_instances": 2, "calls": 2, "requests": 8,
+                           "executed_requests": 2, "waves": 1, "truncated_calls": 0, "resumed_instances": 0}
+    assert s["metric_counts"] == {"acc": 2} and s["accuracy_by_subject_counts"] == {"anatomy": 1, "virology": 1}
     assert len(s["attempts"]) == 1 and s["attempts"][0]["instances"] == 2
     assert {k: v["rows"] for k, v in s["files"].items()} == {"instances.parquet": 2, "requests.parquet": 2}
     assert s["hit_rate"] == pytest.approx(s["optimal_hit_rate"], abs=1e-12)
@@ -391,3 +393,75 @@ def test_report_of_an_incomplete_run_says_how_to_resume(tmp_path):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "INCOMPLETE").write_text("")
     _error(lmbatch("report", tmp_path / "x"), "incomplete run", "resume")
+
+
+def test_h_is_help_for_every_command_and_lm_eval_keeps_its_own():
+    """Issue 36: `-h` is `--help` everywhere; `lmbatch lm-eval -h` is lm-eval's own help."""
+    for args in ([], ["run"], ["tasks"], ["report"]):
+        r = lmbatch(*args, "-h")
+        assert r.exit_code == 0 and "Usage: " in r.output and "--help" in r.output, (args, r.output)
+        assert r.output == lmbatch(*args, "--help").output
+    r = lmbatch("lm-eval", "-h")
+    assert r.exit_code == 0 and "usage: lm-eval" in r.output
+
+
+def test_a_subject_given_twice_is_one_subject(tiny, tmp_path):
+    """Issue 36: `--subjects anatomy --subjects anatomy` ran every question twice."""
+    twice = lmbatch("run", "mmlu", "--limit", 2, "--subjects", "anatomy", "--subjects", "virology", "--subjects",
+                    "anatomy", "--model", tiny, "--dry-run")
+    assert twice.exit_code == 0, twice.output
+    assert json.loads(twice.stdout)["instances"] == 4
+
+
+SOME_FAIL = '''import sys
+
+from lmbatch.frontend import gen, select
+
+def instances():
+    return [{"id": f"q{k}", "k": k, "gold": 0} for k in range(3)]
+
+def program(s, k):
+    s += "Pick" + select("c", [" a", " b"])
+    s += " then" + gen("g", max_tokens=1)
+    if k == 1:
+        s["g"]
+        sys.exit(4)         # after its first stage: it ends this program, not the run
+
+def score(instance, s):
+    return {"acc": 1.0, "valid": 0.5}
+'''
+
+
+def test_failed_instances_are_counted_beside_the_metrics(tiny, tmp_path):
+    """Issue 36: with one of three instances failed, a run said `accuracy 1.0000 ... 1 FAILED`: the
+    summary now says what each metric is over, and so does the closing line."""
+    f = tmp_path / "some_fail.py"
+    f.write_text(SOME_FAIL)
+    r = lmbatch("run", f, "--model", tiny, "--out", tmp_path, "--run-id", "r")
+    assert r.exit_code == 0, r.output
+    s = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert (s["accuracy"], s["metrics"]) == (1.0, {"acc": 1.0, "valid": 0.5})
+    assert s["metric_counts"] == {"acc": 2, "valid": 2}
+    errors = pq.read_table(tmp_path / "r" / "instances.parquet").column("error").to_pylist()
+    assert errors == [None, "the program called sys.exit(4)", None]
+    assert (s["counts"]["instances"], s["counts"]["failed_instances"], s["counts"]["scored_instances"]) == (3, 1, 2)
+    last = r.stderr.replace("\r", "\n").strip().splitlines()[-1]
+    assert last.startswith(f"some_fail 0-shot {tiny.name} float32 cpu: 3 instances  acc 1.0000  valid 0.5000 over "
+                           "2 of 3 instances  1 FAILED (see the error column)"), last
+
+
+def test_an_unwritable_workload_cache_is_one_notice_and_the_run_goes_on(tiny, tmp_path):
+    """LMBATCH_CACHE on something that cannot hold folders: the workload cache says so in one line naming
+    the variable; the run itself completes (the embedded model's conversion, which needs the cache, is a
+    one-line error: tests/e2e/test_bad_inputs.py)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "file").write_text("")
+    r = subprocess.run([sys.executable, "-c", "from lmbatch.cli import main; main()",
+                        *map(str, run_args(tiny, tmp_path, "a"))], capture_output=True, text=True,
+                       env={**os.environ, "LMBATCH_CACHE": str(tmp_path / "file")})
+    assert r.returncode == 0, r.stderr      # the workload is prepared by a forked child: its line is on fd 2
+    notes = [ln for ln in r.stderr.splitlines() if "LMBATCH_CACHE" in ln]
+    assert len(notes) == 1 and "workload cache" in notes[0] and "not writable" in notes[0], r.stderr
+    assert "Traceback" not in r.stderr and (tmp_path / "a" / "summary.json").is_file()

@@ -323,6 +323,32 @@ def test_how_to_resume_names_the_run_id_a_command_did_not(tmp_path):
     assert rd.RunDir(tmp_path / "x", {}, False, False).rerun == "re-run the same command"
 
 
+def test_an_interrupted_run_names_the_folder_to_resume(tmp_path):
+    """Issue 36: the line a stopped run ends with names its folder, and the run id where the command
+    gave none (the default run id has a timestamp); the marker file says the same."""
+    from lmbatch.parts import Stop
+
+    stop = Stop()
+    stop.rundir = rd.RunDir(tmp_path / "mmlu-0shot-m-20261125-120000", {}, False, False, named=False)
+    stop.rundir.saved, stop.rundir.total = {0: "a"}, 3
+    assert stop.kept() == (f"1 of 3 instances kept; re-run the same command with --run-id mmlu-0shot-m-20261125-120000 "
+                           f"to resume {tmp_path / 'mmlu-0shot-m-20261125-120000'}")
+    stop.rundir.write_part([], [])          # nothing to write: no folder yet
+    assert not stop.rundir.path.exists()
+    stop.rundir._materialize()
+    assert "--run-id mmlu-0shot-m-20261125-120000" in (stop.rundir.path / rd.MARKER).read_text()
+
+
+def test_an_empty_run_id_is_refused_before_any_work(tmp_path):
+    """`--run-id ""` used to get a timestamped folder whose interruption advised re-running the same
+    command, which then started over elsewhere."""
+    from lmbatch.frontend.registry import get_workload
+    from lmbatch.options import check
+
+    with pytest.raises(UserError, match="--run-id '' is empty"):
+        check(RunOptions(task="mmlu", run_id=""), get_workload("mmlu"))
+
+
 def test_a_handover_with_nothing_finished_is_not_due_again_at_once():
     """Multi-stage programs finish only in their last wave: a handover that found none finished must
     wait checkpoint_s like any other (it was due at every step after the first: on a GPU, tot-gsm8k

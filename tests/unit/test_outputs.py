@@ -49,3 +49,18 @@ def test_the_replaced_run_stays_while_its_replacement_is_incomplete(tmp_path):
     _run_dir(tmp_path / f".run.old-{pid}", "previous")
     assert clean_stale(final) == []
     assert (tmp_path / f".run.old-{pid}" / "summary.json").read_text() == "previous"
+
+
+def test_a_kill_while_a_run_was_moved_aside_puts_it_back(tmp_path):
+    """--overwrite moves a complete run's files aside (summary.json first) into .NAME.old-PID, the run
+    directory itself staying (its lock file is in it): a kill midway leaves files on both sides, and
+    the next run puts them back before it looks."""
+    final, pid = tmp_path / "run", _dead_pid()
+    _run_dir(tmp_path / f".run.old-{pid}", "previous")              # moved aside first
+    final.mkdir()
+    (final / "instances.parquet").write_text("rows")                  # not moved yet
+    (final / ".lock").write_text("")
+    assert len(clean_stale(final)) == 1
+    assert sorted(p.name for p in final.iterdir()) == [".lock", "instances.parquet", "summary.json"]
+    assert (final / "summary.json").read_text() == "previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

@@ -1,6 +1,7 @@
 """lmbatch.report on synthetic run directories (no model, no data)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -46,8 +47,8 @@ def test_rows_and_ratio(rows):
     assert [r["run_id"] for r in rows] == ["run-a", "run-b"]
     a = rows[0]
     assert a == {
-        "run_id": "run-a", "task": "mmlu", "model": "SmolLM2-135M-Instruct", "device": "cpu",
-        "instances": 570, "accuracy": 0.31, "hit_rate": 0.43, "optimal_hit_rate": 0.86,
+        "run_id": "run-a", "task": "mmlu", "model": "SmolLM2-135M-Instruct", "shots": 5, "dtype": "float32",
+        "device": "cpu", "instances": 570, "failed": None, "accuracy": 0.31, "hit_rate": 0.43, "optimal_hit_rate": 0.86,
         "hit_ratio": 0.5, "execute_s": 47.5, "programs_per_s": 12.0,
         "prompt_tokens_per_s": 21052.63, "computed_tokens_per_s": 4210.5,
     }
@@ -57,12 +58,12 @@ def test_rows_and_ratio(rows):
 def test_render_table(rows):
     lines = render(rows, "table").splitlines()
     assert len(lines) == 4  # header, rule, two runs
-    assert lines[0].split() == ["run_id", "task", "model", "device", "instances", "accuracy",
-                                "hit_rate", "optimal_hit_rate", "hit_ratio", "execute_s",
+    assert lines[0].split() == ["run_id", "task", "model", "shots", "dtype", "device", "instances", "failed",
+                                "accuracy", "hit_rate", "optimal_hit_rate", "hit_ratio", "execute_s",
                                 "programs_per_s", "prompt_tokens_per_s", "computed_tokens_per_s"]
     assert set(lines[1].replace(" ", "")) == {"-"}
-    assert lines[2].split() == ["run-a", "mmlu", "SmolLM2-135M-Instruct", "cpu", "570", "0.3100",
-                                "0.4300", "0.8600", "0.5000", "47.50", "12.0", "21052.6", "4210.5"]
+    assert lines[2].split() == ["run-a", "mmlu", "SmolLM2-135M-Instruct", "5", "float32", "cpu", "570", "-",
+                                "0.3100", "0.4300", "0.8600", "0.5000", "47.50", "12.0", "21052.6", "4210.5"]
     assert lines[3].split()[-4:] == ["47.50", "3.25", "21052.6", "4210.5"]  # rates under 10: 3 digits
     # aligned: every column of the run lines ends where the header's column ends (right-aligned)
     assert lines[2].index("12.0") + 4 == lines[0].index("programs_per_s") + len("programs_per_s")
@@ -73,7 +74,7 @@ def test_render_markdown(rows):
     assert lines[0].startswith("| run_id | task | model |")
     assert lines[1].startswith("|---|---|")
     assert all(line.startswith("|") and line.endswith("|") for line in lines)
-    assert lines[2].startswith("| run-a | mmlu | SmolLM2-135M-Instruct | cpu | 570 | 0.3100 |")
+    assert lines[2].startswith("| run-a | mmlu | SmolLM2-135M-Instruct | 5 | float32 | cpu | 570 | - | 0.3100 |")
     assert "| run-b |" in lines[3]
     assert len(lines) == 4
 
@@ -152,10 +153,10 @@ def test_compare_custom_thresholds():
 
 
 def test_compare_refuses_different_runs():
-    with pytest.raises(UserError, match="^cannot compare: base ran mmlu on 570 instances, "
-                                        "candidate ran mmlu on 57$"):
+    with pytest.raises(UserError, match=r"^cannot compare: base and candidate ran different workloads \(base vs "
+                                        r"candidate: instances 570 vs 57\)$"):
         compare(make_summary(instances=570), make_summary(instances=57))
-    with pytest.raises(UserError, match="candidate ran hellaswag on 570"):
+    with pytest.raises(UserError, match="task 'mmlu' vs 'hellaswag'"):
         compare(make_summary(), make_summary(task="hellaswag"))
 
 
@@ -290,10 +291,98 @@ def test_report_of_an_incomplete_run_says_how_to_resume(tmp_path, compare):
 
 
 def test_report_of_a_summary_without_file_records(tmp_path):
-    """Runs written before summaries recorded their files are reported unchecked."""
+    """Runs written before summaries recorded their files have their Parquet files read whole instead:
+    a whole one is reported, one that is not is one line (issue 36)."""
+    import shutil
+
     legacy = write_run(tmp_path, make_summary("old"))
-    (legacy / "instances.parquet").write_bytes(b"not parquet at all")
-    r = report_cli(legacy, write_checked_run(tmp_path, "new"))
+    new = write_checked_run(tmp_path, "new")
+    for name in ("instances.parquet", "requests.parquet"):
+        shutil.copy(new / name, legacy / name)
+    r = report_cli(legacy, new)
     assert r.exit_code == 0, r.output
     assert [ln.split()[0] for ln in r.stdout.splitlines()[2:]] == ["old", "new"]
-    assert report_cli("--compare", legacy, tmp_path / "new").exit_code == 0
+    assert report_cli("--compare", legacy, new).exit_code == 0
+    f = legacy / "instances.parquet"
+    f.write_bytes(f.read_bytes()[:-40])
+    assert_one_line_error(report_cli(legacy), str(f), "not a whole Parquet file", "records no checksums")
+    (legacy / "instances.parquet").write_bytes(b"not parquet at all")
+    assert_one_line_error(report_cli("--compare", new, legacy), str(f), "not a whole Parquet file")
+
+
+# --- issue 36: each task's metrics and what tells runs apart as columns; compare what ran --------------------
+
+def test_each_tasks_own_metrics_are_columns(tmp_path):
+    hs = make_summary("hs", task="hellaswag")
+    hs["metrics"] = {"acc": 0.31, "acc_norm": 0.4}
+    js = make_summary("js", task="json", accuracy=None)
+    js["metrics"] = {"complete": 1.0, "valid": 0.75, "hit_rate": 0.5}      # a metric named like a column
+    rows = report_rows([hs, js, make_summary("mm")])
+    assert rows[0]["acc_norm"] == 0.4 and "acc" not in rows[0]
+    assert rows[1]["valid"] == 0.75 and rows[1]["metric:hit_rate"] == 0.5 and rows[1]["hit_rate"] == 0.86
+    lines = render(rows, "table").splitlines()
+    assert lines[0].split()[8:13] == ["accuracy", "acc_norm", "complete", "metric:hit_rate", "valid"]
+    assert lines[2].split()[8:13] == ["0.3100", "0.4000", "-", "-", "-"]
+    assert lines[3].split()[8:13] == ["-", "-", "1.0000", "0.5000", "0.7500"]
+    assert "| acc_norm |" in render(rows, "markdown").splitlines()[0]
+
+
+def test_compare_refuses_runs_of_other_workloads():
+    from lmbatch.report import workload_differences
+
+    def with_options(**kw):
+        s = make_summary()
+        s["options"] = {**s["options"], **kw}
+        return s
+    base = with_options(subjects=["a", "b"], limit=10, seed=0)
+    assert workload_differences(base, with_options(subjects=["b", "a", "a"], limit=10, seed=0)) == []
+    assert workload_differences(base, with_options(subjects=["a"], limit=10, seed=0)) == \
+        ["subjects ['a', 'b'] vs ['a']"]
+    other = with_options(shots=0, subjects=["a", "b"], limit=1, seed=0)
+    other["model"], other["dtype"] = "/elsewhere/Other", "bfloat16"
+    with pytest.raises(UserError, match=r"^cannot compare: base and candidate ran different workloads \(base vs "
+                                        r"candidate: model 'SmolLM2-135M-Instruct' vs 'Other'; dtype 'float32' vs "
+                                        r"'bfloat16'; shots 5 vs 0; limit 10 vs 1\)$"):
+        compare(base, other)
+    moved = make_summary()
+    moved["model"] = "/home/ci/.cache/lmbatch/models/SmolLM2-135M-Instruct"      # the same model elsewhere
+    older = make_summary()
+    del older["dtype"], older["options"]            # an older summary: what it lacks is not compared
+    assert compare(make_summary(), moved)[0] and compare(older, make_summary())[0]
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(max_slowdown=-0.1), "--max-slowdown -0.1: it must be at least 0"),
+    (dict(max_slowdown=float("nan")), "--max-slowdown nan"),
+    (dict(min_hit_ratio=1.01), "--min-hit-ratio 1.01: it must be a fraction from 0 to 1"),
+    (dict(min_hit_ratio=-1), "--min-hit-ratio -1"),
+    (dict(max_acc_drop=2), "--max-acc-drop 2"),
+    (dict(max_acc_drop=float("nan")), "--max-acc-drop nan"),
+])
+def test_thresholds_are_checked(kw, needle):
+    with pytest.raises(UserError, match=re.escape(needle)):
+        compare(make_summary(), make_summary(), **kw)
+    assert compare(make_summary(), make_summary(), max_slowdown=float("inf"), min_hit_ratio=0, max_acc_drop=1)[0]
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("hit_rate", "0.9", "field 'hit_rate' is '0.9' (str), not a number"),
+    ("accuracy", True, "field 'accuracy' is True (bool), not a number or null"),
+    ("optimal_hit_rate", float("nan"), "field 'optimal_hit_rate' is nan (float), not a number"),
+    ("counts", {"instances": 1.5}, "field 'counts.instances' is 1.5 (float), not an integer"),
+    ("run_id", ["x"], "field 'run_id' is ['x'] (list), not a string"),
+    ("files", [], "field 'files' is [] (list), not an object"),
+    ("metrics", {"acc_norm": "0.3"}, "field 'metrics.acc_norm' is '0.3', not a number"),
+])
+def test_a_summary_with_a_field_of_another_type_is_one_line(tmp_path, field, value, needle):
+    """`hit_rate` a string was a TypeError in report; now one line naming the file and the field."""
+    s = {**make_summary("r"), field: value}
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(s))
+    with pytest.raises(UserError, match=re.escape(needle)) as e:
+        load_summary(run)
+    assert str(e.value).startswith(str(run / "summary.json"))
+    if field != "files":            # the same check on a summary given as a dict
+        with pytest.raises(UserError, match=re.escape(needle.split(" is ")[0])):
+            report_rows([s])
