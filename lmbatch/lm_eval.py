@@ -14,13 +14,15 @@ accepted and change nothing: every request of a call is one batch.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -29,10 +31,16 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from lmbatch.errors import UserError, first_line
-from lmbatch.requests import GenerateRequest, RunStats, SamplingParams, ScoreRequest, optimal_hit_rate
+from lmbatch.lm_eval_tokens import PairTokenizer
+from lmbatch.requests import GenerateRequest, RunStats, SamplingParams, optimal_hit_rate
+from lmbatch.scheduler.planner import plan_requests
 
 if TYPE_CHECKING:
     from lm_eval.api.instance import Instance
+
+    from lmbatch.engine.protocol import BatchEngine
+    from lmbatch.loading import Loaded
+    from lmbatch.scheduler.planner import Plan
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_GEN_TOKS = 256      # lm-eval's HF backend's default
@@ -58,10 +66,10 @@ class LMBatch(TemplateLM):
         start = time.perf_counter()
         from transformers import AutoTokenizer
 
-        from lmbatch.engine.build import fit, fit_pool, make_engine
+        from lmbatch.engine.build import pick_device
         from lmbatch.engine.options import EngineOptions, EngineSpec
+        from lmbatch.loading import ModelLoader
         from lmbatch.model.checkpoint import check_tokenizer_files, resolve_model
-        from lmbatch.model.config import ModelConfig
 
         check_model_args({"dtype": dtype, "device": device, "max_length": max_length, "add_bos_token": add_bos_token,
                           "prefix_token_id": prefix_token_id, "max_tokens_per_batch": max_tokens_per_batch,
@@ -73,86 +81,72 @@ class LMBatch(TemplateLM):
         if unused:
             log.warning("lmbatch: model_args not used: %s", ", ".join(sorted(unused)))
         model_dir = resolve_model(pretrained)      # checked by our own code before transformers reads it
-        check_tokenizer_files(model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.add_bos_token, self.custom_prefix_token_id = add_bos_token, prefix_token_id
-        self._prefix_text = str(self.tokenizer.decode(self.prefix_token_id))
-        self.schedule = schedule
-        cfg = ModelConfig.from_dir(model_dir)
-        self._max_length = int(max_length) if max_length else _context_length(model_dir, self.tokenizer)
+        pick_device(str(device or "auto"), dtype if dtype not in (None, "auto") else None)   # its errors now
         options = EngineOptions(kv_cache_tokens=int(kv_cache_tokens) if kv_cache_tokens else None,
                                 max_tokens_per_batch=int(max_tokens_per_batch) if max_tokens_per_batch else None,
                                 attention=str(attention))
-        spec, self.attention = fit(EngineSpec(str(model_dir), str(device or "auto"),
+        check_tokenizer_files(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        # the model loads on a thread of its own (as for `lmbatch run`) while lm-eval builds its tasks:
+        # lm-eval makes its model first; the first call takes the engine (`_loaded`)
+        self._loader = ModelLoader(EngineSpec(str(model_dir), str(device or "auto"),
                                               dtype if dtype not in (None, "auto") else None, options,
                                               data_parallel=str(data_parallel), tensor_parallel=int(tensor_parallel),
-                                              ray_address=ray_address), cfg)
-        # the longest request lm-eval can send (max_length + 1 tokens), plus a batch
-        spec = fit_pool(spec, self._max_length + 1, user_set=kv_cache_tokens is not None)
-        self.engine = make_engine(spec, self.tokenizer)
+                                              ray_address=ray_address),
+                                   self.tokenizer, user_pool=kv_cache_tokens is not None)
+        # a process that ends (lm-eval's error, say) while the thread is inside torch would abort: it waits
+        atexit.register(self._loader.thread.join)
+        self._engine: Loaded | None = None
+        self._model_dir = Path(model_dir)
+        self._plans_ahead = str(data_parallel) == "1" and int(tensor_parallel) == 1 and ray_address is None
+        self.tokens = PairTokenizer(self.tokenizer, add_bos_token, prefix_token_id,
+                                    int(max_length) if max_length else _context_length(model_dir, self.tokenizer))
+        self.schedule = schedule
         self.stats = RunStats()     # every call's counts, for the run's report
-        self.seconds: dict[str, float] = {"load": time.perf_counter() - start}
+        self.seconds: dict[str, float] = {"setup": time.perf_counter() - start}
         INSTANCES.append(self)
 
-    # ---- tokenization, as lm-eval's HF backend does it -------------------------------------------
+    @property
+    def loaded(self) -> Loaded:
+        """The engine (waited for on first use: the longest request lm-eval can send is max_length + 1
+        tokens), the backend it runs and the model side's seconds by step."""
+        if self._engine is None:
+            t = time.perf_counter()
+            self._engine = self._loader.result(self.max_length + 1)
+            self.seconds["load_waited"] = time.perf_counter() - t
+        return self._engine
+
+    @property
+    def engine(self) -> BatchEngine:
+        return self.loaded.engine
+
+    def close(self) -> None:
+        """Ends the engine (data-parallel workers), waiting for a load still under way."""
+        self._loader.thread.join()
+        if self._loader.loaded is not None:
+            self._loader.loaded.engine.close()
+
+    # ---- tokenization, as lm-eval's HF backend does it (lm_eval_tokens.py) ---------------------
     @property
     def eot_token_id(self) -> int:
         return self.tokenizer.eos_token_id
 
     @property
     def prefix_token_id(self) -> int:
-        """What an empty context is replaced by: the custom prefix, else BOS, else EOS."""
-        if self.custom_prefix_token_id is not None:
-            return self.custom_prefix_token_id
-        bos = self.tokenizer.bos_token_id
-        return bos if bos is not None else self.tokenizer.eos_token_id
+        return self.tokens.prefix_token_id
 
     @property
     def max_length(self) -> int:
-        return self._max_length
+        return self.tokens.max_length
 
     @property
     def max_gen_toks(self) -> int:
         return DEFAULT_MAX_GEN_TOKS
 
-    def _flags(self, string: str, add_special_tokens: bool | None) -> dict[str, bool]:
-        flags: dict[str, bool] = {}
-        if add_special_tokens is not None:
-            flags["add_special_tokens"] = add_special_tokens
-        elif self.add_bos_token is not None:
-            flags["add_special_tokens"] = self.add_bos_token
-        if add_special_tokens is None and string.startswith(self._prefix_text):
-            flags["add_special_tokens"] = False
-        return flags
-
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
                    **kwargs: Any) -> list[int]:
-        """The tokenizer's ids; special tokens as asked, else per `add_bos_token`, else the tokenizer's
-        default, but never a second BOS in front of a string that starts with the prefix token's text."""
-        ids = self.tokenizer.encode(string, **self._flags(string, add_special_tokens))
+        ids = self.tokens.encode(string, add_special_tokens)
         return ids[-left_truncate_len:] if left_truncate_len else ids
-
-    def _encode_many(self, strings: dict[tuple[str, bool | None], list[int]]) -> None:
-        """Fills `strings` ((text, add_special_tokens) -> ids, as `tok_encode` gives them): the texts of
-        one set of flags go to the fast tokenizer as one batch (encoded in parallel, each text once)."""
-        groups: dict[tuple[tuple[str, bool], ...], list[tuple[str, bool | None]]] = {}
-        for key in strings:
-            groups.setdefault(tuple(sorted(self._flags(*key).items())), []).append(key)
-        # lm-eval's CLI turns the tokenizer's threads off for the whole run (TOKENIZERS_PARALLELISM=false,
-        # against fork deadlocks); nothing forks during these calls, so they get the threads back
-        before = os.environ.get("TOKENIZERS_PARALLELISM")
-        os.environ["TOKENIZERS_PARALLELISM"] = "true"
-        try:
-            for flags, keys in groups.items():
-                for start in range(0, len(keys), 4096):
-                    chunk = keys[start:start + 4096]
-                    ids = self.tokenizer([k[0] for k in chunk], **dict(flags))["input_ids"]
-                    strings.update(zip(chunk, ids))
-        finally:
-            if before is None:
-                del os.environ["TOKENIZERS_PARALLELISM"]
-            else:
-                os.environ["TOKENIZERS_PARALLELISM"] = before
 
     # ---- chat templates (--apply_chat_template), as lm-eval's HF backend renders them ------------
     @property
@@ -168,11 +162,12 @@ class LMBatch(TemplateLM):
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     # ---- the three request types ------------------------------------------------------------------
-    def _run(self, requests: list, disable_tqdm: bool = False) -> list:
+    def _run(self, requests: list, disable_tqdm: bool = False, plan: Plan | None = None) -> list:
+        from lmbatch.engine.protocol import drain
         from lmbatch.progress import TokenProgress
 
         bar = TokenProgress("lmbatch", disable=disable_tqdm or len(requests) < 2)
-        results, stats = self.engine.run(requests, schedule=self.schedule, progress=bar)
+        results, stats = drain(self.engine.stream(requests, schedule=self.schedule, plan=plan, progress=bar))
         bar.close()
         self.stats.add_run(stats)
         self.stats.unique_tokens += stats.unique_tokens
@@ -189,50 +184,39 @@ class LMBatch(TemplateLM):
                 "tokens": {"prompt": st.prompt_tokens, "cached": st.cached_tokens, "computed": st.computed_tokens,
                            "unique": st.unique_tokens, "decode": st.decode_tokens},
                 "model": str(self.engine.cfg.model_type), "model_runtime": self.engine.cfg.runtime,
-                "attention": {"backend": self.attention.name, "why": self.attention.why},
+                "attention": {"backend": self.loaded.attention.name, "why": self.loaded.attention.why},
                 "device": str(self.engine.device), "data_parallel": self.engine.data_parallel,
-                "tensor_parallel": self.engine.tensor_parallel, "time_s": dict(self.seconds)}
+                "tensor_parallel": self.engine.tensor_parallel,
+                "time_s": {**self.seconds, **self.loaded.seconds}}
 
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        """`TemplateLM.loglikelihood`'s token ids (its `_encode_pair`: trailing spaces of the context
-        moved to the continuation, the whole text encoded and split at the context's length; an empty
-        context replaced by the prefix token), with each distinct text encoded once and in batches:
-        lm-eval encodes two long texts per request one by one, minutes for MMLU + HellaSwag 5-shot."""
+        """`TemplateLM.loglikelihood`'s token ids, made in bulk (`PairTokenizer.score_requests`; lm-eval
+        encodes two long texts per request one by one). The ids and the plan are kept in the workload
+        cache under the requests' text: a repeat of the call tokenizes and plans nothing."""
+        from lmbatch import workload_cache
+
         start = time.perf_counter()
-        encoded: dict[tuple[str, bool | None], list[int]] = {}
-        pairs = []
-        for context, continuation in (req.args for req in requests):
-            if context == "":
-                encoded[(continuation, False)] = []
-                pairs.append((context, continuation, None, None))
-                continue
-            n_spaces = len(context) - len(context.rstrip())
-            head, whole = context[:-n_spaces] if n_spaces else context, context + continuation
-            encoded[(head, None)] = encoded[(whole, None)] = []
-            pairs.append((context, continuation, head, whole))
-        self._encode_many(encoded)
-        new_reqs = []
-        for context, continuation, head, whole in pairs:
-            if head is None:
-                cont = encoded[(continuation, False)]
-                ctx, cont = ([self.prefix_token_id], cont) if self.prefix_token_id != cont[0] else (cont[:1], cont[1:])
-            else:
-                ctx = encoded[(head, None)]
-                cont = encoded[(whole, None)][len(ctx):]
-            new_reqs.append(((context, continuation), ctx, cont))
-        self.seconds["tokenize"] = self.seconds.get("tokenize", 0.0) + time.perf_counter() - start
-        return self._loglikelihood_tokens(new_reqs, disable_tqdm=disable_tqdm)
+        pairs = [req.args for req in requests]
+        entry = workload_cache.path_of(self.tokens.cache_key(pairs, self.schedule, self._plans_ahead, self._model_dir))
+        cached = workload_cache.load_scores(entry)
+        if cached is None:
+            reqs = self.tokens.score_requests(pairs)
+            # one engine runs the plan made here; data-parallel workers each plan their own part
+            plan = plan_requests(reqs, self.schedule) if self._plans_ahead else None
+            workload_cache.store_scores(entry, reqs, plan)
+        else:
+            reqs, plan = cached
+        self.seconds["prepare"] = self.seconds.get("prepare", 0.0) + time.perf_counter() - start
+        out = [(r.logprob, r.is_greedy) for r in self._run(reqs, disable_tqdm, plan)]
+        for key, answer in zip(pairs, out):
+            self.cache_hook.add_partial("loglikelihood", key, answer)
+        return out
 
     def _loglikelihood_tokens(self, requests: Sequence[tuple[tuple[str, str] | None, list[int], list[int]]],
                               disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
-        """(logprob, is_greedy) of each (context, continuation) pair of token ids; a pair longer than
-        max_length + 1 keeps its last max_length + 1 tokens (the context is cut on the left)."""
-        reqs = []
-        for _, context, continuation in requests:
-            whole = (context + continuation)[-(self.max_length + 1):]
-            cut = max(len(whole) - len(continuation), 1)
-            reqs.append(ScoreRequest(whole[:cut], whole[cut:]))
-        results = self._run(reqs, disable_tqdm)
+        """(logprob, is_greedy) of each (context, continuation) pair of token ids (cut as `PairTokenizer.cut`)."""
+        results = self._run(self.tokens.cut([(context, continuation) for _, context, continuation in requests]),
+                            disable_tqdm)
         out = [(r.logprob, r.is_greedy) for r in results]
         for (key, _, _), answer in zip(requests, out):
             if key is not None:
@@ -347,8 +331,10 @@ def main(args: list[str]) -> int:
         path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"lmbatch: {report['requests']} requests  hit rate {report['hit_rate']:.4f} (optimum "
           f"{report['optimal_hit_rate']:.4f})  computed {report['tokens']['computed']:,} of "
-          f"{report['tokens']['prompt']:,} prompt tokens  wall {report['time_s']['total']:.1f}s (load "
-          f"{report['time_s']['load']:.1f}, execute {report['time_s'].get('execute', 0.0):.1f})", file=sys.stderr)
+          f"{report['tokens']['prompt']:,} prompt tokens  wall {report['time_s']['total']:.1f}s (model load "
+          f"{report['time_s']['load_background']:.1f} in the background, waited "
+          f"{report['time_s'].get('load_waited', 0.0):.1f}; execute {report['time_s'].get('execute', 0.0):.1f})",
+          file=sys.stderr)
     return 0
 
 
@@ -514,9 +500,11 @@ def _in_local_cache(dataset: str) -> bool:
 
 @contextmanager
 def _index_built_once() -> Iterator[Callable[[], None]]:
-    """lm-eval's task index (every task file read: ~6 s) made once for `check_run` and lm-eval both:
-    an index built until the context's value is called is kept, and the next build over the same
-    folders takes it instead of reading them again (once: lm-eval's own use is left to itself)."""
+    """lm-eval's task index (every task file parsed: 6 s on a GPU host, 15-40 s on a small CPU) read
+    from lmbatch's cache when its files have not changed (`_stored_index`), else built and kept there;
+    and made once for `check_run` and lm-eval both: an index built until the context's value is called
+    is kept, and the next build over the same folders takes it instead of reading them again (once:
+    lm-eval's own later use is left to itself)."""
     from lm_eval.tasks._index import TaskIndex
 
     own = TaskIndex.__dict__["build"]
@@ -528,7 +516,7 @@ def _index_built_once() -> Iterator[Callable[[], None]]:
         key = (tuple(str(r) for r in roots), resolve_includes)
         if not recording[0] and key in kept:
             return kept.pop(key)
-        index = own.__func__(roots, resolve_includes=resolve_includes)
+        index = _stored_index(roots, resolve_includes, lambda: own.__func__(roots, resolve_includes=resolve_includes))
         if recording[0]:
             kept[key] = index
         return index
@@ -538,6 +526,56 @@ def _index_built_once() -> Iterator[Callable[[], None]]:
         yield lambda: recording.__setitem__(0, False)
     finally:
         TaskIndex.build = own
+
+
+_INCLUDE = re.compile(r"^include:\s*['\"]?([^'\"#\n]+?)['\"]?\s*$", re.M)
+
+
+def _stored_index(roots: list[Path], resolve_includes: bool, build: Callable[[], Any]) -> Any:
+    """`build()` (an index over `roots`), kept in lmbatch's cache under its inputs: lm-eval's version
+    (its own task folder is part of the installed package) and, for any other folder, every task
+    file's path, size and modification time, and those of the files they include from elsewhere. An
+    entry that cannot be read back whole is built again."""
+    import hashlib
+    import pickle
+
+    import lm_eval
+
+    from lmbatch.model.checkpoint import cache_dir
+
+    own_tasks = Path(lm_eval.__file__).parent / "tasks"
+    h = hashlib.sha256(f"{lm_eval.__version__}\0{resolve_includes}".encode())
+    for root in map(Path, roots):
+        h.update(f"\0root {root}".encode())
+        if root.resolve() == own_tasks.resolve():
+            continue
+        for f in sorted(root.glob("**/*.yaml")):
+            st = f.stat()
+            h.update(f"\0{f}:{st.st_size}:{st.st_mtime_ns}".encode())
+            for inc in _INCLUDE.findall(f.read_text(errors="replace")):
+                target = (f.parent / inc.strip()).resolve()
+                if target.is_file() and own_tasks.resolve() not in target.parents:
+                    t = target.stat()
+                    h.update(f"\0{target}:{t.st_size}:{t.st_mtime_ns}".encode())
+    path = cache_dir() / "lm_eval" / f"index-{h.hexdigest()[:32]}.pkl"
+    try:
+        with open(path, "rb") as fh:
+            return pickle.load(fh)
+    except Exception:  # noqa: BLE001  absent, or not whole: built again
+        pass
+    index = build()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as fh:
+            pickle.dump(index, fh, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)
+        for old in sorted(path.parent.glob("index-*.pkl"), key=lambda f: f.stat().st_mtime)[:-8]:
+            old.unlink(missing_ok=True)
+    except (OSError, pickle.PicklingError, TypeError, AttributeError):     # not writable, or not picklable
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+    return index
 
 
 @contextmanager
@@ -551,7 +589,11 @@ def _tasks_name_their_data() -> Iterator[None]:
 
     def download(self: Any, *args: Any, **kwargs: Any) -> None:
         try:
-            own(self, *args, **kwargs)
+            local = _local_arrow(self.config, kwargs.get("dataset_kwargs", args[0] if args else None))
+            if local is not None:
+                self.dataset = local
+            else:
+                own(self, *args, **kwargs)
         except OSError as e:
             c = self.config
             raise UserError(f"lm-eval task {c.task}: its data ({c.dataset_path}"
@@ -563,6 +605,24 @@ def _tasks_name_their_data() -> Iterator[None]:
         yield
     finally:
         ConfigurableTask.download = own
+
+
+def _local_arrow(config: Any, dataset_kwargs: Any) -> Any:
+    """A task's data when it is local Arrow files only (`dataset_path: arrow`, `data_files` naming a file
+    per split, no other option; as `write_offline_tasks` writes them): each file read straight into
+    memory (`Dataset.from_file`), the same rows and features `datasets.load_dataset` would give
+    without copying them into its cache first (57 loads for MMLU). Else None: lm-eval loads it."""
+    if config.dataset_path != "arrow" or config.dataset_name or callable(config.custom_dataset):
+        return None
+    kw = dict(dataset_kwargs or {})
+    files = kw.pop("data_files", None)
+    if kw or not isinstance(files, dict) or not files:
+        return None
+    if not all(isinstance(f, str) and f.endswith(".arrow") and Path(f).is_file() for f in files.values()):
+        return None
+    import datasets
+
+    return datasets.DatasetDict({split: datasets.Dataset.from_file(f, in_memory=True) for split, f in files.items()})
 
 
 def _output_dir(args: list[str]) -> Path | None:

@@ -10,6 +10,10 @@ the versions of the libraries that make the tokenizer. What is read back is trus
 file is a header (its format, key and the payload's size and SHA-256) and the payload; anything
 else (truncated, altered, another version's) is made again, with a one-line notice.
 
+`lmbatch lm-eval` keeps each loglikelihood call's requests the same way (`store_scores`): their token
+ids and plan, under a hash of the requests' text, the backend's tokenization options and the same
+model files and code, so a repeat of an lm-eval command tokenizes and plans nothing.
+
     ~/.cache/lmbatch/workloads/<key>.pkl    ($LMBATCH_CACHE, else $XDG_CACHE_HOME/lmbatch)
 """
 from __future__ import annotations
@@ -22,13 +26,14 @@ import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from lmbatch.frontend.calls import KnownIds
 from lmbatch.frontend.workload import Instance
 from lmbatch.model.checkpoint import cache_dir
+from lmbatch.requests import ScoreRequest
 from lmbatch.scheduler.planner import Plan, plan_from_arrays, plan_to_arrays
 
 FORMAT = b"LMBWORK1"
@@ -130,7 +135,38 @@ def store(path: Path, snap: Snapshot, temporary: bool = False) -> bool:
     """Write the entry (to a temporary name, then renamed: a reader sees a whole file or none); keep the
     KEEP most recent. A cache that cannot be written is said and left alone: False. A `temporary` file
     (not in the cache) is only written."""
-    payload = pickle.dumps(_encode(snap), protocol=pickle.HIGHEST_PROTOCOL)
+    return _write(path, _encode(snap), temporary)
+
+
+def load(path: Path) -> Snapshot | None:
+    """The entry at `path`, or None: absent, or not whole (then it goes, with a one-line notice)."""
+    data = _read(path)
+    return None if data is None else _decode(data)
+
+
+def store_scores(path: Path, requests: Sequence[ScoreRequest], plan: Plan | None) -> bool:
+    """An lm-eval call's loglikelihood requests as token ids, and their plan (None: planned by the engine's
+    workers), as `store` writes an entry."""
+    lens = np.asarray([(len(r.context), len(r.continuation)) for r in requests], np.int64).reshape(-1, 2)
+    flat = np.fromiter((t for r in requests for t in r.tokens), np.int32, int(lens.sum()))
+    return _write(path, {"lens": lens, "flat": flat, "plan": None if plan is None else plan_to_arrays(plan)})
+
+
+def load_scores(path: Path) -> tuple[list[ScoreRequest], Plan | None] | None:
+    """What `store_scores` wrote, or None (as `load`)."""
+    d = _read(path)
+    if d is None:
+        return None
+    flat, requests, at = d["flat"].tolist(), [], 0
+    for n_context, n_continuation in d["lens"].tolist():
+        mid, end = at + n_context, at + n_context + n_continuation
+        requests.append(ScoreRequest(flat[at:mid], flat[mid:end]))
+        at = end
+    return requests, None if d["plan"] is None else plan_from_arrays(d["plan"])
+
+
+def _write(path: Path, obj: dict[str, Any], temporary: bool = False) -> bool:
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     header = json.dumps({"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}).encode()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -155,8 +191,7 @@ def store(path: Path, snap: Snapshot, temporary: bool = False) -> bool:
         return False
 
 
-def load(path: Path) -> Snapshot | None:
-    """The entry at `path`, or None: absent, or not whole (then it goes, with a one-line notice)."""
+def _read(path: Path) -> Any:
     try:
         data = path.read_bytes()
     except OSError:
@@ -169,7 +204,7 @@ def load(path: Path) -> Snapshot | None:
         payload = data[12 + n:]
         if len(payload) != header["bytes"] or hashlib.sha256(payload).hexdigest() != header["sha256"]:
             raise ValueError("truncated or altered")
-        return _decode(pickle.loads(payload))
+        return pickle.loads(payload)
     except Exception as e:  # noqa: BLE001  whatever is wrong with it, it is made again
         print(f"lmbatch: cached workload {path.name} is unreadable ({type(e).__name__}: {e}); preparing it again",
               file=sys.stderr)

@@ -74,22 +74,26 @@ def test_token_ids_are_lm_evals(backends):
 
 
 def test_batched_tokenization_gives_lm_evals_ids(backends, monkeypatch):
-    """`LMBatch.loglikelihood` encodes each distinct text once, in batches; the ids it scores are
-    those of lm-eval's own request-by-request path (`TemplateLM.loglikelihood`), and of `--model hf`'s."""
+    """`LMBatch.loglikelihood` encodes each distinct text once, in batches (`_score_requests`); the ids
+    it scores are those of lm-eval's own request-by-request path (`TemplateLM.loglikelihood`), and of
+    `--model hf`'s, cut to max_length + 1 tokens as both cut them."""
     ours, theirs = backends
     prefix = ours.tok_decode([ours.prefix_token_id], skip_special_tokens=False)
     pairs = PAIRS + [(prefix + STEM, " it was free."), ("Café  ", "naïve résumé"), ("  ", "x"),
                      ("\n\nQuestion:", " 😀 emoji"), (STEM + "\n", "\nnext")]
     seen: dict[str, list] = {}
-    for name, lm in (("batched", ours), ("one by one", ours), ("hf", theirs)):
+    for name, lm in (("one by one", ours), ("hf", theirs)):
         monkeypatch.setattr(lm, "_loglikelihood_tokens", lambda reqs, name=name, **kw: seen.setdefault(name, reqs))
         if name == "one by one":
             TemplateLM.loglikelihood(lm, _instances("loglikelihood", pairs))
         else:
             lm.loglikelihood(_instances("loglikelihood", pairs))
         monkeypatch.undo()
-    assert seen["batched"] == seen["one by one"] == seen["hf"]
-    assert len(seen["batched"]) == len(pairs) and all(cont for _, _, cont in seen["batched"])
+    assert seen["one by one"] == seen["hf"]
+    batched = ours.tokens.score_requests(pairs)
+    assert batched == ours.tokens.cut([(context, continuation) for _, context, continuation in seen["hf"]])
+    assert len(batched) == len(pairs) and all(r.continuation for r in batched)
+    assert max(len(r.tokens) for r in batched) <= MAX_LENGTH + 1
 
 
 def test_data_parallel_backend_matches_hf(backends):

@@ -1,0 +1,117 @@
+"""lm-eval's requests as token ids, as its HF backend makes them (`TemplateLM._encode_pair`, `tok_encode`),
+made in bulk: each distinct text encoded once, in batches, by the fast tokenizer; and the name of a
+call's entry in the workload cache (the requests' text, the options that shape their ids)."""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from lmbatch.requests import ScoreRequest
+
+
+class PairTokenizer:
+    """The backend's tokenization: `tokenizer` (a transformers fast tokenizer), `add_bos_token` and
+    `prefix_token_id` as lm-eval's model args give them, pairs cut to `max_length` + 1 tokens."""
+
+    def __init__(self, tokenizer: Any, add_bos_token: bool | None, prefix_token_id: int | None, max_length: int):
+        self.tokenizer, self.add_bos_token, self.max_length = tokenizer, add_bos_token, max_length
+        self.custom_prefix_token_id = prefix_token_id
+        self.prefix_text = str(tokenizer.decode(self.prefix_token_id))
+
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context is replaced by: the custom prefix, else BOS, else EOS."""
+        if self.custom_prefix_token_id is not None:
+            return self.custom_prefix_token_id
+        bos = self.tokenizer.bos_token_id
+        return int(bos if bos is not None else self.tokenizer.eos_token_id)
+
+    def flags(self, string: str, add_special_tokens: bool | None) -> dict[str, bool]:
+        """Special tokens as asked, else per `add_bos_token`, else the tokenizer's default, but never a
+        second BOS in front of a string that starts with the prefix token's text."""
+        flags: dict[str, bool] = {}
+        if add_special_tokens is not None:
+            flags["add_special_tokens"] = add_special_tokens
+        elif self.add_bos_token is not None:
+            flags["add_special_tokens"] = self.add_bos_token
+        if add_special_tokens is None and string.startswith(self.prefix_text):
+            flags["add_special_tokens"] = False
+        return flags
+
+    def encode(self, string: str, add_special_tokens: bool | None = None) -> list[int]:
+        return list(self.tokenizer.encode(string, **self.flags(string, add_special_tokens)))
+
+    def encode_many(self, strings: dict[tuple[str, bool | None], list[int]]) -> None:
+        """Fills `strings` ((text, add_special_tokens) -> ids, as `encode` gives them): the texts of
+        one set of flags go to the fast tokenizer as one batch (encoded in parallel, each text once)."""
+        groups: dict[tuple[tuple[str, bool], ...], list[tuple[str, bool | None]]] = {}
+        for key in strings:
+            groups.setdefault(tuple(sorted(self.flags(*key).items())), []).append(key)
+        # lm-eval's CLI turns the tokenizer's threads off for the whole run (TOKENIZERS_PARALLELISM=false,
+        # against fork deadlocks); nothing forks during these calls, so they get the threads back
+        before = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "true"
+        try:
+            for flags, keys in groups.items():
+                for start in range(0, len(keys), 4096):
+                    chunk = keys[start:start + 4096]
+                    ids = self.tokenizer([k[0] for k in chunk], **dict(flags))["input_ids"]
+                    strings.update(zip(chunk, ids))
+        finally:
+            if before is None:
+                del os.environ["TOKENIZERS_PARALLELISM"]
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = before
+
+    def score_requests(self, pairs: Sequence[tuple[str, str]]) -> list[ScoreRequest]:
+        """Each (context, continuation) pair's request: `_encode_pair`'s ids (trailing spaces of the
+        context moved to the continuation, the whole text encoded and split at the context's length; an
+        empty context replaced by the prefix token), cut as `cut` does."""
+        encoded: dict[tuple[str, bool | None], list[int]] = {}
+        texts: list[tuple[str, str | None, str]] = []
+        for context, continuation in pairs:
+            if context == "":
+                encoded[(continuation, False)] = []
+                texts.append((continuation, None, ""))
+                continue
+            n_spaces = len(context) - len(context.rstrip())
+            head, whole = context[:-n_spaces] if n_spaces else context, context + continuation
+            encoded[(head, None)] = encoded[(whole, None)] = []
+            texts.append((continuation, head, whole))
+        self.encode_many(encoded)
+        ids = []
+        for continuation, maybe_head, whole in texts:
+            if maybe_head is None:
+                cont = encoded[(continuation, False)]
+                ctx, cont = ([self.prefix_token_id], cont) if self.prefix_token_id != cont[0] else (cont[:1], cont[1:])
+            else:
+                ctx = encoded[(maybe_head, None)]
+                cont = encoded[(whole, None)][len(ctx):]
+            ids.append((ctx, cont))
+        return self.cut(ids)
+
+    def cut(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[ScoreRequest]:
+        """A pair longer than max_length + 1 tokens keeps its last max_length + 1 (the context is cut
+        on the left, never below one token)."""
+        reqs = []
+        for context, continuation in pairs:
+            whole = (context + continuation)[-(self.max_length + 1):]
+            cut = max(len(whole) - len(continuation), 1)
+            reqs.append(ScoreRequest(whole[:cut], whole[cut:]))
+        return reqs
+
+    def cache_key(self, pairs: Sequence[tuple[str, str]], schedule: str, planned: bool, model_dir: Path) -> str:
+        """The workload cache's name for these pairs' requests and plan (`planned`: made here, for one
+        engine) on this model: their text, the tokenization options, the schedule."""
+        from lmbatch import workload_cache
+
+        h = hashlib.sha256()
+        for context, continuation in pairs:
+            c, k = context.encode(), continuation.encode()
+            h.update(len(c).to_bytes(8, "little") + c + len(k).to_bytes(8, "little") + k)
+        options = {"kind": "lm-eval loglikelihood", "requests": h.hexdigest(), "add_bos_token": self.add_bos_token,
+                   "prefix_token_id": self.prefix_token_id, "max_length": self.max_length, "schedule": schedule,
+                   "planned": planned}
+        return workload_cache.key(options, [], model_dir)

