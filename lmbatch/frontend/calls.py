@@ -115,9 +115,10 @@ class CallPreparer:
                 ids[id(p)] = hit[1]
         selects = [p for p in selects if id(p) not in ids]
         gens = [p for p in gens if id(p) not in ids]
-        pairs = [(p.prompt, cast(Select, p.op).choices) for p in selects]
-        for p, pair in zip(selects, self.encoder.encode_choices(pairs)):
-            ids[id(p)] = pair
+        for encode, kind in ((self.encoder.encode_choices, "pair"), (self.encoder.encode_separate, "separate")):
+            some = [p for p in selects if cast(Select, p.op).encoding == kind]
+            for p, pair in zip(some, encode([(p.prompt, cast(Select, p.op).choices) for p in some]) if some else []):
+                ids[id(p)] = pair
         for p, one in zip(gens, self.encoder.encode([p.prompt + p.forced for p in gens])):
             ids[id(p)] = one
         if record is not None:
@@ -193,7 +194,8 @@ def call_digest(p: Pending) -> bytes:
     """What decides a call's token ids: its kind, prompt, forced text and choices (a 16-byte hash)."""
     h = hashlib.blake2b(digest_size=16)
     if isinstance(p.op, Select):
-        h.update(b"select\0" + p.prompt.encode() + b"\0" + "\x1f".join(p.op.choices).encode())
+        kind = b"select\0" if p.op.encoding == "pair" else b"select-" + p.op.encoding.encode() + b"\0"
+        h.update(kind + p.prompt.encode() + b"\0" + "\x1f".join(p.op.choices).encode())
     else:
         h.update(b"gen\0" + (p.prompt + p.forced).encode())
     return h.digest()

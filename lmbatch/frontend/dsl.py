@@ -59,6 +59,14 @@ class Gen(_Plus):
 class Select(_Plus):
     name: str
     choices: tuple[str, ...]
+    encoding: str = "pair"          # how its token ids are made: ENCODINGS
+
+
+# a select's token ids: "pair", lm-eval's `_encode_pair` (context + choice encoded whole, split at the
+# context's length; the context's trailing whitespace moves onto the choice); "separate", as OLMo's
+# evaluator (olmo_eval) builds OLMES requests: the context and each choice encoded on their own, with the
+# tokens the tokenizer puts before a text (a BOS, where it adds one) before the context
+ENCODINGS = ("pair", "separate")
 
 
 @dataclass(frozen=True)
@@ -98,12 +106,15 @@ def gen(name: str, max_tokens: int = 32, stop: str | list[str] | tuple[str, ...]
     return Gen(name, max_tokens, stop, temperature, top_p, regex, json_schema, ebnf, think, think_budget, think_end)
 
 
-def select(name: str, choices: list[str] | tuple[str, ...]) -> Select:
+def select(name: str, choices: list[str] | tuple[str, ...], encoding: str = "pair") -> Select:
     """Pick the choice of highest loglikelihood after the state's text (lm-eval semantics: the
-    text's trailing whitespace moves onto the choices); `s[name]` is the chosen string."""
+    text's trailing whitespace moves onto the choices; `encoding="separate"`: OLMES's, see ENCODINGS);
+    `s[name]` is the chosen string."""
     if not choices:
         raise ValueError(f"select({name!r}): no choices")
-    return Select(name, tuple(choices))
+    if encoding not in ENCODINGS:
+        raise ValueError(f"select({name!r}): encoding {encoding!r}: use one of {', '.join(ENCODINGS)}")
+    return Select(name, tuple(choices), encoding)
 
 
 class CallOwner(Protocol):

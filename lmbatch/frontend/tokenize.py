@@ -122,6 +122,7 @@ class TextEncoder:
         self.hf_source = hf             # what an engine holds for decoding: made only if it decodes
         self._cut: dict[str, list[int]] = {}
         self._end: dict[str, list[int]] = {}
+        self._bos: list[int] | None = None
 
     @property
     def hf(self) -> Any:
@@ -253,6 +254,32 @@ class TextEncoder:
             out.append((ids, [tail_ids[j][len(ids) - keep:] if whole_tail[j] else tail_ids[j]
                               for j in range(k, k + len(conts))]))
             k += len(conts)
+        return out
+
+    @property
+    def bos_prefix(self) -> list[int]:
+        """The ids the tokenizer puts before a text when it adds special tokens: a BOS for tokenizers that
+        add one (Llama's, Gemma's), none for GPT-2-style ones (SmolLM2's, OLMo's, Qwen's)."""
+        if self._bos is None:
+            whole = self.tokenizer.encode("a", add_special_tokens=True).ids
+            plain = self.tokenizer.encode("a", add_special_tokens=False).ids
+            at = next((i for i in range(len(whole) - len(plain) + 1) if whole[i:i + len(plain)] == plain), 0)
+            self._bos = list(whole[:at])
+        return self._bos
+
+    def encode_separate(self, pairs: Sequence[tuple[str, Sequence[str]]]) -> list[tuple[list[int], list[list[int]]]]:
+        """OLMo's evaluator's (olmo_eval) token ids for each (context, continuations): the context and each
+        continuation encoded on their own, no EOS, `bos_prefix` before the context. Unlike `encode_choices`,
+        the context's ids are the same whatever follows, and a continuation's whatever precedes it."""
+        contexts = self.encode([c for c, _ in pairs])
+        conts = self.encode([x for _, xs in pairs for x in xs])
+        out, k = [], 0
+        for ctx, (_, xs) in zip(contexts, pairs):
+            ids = self.bos_prefix + ctx
+            if not ids or not all(conts[k:k + len(xs)]):
+                raise ValueError("empty context (with no BOS to stand for it) or empty continuation")
+            out.append((ids, conts[k:k + len(xs)]))
+            k += len(xs)
         return out
 
     def clear(self) -> None:

@@ -409,3 +409,36 @@ def test_for_model_caches_what_autotokenizer_made(tmp_path, monkeypatch):
     before = tokenizer_cache_file(model)
     (model / "tokenizer_config.json").write_text((model / "tokenizer_config.json").read_text().replace("}", ' }'))
     assert tokenizer_cache_file(model) != before
+
+
+# ---- OLMES's token ids: context and continuation encoded on their own ---------------------------
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=100, deadline=None)
+@given(pairs=random_pairs)
+def test_encode_separate_encodes_each_text_alone(kind, pairs):
+    """olmo_eval's rule: the context's ids and each continuation's as each text alone (no trailing
+    whitespace moved, no EOS); GPT-2-style tokenizers add no BOS. An empty text is refused."""
+    tok = tokenizer_kind(kind)
+    enc = shared_encoder(kind)
+    assert enc.bos_prefix == []
+    for c, conts in pairs:
+        want = (raw_ids(tok, c), [raw_ids(tok, x) for x in conts])
+        if want[0] and all(want[1]):
+            assert enc.encode_separate([(c, conts)]) == [want]
+        else:
+            with pytest.raises(ValueError):
+                enc.encode_separate([(c, conts)])
+
+
+def test_encode_separate_puts_the_bos_a_tokenizer_adds_before_the_context():
+    """A tokenizer whose post-processor adds a BOS (Llama's, Gemma's) has it before every context, as
+    olmo_eval adds one where the tokenizer has a BOS; never before a continuation."""
+    from tokenizers import processors
+
+    tok = tokenizer_kind("embedded")
+    bos = tok.token_to_id("<|im_start|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    enc = TextEncoder(tok)
+    assert enc.bos_prefix == [bos]
+    ctx, (cont,) = enc.encode_separate([("Question: what?\nAnswer:", [" yes"])])[0]
+    assert ctx == [bos] + raw_ids(tok, "Question: what?\nAnswer:") and cont == raw_ids(tok, " yes")
