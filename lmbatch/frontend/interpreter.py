@@ -66,6 +66,7 @@ class Interpreter:
         self.schedule, self.seed = schedule, seed
         self.first_plan: Plan | None = None     # the first wave's plan, made before the engine is there
         self._planned: list[Pending] = []       # the calls it is for
+        self._planned_requests: tuple[list[EngineRequest], list[Pending]] | None = None   # theirs, where made
         self.runs: list[ProgramRun] = []
         self.ready: list[Pending] = []
         self.hub = greenlet.getcurrent()
@@ -129,7 +130,14 @@ class Interpreter:
     def first_requests(self) -> list[EngineRequest]:
         """The engine requests of every queued call (after `start`: the whole first stage), as the
         first wave would run them if it held them all: what a dry run plans."""
+        if self._planned_requests is not None and self._is_planned(self.ready):
+            return self._planned_requests[0]
         return engine_requests(self.ready, self.seed)[0]
+
+    def _is_planned(self, calls: list[Pending]) -> bool:
+        """Whether `calls` are those the first wave's plan is for."""
+        planned = self._planned
+        return len(planned) == len(calls) > 0 and all(map(operator.is_, planned, calls))
 
     def plan_first_wave(self, plan: Plan | None = None) -> None:
         """Plan the first wave before the engine is there (the run does this while the model loads),
@@ -137,9 +145,11 @@ class Interpreter:
         calls depends on the engine's cache and pool). `plan`: made already (a cached workload's)."""
         if self.waves or not self.ready or not all(isinstance(p.op, Select) for p in self.ready):
             return
+        self._planned = list(self.ready)
         if plan is None:
-            plan = plan_requests(self.first_requests(), self.schedule, self.seed)
-        self.first_plan, self._planned = plan, list(self.ready)
+            self._planned_requests = engine_requests(self.ready, self.seed)     # a dry run's figures take them too
+            plan = plan_requests(self._planned_requests[0], self.schedule, self.seed)
+        self.first_plan = plan
 
     # ---- execution --------------------------------------------------------------------------------
     def execute(self, engine: BatchEngine, wave_tokens: int | None = None) -> list[ProgramRun]:
@@ -235,11 +245,12 @@ class Interpreter:
 
     def _run_wave(self, engine: BatchEngine, wave: list[Pending], handover_due: Callable[[], bool] | None,
                   progress: Progress | None) -> Iterator[list[ProgramRun]]:
-        requests, owner = engine_requests(wave, self.seed)
+        same = self._is_planned(wave)
+        made, self._planned_requests = self._planned_requests, None
+        requests, owner = made if same and made is not None else engine_requests(wave, self.seed)
         for p in wave:
             p.constraint = None         # its request holds it now
-        planned, self._planned = self._planned, []
-        same = len(planned) == len(wave) and all(map(operator.is_, planned, wave))
+        self._planned = []
         plan, self.first_plan = (self.first_plan if same else None), None
         first: dict[int, int] = {}
         waiting: dict[int, int] = {}
