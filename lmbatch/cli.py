@@ -107,11 +107,16 @@ app.command()(run)
 
 @app.command()
 def tasks() -> None:
-    """List the built-in tasks."""
-    from lmbatch.frontend.registry import get_workload, workload_names
+    """List the built-in tasks, then the suites (`lmbatch run SUITE`, or `lmbatch run TASK,TASK,...`)."""
+    from lmbatch.frontend.registry import SUITES, get_workload, workload_names
 
     for name in workload_names():
-        typer.echo(f"{name:10s} {get_workload(name).description}")
+        typer.echo(f"{name:20s} {get_workload(name).description}")
+    typer.echo("\nsuites (one run, one batch over one radix tree; or any comma-separated list of tasks):")
+    for name, make in SUITES.items():
+        suite = make()
+        members = ", ".join(t if k is None else f"{t} {k}-shot" for t, k in suite.tasks)
+        typer.echo(f"{name:20s} {suite.description}: {members}")
 
 
 @app.command()

@@ -133,15 +133,33 @@ def check(o: RunOptions, w: Workload) -> None:
         raise UserError(f"--schedule {o.schedule}: use one of {', '.join(SCHEDULES)}")
 
 
-def _check_task_options(o: RunOptions, w: Workload) -> None:
-    """The options that must fit the task: shots, subjects, chat and thinking options (an option that
-    would do nothing for the task is refused rather than ignored)."""
+def _check_shots(o: RunOptions, w: Workload) -> None:
+    """--shots against the task; a suite's against each of its tasks that takes --shots (the others hold
+    their own examples), and refused where none does."""
+    if w.tasks is not None:
+        free = [t for t in w.tasks.values() if t.fixed_shots is None]
+        for t in free:
+            _check_shots(o, t)
+        if free or o.shots in (0, w.fixed_shots):
+            return
+        raise UserError(f"--shots {o.shots}: every task of {w.name} holds its own few-shot examples (OLMES's "
+                        "curated 5; a suite's MMLU 5): leave --shots out")
+    if w.fixed_shots is not None and o.shots not in (0, w.fixed_shots):
+        raise UserError(f"--shots {o.shots}: {w.name} runs {w.fixed_shots}-shot (its prompts hold their examples "
+                        "whatever --shots says): leave --shots out")
     if w.max_shots is not None and (o.shots < 0 or o.shots > w.max_shots):
         raise UserError(f"--shots {o.shots} is out of range: {w.name} takes 0 to {w.max_shots} few-shot examples")
     if o.shots < 0:
         raise UserError("--shots must be at least 0")
     if o.shots > 0 and w.shot_pool is not None and o.shots >= (pool := w.shot_pool()):
         raise UserError(f"--shots {o.shots} needs more than the {pool} {w.shot_pool_name}")
+
+
+def _check_task_options(o: RunOptions, w: Workload) -> None:
+    """The options that must fit the task: shots, subjects, chat and thinking options (an option that
+    would do nothing for the task is refused rather than ignored; for a suite, subjects must fit one of
+    its tasks, chat options all of them)."""
+    _check_shots(o, w)
     if o.subjects:
         if w.subjects is None:
             raise UserError(f"--subjects applies to mmlu only, not to {w.name}")

@@ -57,8 +57,8 @@ INSTANCE_SCHEMA = pa.schema([
 
 
 def request_schema(with_tokens: bool) -> pa.Schema:
-    fields = [("order", pa.int64()), ("wave", pa.int32()), ("instance_id", pa.string()), ("stage", pa.int32()),
-              ("call", pa.string()), ("kind", pa.string()), ("choices", pa.list_(pa.int32())),
+    fields = [("order", pa.int64()), ("wave", pa.int32()), ("instance_id", pa.string()), ("task", pa.string()),
+              ("stage", pa.int32()), ("call", pa.string()), ("kind", pa.string()), ("choices", pa.list_(pa.int32())),
               ("prompt_tokens", pa.int64()), ("cached_tokens", pa.int64()), ("computed_tokens", pa.int64()),
               ("decode_tokens", pa.int64())]
     if with_tokens:

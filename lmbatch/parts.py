@@ -83,23 +83,26 @@ def _jsonable(v: Any) -> Any:
 
 
 def instance_rows(w: Workload, runs: list[ProgramRun]) -> list[dict[str, Any]]:
-    """instances.parquet's rows (docs/outputs.md) of finished programs, scored by the workload."""
+    """instances.parquet's rows (docs/outputs.md) of finished programs, each scored by its task (a
+    suite's instances by theirs)."""
     rows = []
     for run in runs:
         s, inst, error = run.state, run.instance, run.error
+        tw = w.task_of(inst)
         metrics: dict[str, float] = {}
-        if error is None and w.score is not None:
+        if error is None and tw.score is not None:
             try:
-                metrics = {k: float(v) for k, v in w.score(inst, s).items()}
+                metrics = {k: float(v) for k, v in tw.score(inst, s).items()}
             except (Exception, SystemExit) as e:  # the user's scoring code: kept with its instance
                 error = f"score: {type(e).__name__}: {e}"
         assert s is not None
-        ans = s.meta(w.answer) if w.answer and w.answer in s and run.error is None else None
+        ans = s.meta(tw.answer) if tw.answer and tw.answer in s and run.error is None else None
         t = run.tokens
-        rows.append(dict(task=w.name, subject=inst.subject, id=inst.id,
+        primary = tw.primary_metric
+        rows.append(dict(task=tw.name, subject=inst.subject, id=inst.id,
                          prediction=None if ans is None else str(ans["index"]),     # comparable with gold
                          gold=None if inst.gold is None else str(inst.gold),
-                         correct=bool(metrics["acc"]) if "acc" in metrics else None,
+                         correct=bool(metrics[primary]) if primary in metrics else None,
                          logprobs=[] if ans is None else ans["logprobs"],
                          is_greedy=[] if ans is None else ans["is_greedy"],
                          metrics=metrics, outputs=json.dumps(_jsonable(s.variables())), error=error,

@@ -77,12 +77,14 @@ def build(o: RunOptions, w: Workload, model: ModelFiles, clock: Phases) -> tuple
         chat = ChatOptions(o.apply_chat_template, o.system_instruction, o.fewshot_as_multiturn)
         if chat.apply and not has_template(model.encoder.hf):
             raise UserError("--apply-chat-template: the model's tokenizer has no chat template")
-        instances = w.instances(LoadArgs(model.encoder, o.shots, o.limit, o.subjects, o.seed, chat))
+        instances = w.instances(LoadArgs(model.encoder, w.shots(o.shots), o.limit, o.subjects, o.seed, chat))
         if not instances:
             raise UserError(f"{w.name} has no instances to run")
+        for inst in instances:      # a suite's name theirs already
+            inst.task = inst.task or w.name
         interp = _interpreter(o, model)
         known: KnownIds = {}
-        interp.start(w.program, instances, record=known)
+        interp.start(w.programs, instances, record=known)
     _move_tokenize(clock, interp, "data", 0.0)
     with clock("plan"):
         interp.plan_first_wave()
@@ -96,7 +98,7 @@ def start(o: RunOptions, w: Workload, model: ModelFiles, snap: Snapshot, numbers
     the first wave takes its plan when they are all there."""
     interp = _interpreter(o, model)
     with clock("data"):
-        interp.start(w.program, [snap.instances[k] for k in numbers], numbers, known=snap.known)
+        interp.start(w.programs, [snap.instances[k] for k in numbers], numbers, known=snap.known)
     _move_tokenize(clock, interp, "data", 0.0)
     with clock("plan"):
         interp.plan_first_wave(snap.plan if len(numbers) == len(snap.instances) else None)

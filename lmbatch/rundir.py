@@ -135,7 +135,7 @@ def default_run_id(w: Workload, shots: int, model_dir: Path) -> str:
     """task-Kshot-MODEL-TIME, one folder name whatever the task's and the model folder's names hold."""
     def safe(text: str, n: int) -> str:
         return "".join(c if c.isalnum() or c in "-_.+" else "_" for c in text)[:n].lstrip(".") or "_"
-    return f"{safe(w.name, 60)}-{shots}shot-{safe(model_dir.name, 80)}-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    return f"{safe(w.name, 60)}-{w.shots(shots)}shot-{safe(model_dir.name, 80)}-{dt.datetime.now():%Y%m%d-%H%M%S}"
 
 
 def for_run(o: RunOptions, w: Workload, model_dir: Path) -> RunDir:
@@ -388,8 +388,10 @@ class RunDir:
             inst = pa.concat_tables([pq.read_table(self.parts_dir / f"{n}.instances.parquet") for n in names]
                                     or [INSTANCE_PART_SCHEMA.empty_table()])
             inst = inst.sort_by("number")
+            # a part an older lmbatch wrote lacks the task column: null there
             reqs = pa.concat_tables([pq.read_table(self.parts_dir / f"{n}.requests.parquet") for n in names]
-                                    or [_request_part_schema(self.with_tokens).empty_table()])
+                                    or [_request_part_schema(self.with_tokens).empty_table()],
+                                    promote_options="default")
             reqs = reqs.sort_by([("attempt", "ascending"), ("order", "ascending")])
             rows = inst.to_pylist()
             final_inst = inst.drop_columns(["number"])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import operator
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence, cast
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence, cast
 
 import greenlet
 
@@ -102,16 +102,18 @@ class Interpreter:
         return self.preparer.tokenize_s
 
     # ---- the first stage, before any model work ---------------------------------------------------
-    def start(self, program: Callable[..., None], instances: list[Instance], numbers: Sequence[int] | None = None,
-              known: KnownIds | None = None, record: KnownIds | None = None) -> list[ProgramRun]:
+    def start(self, program: Callable[..., None] | Mapping[str, Callable[..., None]], instances: list[Instance],
+              numbers: Sequence[int] | None = None, known: KnownIds | None = None,
+              record: KnownIds | None = None) -> list[ProgramRun]:
         """Run every program up to its first wait (no model work): the first-stage calls are queued and
         tokenized (or take the `known` ids of the same text; `record` gets every call's ids). A call
-        that cannot run stops the run, naming its instance. `numbers`: each instance's position in its
-        task (default: its position here)."""
+        that cannot run stops the run, naming its instance. `program`: one for every instance, or (a
+        suite's) one per task, by the instance's `task`. `numbers`: each instance's position in its
+        workload (default: its position here)."""
         self.runs = [ProgramRun(k, inst, self, number=k if numbers is None else numbers[k])
                      for k, inst in enumerate(instances)]
         for run in self.runs:
-            self._start(run, program)
+            self._start(run, program[run.instance.task] if isinstance(program, Mapping) else program)
             if run.user_error is not None:
                 raise run.user_error
             if run.error is not None:

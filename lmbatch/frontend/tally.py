@@ -35,6 +35,11 @@ class Tally:
         self._prompts: list[list[int]] = []            # executed prompts, for the post-hoc optimum
         self._generated: list[tuple[list[int], int]] = []  # (prompt + fed output, prompt length)
         self.waves: list[int] = []                         # each wave's plan's unique tokens
+        # by task (a suite has several): token counts, and the task's own optimum (`finish`)
+        self.tasks: dict[str, TokenCounts] = {}
+        self.task_unique: dict[str, int] = {}
+        self._prompt_tasks: list[str] = []                 # the task of each of _prompts
+        self._generated_tasks: list[str] = []
 
     def start_wave(self, owner: list[Pending]) -> None:
         """Count a wave's calls (`owner[j]` is the call of its engine request j)."""
@@ -56,14 +61,18 @@ class Tally:
             stage.requests += len(members[j])
             stage.add(r)
             p.owner.tokens.add(r)
+            task = p.owner.instance.task
+            self.tasks.setdefault(task, TokenCounts()).add(r)
             prompt = requests[j].prompt
             self._prompts.append(prompt)
+            self._prompt_tasks.append(task)
             if isinstance(r, GenerateResult) and isinstance(p.op, Gen):
                 self._generated.append((prompt + r.token_ids[:-1], len(prompt)))
+                self._generated_tasks.append(task)
                 self.think_tokens += r.think_tokens
             select = isinstance(p.op, Select)
             row = dict(
-                order=self.requests_accounted, wave=wave, instance_id=p.owner.instance.id, stage=p.stage,
+                order=self.requests_accounted, wave=wave, instance_id=p.owner.instance.id, task=task, stage=p.stage,
                 call=p.op.name, kind="select" if select else "gen",
                 choices=[m - first[id(p)] for m in members[j]] if select else [], prompt_tokens=r.prompt_tokens,
                 cached_tokens=r.cached_tokens, computed_tokens=r.computed_tokens, decode_tokens=r.decode_tokens,
@@ -90,3 +99,16 @@ class Tally:
         s.optimal_hit_rate = optimal_hit_rate(s.unique_tokens, s.prompt_tokens)
         s.engine_optimal_hit_rate = s.optimal_hit_rate
         self.prompt_tree_optimal_hit_rate = optimal_hit_rate(plain, s.prompt_tokens)
+        self._finish_tasks()
+
+    def _finish_tasks(self) -> None:
+        """Each task's own optimum: the unique tokens of its prompts alone (as the run's, post hoc). A
+        task of a suite computes at most these (its prefixes shared with another task cost it less)."""
+        if len(self.tasks) == 1:
+            self.task_unique = {task: self.stats.unique_tokens for task in self.tasks}
+            return
+        for task in self.tasks:
+            prompts = [q for q, t in zip(self._prompts, self._prompt_tasks) if t == task]
+            generated = [g for g, t in zip(self._generated, self._generated_tasks) if t == task]
+            self.task_unique[task] = posthoc_unique(prompts, generated) if generated else \
+                summarize(prompts).unique_tokens

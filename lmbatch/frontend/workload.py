@@ -24,6 +24,7 @@ class Instance:
     inputs: dict[str, Any]          # keyword arguments of the program
     subject: str = ""               # group for per-subject metrics
     gold: Any = None
+    task: str = ""                  # the task it belongs to (set as the run loads it; a suite's has several)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,25 @@ class Workload:
     # cached, keyed by them among the rest (lmbatch/workload_cache.py); None: not cached (a program file,
     # whose code may read anything)
     data_files: Callable[[], list[Path]] | None = None
+    primary_metric: str = "acc"     # the metric `correct` and `accuracy` are (OLMES: its config's primary_metric)
+    # the few-shot examples its prompts hold whatever --shots says (OLMES's request files hold 5; a suite's
+    # MMLU is pinned at 5): --shots may only be left out or be this
+    fixed_shots: int | None = None
+    # a suite: its tasks by name; each instance runs, and is scored by, the task its `task` names
+    tasks: dict[str, Workload] | None = None
+
+    def task_of(self, inst: Instance) -> Workload:
+        """The workload that runs and scores `inst`: its task's, in a suite; else this one."""
+        return self.tasks[inst.task] if self.tasks is not None else self
+
+    @property
+    def programs(self) -> Callable[..., None] | dict[str, Callable[..., None]]:
+        """What the interpreter runs: the program, or a suite's programs by task."""
+        return self.program if self.tasks is None else {name: t.program for name, t in self.tasks.items()}
+
+    def shots(self, given: int) -> int:
+        """The few-shot examples its prompts hold when --shots is `given`."""
+        return given if self.fixed_shots is None else self.fixed_shots
 
 
 RESERVED = ("id", "gold", "subject")

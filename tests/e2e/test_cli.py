@@ -183,7 +183,15 @@ def test_report_and_compare_exit_codes(tiny, tmp_path):
 def test_tasks_lists_the_builtin_workloads():
     r = lmbatch("tasks")
     assert r.exit_code == 0
-    assert [line.split()[0] for line in r.output.splitlines()] == ["hellaswag", "json", "mmlu", "tot-gsm8k"]
+    tasks, _, suites = r.output.partition("\n\nsuites")
+    olmes = [f"{t}:{f}" for t in ("arc_challenge", "arc_easy", "boolq", "csqa", "hellaswag", "openbookqa", "piqa",
+                                  "socialiqa", "winogrande") for f in ("rc", "mc")]
+    assert [line.split()[0] for line in tasks.splitlines()] == ["hellaswag", "json", "mmlu", "tot-gsm8k", *olmes]
+    assert "acc_per_char" in tasks.splitlines()[4]      # arc_challenge:rc's primary metric
+    rows = {line.split()[0]: line for line in suites.splitlines()[1:]}
+    assert list(rows) == ["olmes", "olmes:rc", "olmes:mc"]
+    assert all(t in rows["olmes"] for t in olmes) and rows["olmes"].endswith("mmlu 5-shot")
+    assert "winogrande:rc" in rows["olmes:rc"] and "winogrande:mc" not in rows["olmes:rc"]
 
 
 PHASES = {"startup", "model_files", "data", "tokenize", "plan", "load", "execute", "write", "total"}
