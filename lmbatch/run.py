@@ -119,7 +119,10 @@ def dry_run(o: RunOptions, w: Workload, model: ModelFiles, clock: Phases) -> dic
     """Load, tokenize and plan (or read the cached workload), no model work: the plan's figures."""
     prep = Preparation(o, w, model, clock, fork=False)
     snap = prep.snapshot()
-    return summary.dry_run(o, w, model.dir, model.shape, len(snap.instances), snap.figures, clock.total())
+    tasks: dict[str, int] = {}
+    for inst in snap.instances:
+        tasks[inst.task] = tasks.get(inst.task, 0) + 1
+    return summary.dry_run(o, w, model.dir, model.shape, tasks, snap.figures, clock.total())
 
 
 def execute(o: RunOptions, w: Workload, interp: Any, engine: Any, rundir: RunDir, stop: Stop) -> None:

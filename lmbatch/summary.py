@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 import lmbatch
+from lmbatch import task_results
 from lmbatch.requests import RunStats, optimal_hit_rate
 from lmbatch.timing import largest
 
@@ -47,12 +48,13 @@ def estimate_flops(cfg: ModelConfig, unique_tokens: int, attended_keys: int, log
     return 2.0 * cfg.active_linear_params() * unique_tokens + attention + 2.0 * d * cfg.vocab_size * logit_rows
 
 
-def dry_run(o: RunOptions, w: Workload, model_dir: Path, cfg: ModelConfig, instances: int, figures: dict[str, Any],
-            time_s: dict[str, float]) -> dict[str, Any]:
-    """The plan's figures for every first-stage call (later stages depend on generated text)."""
+def dry_run(o: RunOptions, w: Workload, model_dir: Path, cfg: ModelConfig, tasks: dict[str, int],
+            figures: dict[str, Any], time_s: dict[str, float]) -> dict[str, Any]:
+    """The plan's figures for every first-stage call (later stages depend on generated text), over every
+    task of the run at once (`tasks`: each one's instances)."""
     f = figures
-    return {"task": w.name, "model": str(model_dir), "shots": o.shots, "instances": instances, "calls": f["calls"],
-            "requests": f["requests"], "executed_requests": f["executed_requests"],
+    return {"task": w.name, "model": str(model_dir), "shots": _shots(o, w), "instances": sum(tasks.values()),
+            "tasks": tasks, "calls": f["calls"], "requests": f["requests"], "executed_requests": f["executed_requests"],
             "prompt_tokens": f["prompt_tokens"], "unique_tokens": f["unique_tokens"],
             "optimal_hit_rate": f["optimal_hit_rate"],
             "flops": estimate_flops(cfg, f["unique_tokens"], f["attended_keys"], f["logit_rows"]), "time_s": time_s}
@@ -80,19 +82,27 @@ def _data_parallel(engine: BatchEngine, stats: RunStats) -> dict[str, Any]:
 
 
 def _metrics(w: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each metric's mean over the instances that have it (a failed instance has none: `metric_counts`
-    says how many each mean is over, beside `counts.failed_instances`)."""
+    """Each metric's mean over the instances that have it, with its standard error (a failed instance has
+    none: `metric_counts` says how many each mean is over, beside `counts.failed_instances`); accuracy is
+    the mean of each instance's primary metric (its task's, in a suite)."""
     ok = [r for r in rows if r["error"] is None]
     names = sorted({k for r in ok for k in r["metrics"]})
     by_subject = defaultdict(list)
     for r in ok:
         if r["subject"] and "acc" in r["metrics"]:
             by_subject[r["subject"]].append(r["metrics"]["acc"])
-    return {"accuracy": _mean(r["metrics"]["acc"] for r in ok if "acc" in r["metrics"]),
-            "metrics": {k: _mean(r["metrics"][k] for r in ok if k in r["metrics"]) for k in names},
+    primary = task_results.accuracy(w, rows)
+    return {"accuracy": _mean(primary), "accuracy_stderr": task_results.mean_stderr(primary),
+            "metrics": task_results.metrics_block(ok),
             "metric_counts": {k: sum(k in r["metrics"] for r in ok) for k in names},
             "accuracy_by_subject": {s: sum(v) / len(v) for s, v in sorted(by_subject.items())},
             "accuracy_by_subject_counts": {s: len(v) for s, v in sorted(by_subject.items())}}
+
+
+def _shots(o: RunOptions, w: Workload) -> int | None:
+    """The few-shot examples the prompts hold (a suite's tasks that differ: None)."""
+    return w.shots(o.shots) if w.tasks is None or w.fixed_shots is not None or \
+        all(t.fixed_shots is None for t in w.tasks.values()) else None
 
 
 def build(o: RunOptions, w: Workload, run_id: str, loaded: Loaded, merged: Merged, interp: Interpreter,
@@ -106,6 +116,7 @@ def build(o: RunOptions, w: Workload, run_id: str, loaded: Loaded, merged: Merge
     return {
         "run_id": run_id,
         "task": w.name,
+        "shots": _shots(o, w),
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "lmbatch_version": lmbatch.__version__,
         "git_commit": _git_commit(),
@@ -126,6 +137,7 @@ def build(o: RunOptions, w: Workload, run_id: str, loaded: Loaded, merged: Merge
                    "truncated_calls": interp.truncated,
                    "resumed_instances": sum(r["attempt"] < attempt for r in rows)},
         **_metrics(w, rows),
+        "tasks": task_results.tasks_block(w, rows, interp.tally.tasks, interp.tally.task_unique),
         "tokens": {"prompt": stats.prompt_tokens, "cached": stats.cached_tokens, "computed": stats.computed_tokens,
                    "unique": stats.unique_tokens, "decode": stats.decode_tokens,
                    "thinking": interp.tally.think_tokens},
@@ -145,12 +157,19 @@ def build(o: RunOptions, w: Workload, run_id: str, loaded: Loaded, merged: Merge
 
 
 def _scores(summary: dict[str, Any]) -> str:
-    """The task's own metrics (MMLU: acc; HellaSwag: acc and acc_norm; json: complete and valid) and what
-    they are over: every instance, or those that did not fail."""
+    """The task's own metrics (MMLU: acc; HellaSwag: acc and acc_norm; json: complete and valid; a suite:
+    each task's primary metric) and what they are over: every instance, or those that did not fail."""
     counts = summary["counts"]
     failed, n = counts["failed_instances"], counts["instances"]
-    shown = "  ".join(f"{k} {v:.4f}" for k, v in summary["metrics"].items() if v is not None)
-    over = set(summary["metric_counts"].values())
+    tasks = summary.get("tasks", {})
+    if len(tasks) > 1:
+        picked = {k: v["metrics"].get(v["primary_metric"]) for k, v in tasks.items()}
+        shown = "  ".join(f"{k} {v:.4f}" for k, v in picked.items() if v is not None)
+        over = {n - failed}
+    else:
+        shown = "  ".join(f"{k} {v:.4f}" for k, v in summary["metrics"].items()
+                          if v is not None and not k.endswith(task_results.STDERR))
+        over = set(summary["metric_counts"].values())
     if shown and over != {n}:
         shown += f" over {max(over)} of {n} instances"
     return (f"  {shown}" if shown else "") + (f"  {failed} FAILED (see the error column)" if failed else "")
@@ -165,7 +184,9 @@ def closing_line(summary: dict[str, Any]) -> str:
     side = largest(t, 2, MODEL_SIDE)
     runtime = f"{'native' if summary['model_runtime'] == 'native' else summary['model_runtime'] + ' fallback'} " \
               f"{summary['model_type']}"
-    what = f"{summary['task']} {o['shots']}-shot {Path(summary['model']).name} {summary['dtype']} {summary['device']}"
+    shots = summary.get("shots", o["shots"])
+    what = f"{summary['task']}{'' if shots is None else f' {shots}-shot'} {Path(summary['model']).name} " \
+           f"{summary['dtype']} {summary['device']}"
     return (f"{what}: {counts['instances']} instances" + (f" ({resumed} from earlier attempts)" if resumed else "")
             + _scores(summary)
             + f"  hit rate {summary['hit_rate']:.4f} (optimum {summary['optimal_hit_rate']:.4f})  wall "

@@ -450,8 +450,10 @@ def test_failed_instances_are_counted_beside_the_metrics(tiny, tmp_path):
     r = lmbatch("run", f, "--model", tiny, "--out", tmp_path, "--run-id", "r")
     assert r.exit_code == 0, r.output
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
-    assert (s["accuracy"], s["metrics"]) == (1.0, {"acc": 1.0, "valid": 0.5})
+    # every score the same: standard errors 0 (over the 2 instances that have them)
+    assert (s["accuracy"], s["metrics"]) == (1.0, {"acc": 1.0, "acc_stderr": 0.0, "valid": 0.5, "valid_stderr": 0.0})
     assert s["metric_counts"] == {"acc": 2, "valid": 2}
+    assert s["tasks"]["some_fail"]["n"] == 3 and s["tasks"]["some_fail"]["failed"] == 1
     errors = pq.read_table(tmp_path / "r" / "instances.parquet").column("error").to_pylist()
     assert errors == [None, "the program called sys.exit(4)", None]
     assert (s["counts"]["instances"], s["counts"]["failed_instances"], s["counts"]["scored_instances"]) == (3, 1, 2)

@@ -1,0 +1,79 @@
+"""Metrics as summary.json reports them: each metric's mean over instances with its standard error, and
+the `tasks` block, one entry per task of the run (one for a single task, one per task of a suite).
+
+A standard error is lm-eval's for a mean of per-instance scores (`mean_stderr`): the sample standard
+deviation over the square root of the count, sqrt(sum((x - mean)^2) / (n - 1) / n); null where fewer
+than two instances have the metric.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Iterable
+
+from lmbatch.requests import TokenCounts, optimal_hit_rate
+
+if TYPE_CHECKING:
+    from lmbatch.frontend.workload import Workload
+
+STDERR = "_stderr"          # the suffix of a metric's standard error in a metrics block
+
+
+def mean_stderr(values: Iterable[float]) -> float | None:
+    """lm-eval's `mean_stderr`: sample standard deviation / sqrt(n); None for fewer than 2 values."""
+    xs = list(values)
+    n = len(xs)
+    if n < 2:
+        return None
+    mean = sum(xs) / n
+    return math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1) / n)
+
+
+def metrics_block(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Each metric's mean over the rows that have it, then its standard error (`<metric>_stderr`)."""
+    names = sorted({k for r in rows for k in r["metrics"]})
+    out: dict[str, float | None] = {}
+    for k in names:
+        values = [r["metrics"][k] for r in rows if k in r["metrics"]]
+        out[k] = sum(values) / len(values)
+        out[k + STDERR] = mean_stderr(values)
+    return out
+
+
+def primary_metric(w: Workload, task: str) -> str:
+    """The metric a task's `correct` and accuracy are (a suite's task: its own)."""
+    return w.tasks[task].primary_metric if w.tasks is not None and task in w.tasks else w.primary_metric
+
+
+def task_names(w: Workload, rows: list[dict[str, Any]]) -> list[str]:
+    """The run's tasks: a suite's in its order, else the workload's own (and any other a row names)."""
+    names = list(w.tasks) if w.tasks is not None else [w.name]
+    return names + sorted({r["task"] for r in rows} - set(names))
+
+
+def tasks_block(w: Workload, rows: list[dict[str, Any]], tokens: dict[str, TokenCounts],
+                unique: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """summary.json's `tasks`: per task, its instances and failures (of every attempt), its primary
+    metric, its metrics with their standard errors, and this attempt's tokens and hit rates (`tokens`,
+    `unique`: by task, from the interpreter's tally)."""
+    out = {}
+    for task in task_names(w, rows):
+        mine = [r for r in rows if r["task"] == task]
+        t = tokens.get(task, TokenCounts())
+        out[task] = {"n": len(mine), "failed": sum(r["error"] is not None for r in mine),
+                     "primary_metric": primary_metric(w, task),
+                     "metrics": metrics_block([r for r in mine if r["error"] is None]),
+                     "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
+                     "computed_tokens": t.computed_tokens,
+                     "hit_rate": t.cached_tokens / t.prompt_tokens if t.prompt_tokens else 0.0,
+                     "optimal_hit_rate": optimal_hit_rate(unique.get(task, 0), t.prompt_tokens)}
+    return out
+
+
+def accuracy(w: Workload, rows: list[dict[str, Any]]) -> list[float]:
+    """Each scored instance's value of its task's primary metric (the run's accuracy is their mean)."""
+    values = []
+    for r in rows:
+        metric = primary_metric(w, r["task"])
+        if r["error"] is None and metric in r["metrics"]:
+            values.append(r["metrics"][metric])
+    return values
