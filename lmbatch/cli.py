@@ -125,9 +125,15 @@ def report(
     max_slowdown: float = typer.Option(0.05, help="Allowed slowdown of CAND: base programs/s / cand programs/s - 1.",
                                       metavar="X"),
     min_hit_ratio: float = typer.Option(0.99, help="Least achieved/optimal hit rate for CAND.", metavar="X"),
-    max_acc_drop: float = typer.Option(0.005, help="Largest accuracy drop of CAND vs BASE.", metavar="X"),
+    alpha: float = typer.Option(0.05, "--alpha", metavar="P",
+                                help="A task whose score drops with a paired test's p below P is a regression "
+                                     "(0: no test)."),
+    max_acc_drop: Optional[float] = typer.Option(None, "--max-acc-drop", metavar="X",
+                                                 help="A task whose score drops by more than X is a regression, "
+                                                      "significant or not [default: the test alone decides]."),
 ) -> None:
-    """Tabulate runs (achieved vs optimal hit rate, accuracy, throughput), or compare two for CI."""
+    """Tabulate runs (per task: scores with standard errors, achieved vs optimal hit rate, throughput), or
+    compare two for CI."""
     from lmbatch import report as rep
 
     try:
@@ -135,15 +141,19 @@ def report(
             if run_dirs:
                 raise UserError(f"--compare BASE CAND takes no other run directory ({run_dirs[0]} was given too): "
                                 "compare two runs, or tabulate runs without --compare")
-            rep.check_thresholds(max_slowdown=max_slowdown, min_hit_ratio=min_hit_ratio, max_acc_drop=max_acc_drop)
-            base, cand = (rep.load_summary(p) for p in compare)
-            ok, lines = rep.compare(base, cand, max_slowdown=max_slowdown, min_hit_ratio=min_hit_ratio,
-                                    max_acc_drop=max_acc_drop)
-            typer.echo("\n".join(lines))
-            raise typer.Exit(0 if ok else 1)
+            rep.check_thresholds(max_slowdown=max_slowdown, min_hit_ratio=min_hit_ratio, max_acc_drop=max_acc_drop,
+                                 alpha=alpha)
+            base, cand = (rep.load_run(p) for p in compare)
+            found = rep.compare_runs(base, cand, max_slowdown=max_slowdown, min_hit_ratio=min_hit_ratio,
+                                     max_acc_drop=max_acc_drop, alpha=alpha)
+            typer.echo("\n".join(found.lines))
+            raise typer.Exit(0 if found.ok else 1)
         if not run_dirs:
             raise UserError("give one or more run directories, or --compare BASE CAND")
-        typer.echo(rep.render(rep.report_rows([rep.load_summary(p) for p in run_dirs]), fmt))
+        if fmt not in rep.FORMATS:
+            raise UserError(f"unknown format {fmt!r} (choose from {', '.join(rep.FORMATS)})")
+        runs = [rep.load_run(p) for p in run_dirs]
+        typer.echo(rep.render(rep.report_rows(runs), fmt))
     except UserError as e:
         _fail(e)
 
