@@ -7,12 +7,15 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, List, NoReturn, Optional, Tuple, get_type_hints
+from typing import TYPE_CHECKING, Any, List, NoReturn, Optional, Tuple, get_type_hints
 
 import typer
 
 from lmbatch.errors import Interrupted, UserError
 from lmbatch.options import RunOptions
+
+if TYPE_CHECKING:
+    from lmbatch.report import Comparison, Run
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]},
@@ -131,12 +134,15 @@ def report(
     max_acc_drop: Optional[float] = typer.Option(None, "--max-acc-drop", metavar="X",
                                                  help="A task whose score drops by more than X is a regression, "
                                                       "significant or not [default: the test alone decides]."),
+    html: Optional[str] = typer.Option(None, "--html", metavar="FILE",
+                                       help="Also write the report as one self-contained HTML file (plots as SVG)."),
 ) -> None:
     """Tabulate runs (per task: scores with standard errors, achieved vs optimal hit rate, throughput), or
     compare two for CI."""
     from lmbatch import report as rep
 
     try:
+        html_path = _html_path(html)
         if compare:
             if run_dirs:
                 raise UserError(f"--compare BASE CAND takes no other run directory ({run_dirs[0]} was given too): "
@@ -146,6 +152,7 @@ def report(
             base, cand = (rep.load_run(p) for p in compare)
             found = rep.compare_runs(base, cand, max_slowdown=max_slowdown, min_hit_ratio=min_hit_ratio,
                                      max_acc_drop=max_acc_drop, alpha=alpha)
+            _write_html(html_path, [base, cand], found)
             typer.echo("\n".join(found.lines))
             raise typer.Exit(0 if found.ok else 1)
         if not run_dirs:
@@ -153,9 +160,29 @@ def report(
         if fmt not in rep.FORMATS:
             raise UserError(f"unknown format {fmt!r} (choose from {', '.join(rep.FORMATS)})")
         runs = [rep.load_run(p) for p in run_dirs]
+        _write_html(html_path, runs, None)
         typer.echo(rep.render(rep.report_rows(runs), fmt))
     except UserError as e:
         _fail(e)
+
+
+def _html_path(html: Optional[str]) -> Optional[Path]:
+    """--html FILE, checked before any run is read: a file name in a folder that exists."""
+    if html is None:
+        return None
+    path = Path(html)
+    if not html.strip() or html.endswith(("/", os.sep)) or path.is_dir():
+        raise UserError(f"--html {html!r}: name a file to write (it is replaced if it exists)")
+    if not path.absolute().parent.is_dir():
+        raise UserError(f"--html {html}: the folder {path.absolute().parent} does not exist")
+    return path
+
+
+def _write_html(path: Optional[Path], runs: list[Run], comparison: Optional[Comparison]) -> None:
+    if path is not None:
+        from lmbatch.report_html import write_html
+
+        write_html(path, runs, comparison)
 
 
 @app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,

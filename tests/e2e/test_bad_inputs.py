@@ -352,6 +352,9 @@ CASES: list[tuple[str, Callable, list[str]]] = [
     ("max-acc-drop-nan", _report_compare("--max-acc-drop", "nan"), []),
     ("alpha-above-1", _report_compare("--alpha", 2), []),
     ("compare-other-instances", _other_instances, []),
+    ("html-in-a-missing-folder", lambda e: ["report", e.out / "earlier", "--html", e.out / "nowhere" / "r.html"],
+     ["--html", "nowhere", "does not exist"]),
+    ("html-a-folder", lambda e: ["report", e.out / "earlier", "--html", e.out], ["--html", "name a file"]),
     ("report-format", lambda e: ["report", e.out / "earlier", "--format", "html"], ["'html'"]),
     ("report-nothing", lambda e: ["report"], ["give one or more run directories"]),
 ]

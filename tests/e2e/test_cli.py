@@ -180,10 +180,12 @@ def test_report_and_compare_exit_codes(tiny, tmp_path):
     _error(lmbatch("report", tmp_path / "missing"), "not an lmbatch run directory")
 
 
-def test_report_of_real_runs_stderr_and_paired_compare(tiny, tmp_path):
+def test_report_of_real_runs_stderr_paired_compare_and_html(tiny, tmp_path):
     """Issue 39 on real runs (written by lmbatch run, no tasks block): the task's view derived from
     instances.parquet equals the summary's metrics, its standard error lm-eval's formula over the instances; a
-    candidate scheduled otherwise scores the same instances the same (McNemar p 1)."""
+    candidate scheduled otherwise scores the same instances the same (McNemar p 1); the HTML report of both."""
+    from conftest import assert_self_contained_html
+
     from lmbatch.report import load_run
     from lmbatch.stats import mean_stderr
 
@@ -200,9 +202,11 @@ def test_report_of_real_runs_stderr_and_paired_compare(tiny, tmp_path):
     assert task.stderr["acc"] == pytest.approx(mean_stderr(acc))
     rows = json.loads(lmbatch("report", tmp_path / "base", "--format", "json").output)
     assert rows[0]["accuracy_stderr"] == pytest.approx(mean_stderr(acc))
-    r = lmbatch("report", "--compare", tmp_path / "base", tmp_path / "random", "--max-slowdown", 100)
+    html = tmp_path / "report.html"
+    r = lmbatch("report", "--compare", tmp_path / "base", tmp_path / "random", "--max-slowdown", 100, "--html", html)
     assert r.exit_code == 0, r.output
     assert r.output.splitlines()[2].endswith("over 6 instances: 0 worse, 0 better; McNemar mid-p p=1) ok")
+    assert_self_contained_html(html.read_text(encoding="utf-8"), plots=5)
 
 
 def test_tasks_lists_the_builtin_workloads():

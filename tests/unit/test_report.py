@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import assert_self_contained_html as assert_self_contained
 
 from lmbatch.errors import UserError
 from lmbatch.report import compare, load_summary, render, report_rows
@@ -598,3 +599,45 @@ def test_compare_a_suite_per_task(tmp_path):
 def test_alpha_and_max_acc_drop_are_checked(tmp_path, args, needle):
     base = write_scored_run(tmp_path, "base", {"mmlu": accs(BASE)})
     assert_one_line_error(report_cli("--compare", base, base, *args), needle)
+
+
+def test_the_html_report_is_one_self_contained_file(tmp_path):
+    base = write_scored_run(tmp_path, "base", {"mmlu": accs(BASE)})
+    cand = write_scored_run(tmp_path, "cand", {"mmlu": accs(flipped(40, 5))})
+    suite = write_scored_run(tmp_path, "suite", {"arc_easy:rc": accs([1, 0, 1]), "boolq:mc": accs([1, 1])},
+                             tasks_block=True)
+    out = tmp_path / "out" / "report.html"
+    out.parent.mkdir()
+    out.write_text("an earlier report")
+    r = report_cli(base, cand, suite, "--html", out)
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines()[0].split()[:2] == ["run_id", "task"]      # the text table stays the output
+    assert [p.name for p in out.parent.iterdir()] == ["report.html"]       # replaced, no temporary file left
+    page = assert_self_contained(out.read_text(encoding="utf-8"), plots=4)
+    text = " ".join(page.text)
+    # scores with their standard errors, a bar per run: mmlu's two runs, the suite's two tasks
+    for shown in ("mmlu acc", "0.5000 ± 0.0250", "0.4125 ± 0.0246", "arc_easy:rc acc", "0.6667 ± 0.0123"):
+        assert shown in text, shown
+    assert "0.6000 of 0.6250" in text and "0.8600 of 0.8600" in text         # hit rate of its optimum
+    assert "200 of 1k (20.0%)" in text and "12 of 30 (40.0%)" in text      # tokens computed of prompt tokens
+    assert "cand: execute 47.50s" in text                                    # where the time went
+
+
+def test_the_html_report_of_a_comparison_shows_each_tasks_delta(tmp_path):
+    base = write_scored_run(tmp_path, "base", {"mmlu": accs(BASE)})
+    cand = write_scored_run(tmp_path, "cand", {"mmlu": accs(flipped(40, 5))})
+    out = tmp_path / "cmp.html"
+    r = report_cli("--compare", base, cand, "--html", out)
+    assert r.exit_code == 1 and "REGRESSION mmlu acc" in r.stdout
+    page = assert_self_contained(out.read_text(encoding="utf-8"), plots=5)
+    text = " ".join(page.text)
+    assert "-0.0875 p=4.41e-08" in text and "REGRESSION: a significant drop (p 4.41e-08 < alpha 0.05)" in text
+    assert "#d03c3c" in out.read_text()                                    # the regression's bar is red
+
+
+def test_an_html_file_that_cannot_be_written_is_one_line(tmp_path):
+    base = write_scored_run(tmp_path, "base", {"mmlu": accs(BASE)})
+    assert_one_line_error(report_cli(base, "--html", tmp_path / "absent" / "r.html"), "--html", "does not exist")
+    assert_one_line_error(report_cli(base, "--html", tmp_path), "--html", "name a file to write")
+    assert_one_line_error(report_cli(tmp_path / "nothing", "--html", tmp_path / "r.html"), "not an lmbatch run")
+    assert not (tmp_path / "r.html").exists()
