@@ -11,7 +11,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Iterable
 
 from lmbatch.errors import UserError, first_line
-from lmbatch.stats import MCNEMAR, Paired, mean, mean_stderr, paired_test
+from lmbatch.stats import MCNEMAR, Paired, holm, mean, mean_stderr, paired_test
 
 FORMATS = ("table", "markdown", "json")
 # a task's own metrics other than acc (HellaSwag's acc_norm, json's complete and valid) are columns too,
@@ -584,8 +584,10 @@ class TaskDelta:
     paired: Paired
     base_stderr: float | None
     cand_stderr: float | None
-    regression: bool
-    why: str                            # what makes it a regression ('' when it is none)
+    p_holm: float = 1.0                 # its p adjusted over the comparison's tests (`stats.holm`)
+    tests: int = 1                      # how many the comparison made (tasks x decisive metrics scored)
+    regression: bool = False
+    why: str = ""                       # what makes it a regression ('' when it is none)
 
 
 @dataclass
@@ -603,21 +605,29 @@ def _pm(value: float | None, stderr: float | None) -> str:
     return "-" if value is None else f"{value:.4f}" + (f" ± {stderr:.4f}" if stderr is not None else "")
 
 
-def task_delta(task: str, metric: str, base: TaskInstances, cand: TaskInstances, max_acc_drop: float | None,
-               alpha: float) -> TaskDelta:
-    """The paired test of one metric of a task over the instances that both runs scored with it: a regression
-    when the candidate is lower and the test says so at `alpha` (p < alpha), or it is lower by more than
-    `max_acc_drop` (when given)."""
+def task_delta(task: str, metric: str, base: TaskInstances, cand: TaskInstances) -> TaskDelta:
+    """The paired test of one metric of a task over the instances that both runs scored with it."""
     pairs = [(m[metric], other[metric]) for i, m in base.scores.items()
              if m and metric in m and (other := cand.scores.get(i)) and metric in other]
     b, c = [x for x, _ in pairs], [y for _, y in pairs]
-    paired = paired_test(b, c)
-    why = []
-    if paired.delta < 0 and paired.p < alpha:
-        why.append(f"a significant drop (p {paired.p:.3g} < alpha {alpha:g})")
-    if max_acc_drop is not None and -paired.delta > max_acc_drop + _EPS:
-        why.append(f"dropped by more than the {max_acc_drop:.4f} allowed")
-    return TaskDelta(task, metric, paired, mean_stderr(b), mean_stderr(c), bool(why), " and ".join(why))
+    return TaskDelta(task, metric, paired_test(b, c), mean_stderr(b), mean_stderr(c))
+
+
+def judge(deltas: list[TaskDelta], max_acc_drop: float | None, alpha: float) -> None:
+    """Each delta's verdict: a regression when the candidate is lower and the test says so at `alpha` (its p,
+    Holm-adjusted over every test of the comparison, below alpha: a suite of many tasks raises no more false
+    alarms than one task), or it is lower by more than `max_acc_drop` (when given)."""
+    tested = [d for d in deltas if d.paired.n]
+    for d, adjusted in zip(tested, holm([d.paired.p for d in tested])):
+        d.p_holm, d.tests = adjusted, len(tested)
+    for d in deltas:
+        why = []
+        if d.paired.n and d.paired.delta < 0 and d.p_holm < alpha:
+            holm_p = f", Holm-adjusted over {d.tests} tests {d.p_holm:.3g}" if d.tests > 1 else ""
+            why.append(f"a significant drop (p {d.paired.p:.3g}{holm_p} < alpha {alpha:g})")
+        if d.paired.n and max_acc_drop is not None and -d.paired.delta > max_acc_drop + _EPS:
+            why.append(f"dropped by more than the {max_acc_drop:.4f} allowed")
+        d.regression, d.why = bool(why), " and ".join(why)
 
 
 def delta_line(d: TaskDelta, base: TaskResult, cand: TaskResult) -> str:
@@ -628,8 +638,9 @@ def delta_line(d: TaskDelta, base: TaskResult, cand: TaskResult) -> str:
         return f"{d.task} {d.metric}: no instance scored in both runs, skipped"
     changed = f"{p.worse} worse, {p.better} better" if p.test == MCNEMAR else f"{p.worse} lower, {p.better} higher"
     failed = f"; failed: candidate {cand.failed}, base {base.failed}" if base.failed != cand.failed else ""
+    holm_p = f", Holm {d.p_holm:.3g}" if d.tests > 1 else ""
     desc = (f"candidate {_pm(p.cand, d.cand_stderr)} vs base {_pm(p.base, d.base_stderr)} ({p.delta:+.4f} over "
-            f"{p.n} instances: {changed}; {p.test} p={p.p:.3g}{failed})")
+            f"{p.n} instances: {changed}; {p.test} p={p.p:.3g}{holm_p}{failed})")
     return f"REGRESSION {d.task} {d.metric}: {desc} {d.why}" if d.regression else f"{d.task} {d.metric}: {desc} ok"
 
 
@@ -640,7 +651,7 @@ def _task_deltas(base: Run, cand: Run, max_acc_drop: float | None, alpha: float)
     if diff:
         raise UserError(f"cannot compare: base and candidate ran different instances ({'; '.join(diff[:3])}"
                         f"{'; ...' if len(diff) > 3 else ''})")
-    deltas, lines = [], []
+    deltas, skipped = [], []
     for task, b_inst in base.instances.items():
         bt, ct = base.tasks.get(task), cand.tasks.get(task)
         if bt is None or ct is None:
@@ -648,12 +659,10 @@ def _task_deltas(base: Run, cand: Run, max_acc_drop: float | None, alpha: float)
                             f"{'base' if bt is None else 'candidate'}: not a run lmbatch wrote")
         metrics = bt.decisive() or ct.decisive()
         if not metrics:
-            lines.append(f"{task}: no metric recorded, skipped")
-        for metric in metrics:
-            d = task_delta(task, metric, b_inst, cand.instances[task], max_acc_drop, alpha)
-            deltas.append(d)
-            lines.append(delta_line(d, bt, ct))
-    return deltas, lines
+            skipped.append(f"{task}: no metric recorded, skipped")
+        deltas += [task_delta(task, metric, b_inst, cand.instances[task]) for metric in metrics]
+    judge(deltas, max_acc_drop, alpha)
+    return deltas, [delta_line(d, base.tasks[d.task], cand.tasks[d.task]) for d in deltas] + skipped
 
 
 def _legacy_accuracy(base: dict, cand: dict, max_acc_drop: float | None) -> str:

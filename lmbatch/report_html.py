@@ -279,10 +279,10 @@ def _task_table(runs: Sequence[Run]) -> str:
 def _delta_table(comparison: Comparison) -> str:
     rows = [[d.task, d.metric, "-" if d.paired.base is None else f"{d.paired.base:.4f}",
              "-" if d.paired.cand is None else f"{d.paired.cand:.4f}", f"{d.paired.delta:+.4f}", str(d.paired.n),
-             f"{d.paired.worse} / {d.paired.better}", d.paired.test, f"{d.paired.p:.3g}",
+             f"{d.paired.worse} / {d.paired.better}", d.paired.test, f"{d.paired.p:.3g}", f"{d.p_holm:.3g}",
              f"REGRESSION: {d.why}" if d.regression else "ok"] for d in comparison.deltas]
     return _table(["task", "metric", "base", "candidate", "delta", "paired", "worse / better", "test", "p",
-                   "verdict"], rows, 2)
+                   "p (Holm)", "verdict"], rows, 2)
 
 
 def render_html(runs: Sequence[Run], comparison: Comparison | None = None) -> str:

@@ -2,7 +2,8 @@
 
 `mean_stderr` is lm-eval's standard error of a mean (`lm_eval.api.metrics.mean_stderr`); `paired_test`
 tells whether two runs over the same instances differ by more than noise (McNemar's mid-p test when every
-score is 0 or 1, as acc is; a paired z-test on the differences otherwise)."""
+score is 0 or 1, as acc is; a paired z-test on the differences otherwise); `holm` adjusts the p values of
+several such tests (a suite's tasks) made together."""
 from __future__ import annotations
 
 import math
@@ -61,6 +62,18 @@ def paired_z(differences: Sequence[float]) -> float:
     if mu is None or se is None or se == 0:
         return 1.0 if not mu else 0.0
     return math.erfc(abs(mu / se) / math.sqrt(2))
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjustment of p values tested together: the i-th smallest of m becomes
+    max over j <= i of min(1, (m - j) p_(j)). Rejecting where the adjusted p is below alpha keeps the chance
+    of any false rejection among them at most alpha, whatever their dependence (Holm, Scand J Stat 6:65, 1979)."""
+    m = len(pvalues)
+    out, running = [1.0] * m, 0.0
+    for rank, i in enumerate(sorted(range(m), key=lambda i: pvalues[i])):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        out[i] = running
+    return out
 
 
 @dataclass(frozen=True)

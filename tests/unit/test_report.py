@@ -641,3 +641,23 @@ def test_an_html_file_that_cannot_be_written_is_one_line(tmp_path):
     assert_one_line_error(report_cli(base, "--html", tmp_path), "--html", "name a file to write")
     assert_one_line_error(report_cli(tmp_path / "nothing", "--html", tmp_path / "r.html"), "not an lmbatch run")
     assert not (tmp_path / "r.html").exists()
+
+
+def test_a_suite_raises_no_more_false_alarms_than_one_task(tmp_path):
+    """p 0.021 on one task alone is a regression at alpha 0.05; as one of ten tasks compared together it is
+    what chance gives one task in ten (Holm: second smallest of ten, 9 x 0.021), while a real drop stays one."""
+    from lmbatch.report import compare_runs, load_run
+
+    alone = compare_runs(load_run(write_scored_run(tmp_path, "b1", {"t0": accs(BASE)})),
+                         load_run(write_scored_run(tmp_path, "c1", {"t0": accs(flipped(12, 3))})))
+    assert [d.regression for d in alone.deltas] == [True] and alone.deltas[0].p_holm == mcnemar(12, 3) < 0.05
+    tasks = {f"t{i}": accs(BASE) for i in range(10)}
+    base = load_run(write_scored_run(tmp_path, "base", tasks, tasks_block=True))
+    cand = load_run(write_scored_run(tmp_path, "cand", {**tasks, "t0": accs(flipped(12, 3)),
+                                                        "t1": accs(flipped(40, 5))}, tasks_block=True))
+    found = compare_runs(base, cand)
+    assert [d.regression for d in found.deltas] == [False, True] + [False] * 8
+    assert found.deltas[0].p_holm == pytest.approx(9 * mcnemar(12, 3)) and found.deltas[0].tests == 10
+    assert found.lines[2].endswith(f"McNemar mid-p p={mcnemar(12, 3):.3g}, Holm {9 * mcnemar(12, 3):.3g}) ok")
+    assert found.lines[3].endswith(f"a significant drop (p {mcnemar(40, 5):.3g}, Holm-adjusted over 10 tests "
+                                   f"{10 * mcnemar(40, 5):.3g} < alpha 0.05)")

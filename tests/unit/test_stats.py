@@ -62,3 +62,11 @@ def test_paired_test_of_scores_that_are_not_zero_or_one():
     assert paired_z([0.0, 0.0]) == 1.0 and paired_z([0.1, 0.1]) == 0.0
     with pytest.raises(ValueError):
         paired_test([1.0], [1.0, 0.0])
+
+
+def test_holm_by_hand():
+    from lmbatch.stats import holm
+
+    # sorted 0.01, 0.03, 0.04 times 3, 2, 1: 0.03, 0.06, 0.04 -> kept non-decreasing: 0.03, 0.06, 0.06
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert holm([0.2]) == [0.2] and holm([]) == [] and holm([0.5, 0.9]) == [1.0, 1.0]
