@@ -657,7 +657,9 @@ def _task_deltas(base: Run, cand: Run, max_acc_drop: float | None, alpha: float)
         if bt is None or ct is None:
             raise UserError(f"cannot compare: task {task!r} of the instances is not in the summary of "
                             f"{'base' if bt is None else 'candidate'}: not a run lmbatch wrote")
-        metrics = bt.decisive() or ct.decisive()
+        # a primary metric a tasks block declares decides over the one derived for a run without a block
+        declared = [t for r, t in ((base, bt), (cand, ct)) if "tasks" in r.summary and t.primary_metric]
+        metrics = (declared[0] if declared else bt).decisive() or ct.decisive()
         if not metrics:
             skipped.append(f"{task}: no metric recorded, skipped")
         deltas += [task_delta(task, metric, b_inst, cand.instances[task]) for metric in metrics]

@@ -661,3 +661,20 @@ def test_a_suite_raises_no_more_false_alarms_than_one_task(tmp_path):
     assert found.lines[2].endswith(f"McNemar mid-p p={mcnemar(12, 3):.3g}, Holm {9 * mcnemar(12, 3):.3g}) ok")
     assert found.lines[3].endswith(f"a significant drop (p {mcnemar(40, 5):.3g}, Holm-adjusted over 10 tests "
                                    f"{10 * mcnemar(40, 5):.3g} < alpha 0.05)")
+
+
+def test_the_primary_metric_a_tasks_block_declares_decides(tmp_path):
+    """A run written before the tasks block (primary acc, derived) against one whose block declares acc_norm:
+    acc_norm decides, whichever run is the base."""
+    from lmbatch.report import compare_runs, load_run
+
+    same, worse = accs(BASE), accs(flipped(40, 5))
+    old = {k: {"acc": v["acc"], "acc_norm": v["acc"]} for k, v in same.items()}
+    new = {k: {"acc": v["acc"], "acc_norm": w["acc"]} for (k, v), w in zip(same.items(), worse.values())}
+    legacy = load_run(write_scored_run(tmp_path, "legacy", {"hellaswag": old}))
+    block = {"hellaswag": {**task_block(same), "primary_metric": "acc_norm"}}
+    current = load_run(write_scored_run(tmp_path, "current", {"hellaswag": new}, tasks=block))
+    for base, cand in ((legacy, current), (current, legacy)):
+        found = compare_runs(base, cand)
+        assert [(d.task, d.metric) for d in found.deltas] == [("hellaswag", "acc_norm")]
+    assert not compare_runs(legacy, current).ok and compare_runs(current, legacy).ok
