@@ -29,6 +29,7 @@ _EPS = 1e-9  # thresholds are inclusive: a value exactly at a limit (up to float
 _NUMBER, _OPTIONAL_NUMBER, _INT, _STR, _OBJECT = "a number", "a number or null", "an integer", "a string", "an object"
 FIELDS = {"run_id": _STR, "task": _STR, "model": _STR, "device": _STR, "dtype": _STR, "counts": _OBJECT,
           "counts.instances": _INT, "counts.failed_instances": _INT, "accuracy": _OPTIONAL_NUMBER,
+          "accuracy_stderr": _OPTIONAL_NUMBER, "shots": _OPTIONAL_NUMBER,
           "metrics": _OBJECT, "hit_rate": _NUMBER, "optimal_hit_rate": _NUMBER, "time_s": _OBJECT,
           "time_s.execute": _NUMBER, "throughput": _OBJECT, "throughput.programs_per_s": _NUMBER,
           "throughput.prompt_tokens_per_s": _NUMBER, "throughput.computed_tokens_per_s": _NUMBER,
@@ -411,17 +412,19 @@ def _run_row(run: Run) -> dict[str, Any]:
     s = run.summary
     options = _optional(s, "options") or {}
     errors = _run_stderr(run)
+    # accuracy's own error where the summary has it (a suite's accuracy is over each task's primary metric)
+    acc_stderr = _optional(s, "accuracy_stderr") if "accuracy_stderr" in s else errors.get("acc")
     return {
         "run_id": _get(s, "run_id"),
         "task": _get(s, "task"),
         "model": _model_name(_get(s, "model")),
-        "shots": options.get("shots"),
+        "shots": _optional(s, "shots") if "shots" in s else options.get("shots"),     # a suite's: null if mixed
         "dtype": _optional(s, "dtype"),
         "device": _get(s, "device"),
         "instances": _get(s, "counts.instances"),
         "failed": _optional(s, "counts.failed_instances"),
         "accuracy": _get(s, "accuracy"),
-        "accuracy_stderr": errors.get("acc") if _get(s, "accuracy") is not None else None,
+        "accuracy_stderr": acc_stderr if _get(s, "accuracy") is not None else None,
         **_with_stderr(_metrics(s), errors),
         "hit_rate": _get(s, "hit_rate"),
         "optimal_hit_rate": _get(s, "optimal_hit_rate"),

@@ -678,3 +678,18 @@ def test_the_primary_metric_a_tasks_block_declares_decides(tmp_path):
         found = compare_runs(base, cand)
         assert [(d.task, d.metric) for d in found.deltas] == [("hellaswag", "acc_norm")]
     assert not compare_runs(legacy, current).ok and compare_runs(current, legacy).ok
+
+
+def test_a_suite_summarys_own_accuracy_error_and_shots_are_shown(tmp_path):
+    """A suite's accuracy is over each task's primary metric: its summary's accuracy_stderr is that mean's,
+    not acc's; its top-level shots (null when its tasks' differ) is the one shown."""
+    from lmbatch.report import load_run
+
+    run = write_scored_run(tmp_path, "suite", {"arc_easy:rc": accs([1, 0, 1]), "boolq:mc": accs([1, 1])},
+                           tasks_block=True, accuracy_stderr=0.0456, shots=None)
+    row = report_rows([load_run(run)])[0]
+    assert (row["accuracy_stderr"], row["shots"]) == (0.0456, None)
+    s = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**s, "accuracy_stderr": "0.1"}))
+    with pytest.raises(UserError, match="field 'accuracy_stderr' is '0.1'"):
+        load_run(run)
