@@ -8,12 +8,15 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, List, NoReturn, Optional, Tuple, get_type_hints
+from typing import TYPE_CHECKING, Any, List, NoReturn, Optional, Tuple, get_type_hints
 
 import typer
 
 from lmbatch.errors import Interrupted, UserError
 from lmbatch.options import RunOptions
+
+if TYPE_CHECKING:
+    from lmbatch.report import Comparison, Run
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]},
@@ -135,27 +138,61 @@ def report(
     max_slowdown: float = typer.Option(0.05, help="Allowed slowdown of CAND: base programs/s / cand programs/s - 1.",
                                       metavar="X"),
     min_hit_ratio: float = typer.Option(0.99, help="Least achieved/optimal hit rate for CAND.", metavar="X"),
-    max_acc_drop: float = typer.Option(0.005, help="Largest accuracy drop of CAND vs BASE.", metavar="X"),
+    alpha: float = typer.Option(0.05, "--alpha", metavar="P",
+                                help="A task whose score drops with a paired test's p below P is a regression "
+                                     "(0: no test)."),
+    max_acc_drop: Optional[float] = typer.Option(None, "--max-acc-drop", metavar="X",
+                                                 help="A task whose score drops by more than X is a regression, "
+                                                      "significant or not [default: the test alone decides]."),
+    html: Optional[str] = typer.Option(None, "--html", metavar="FILE",
+                                       help="Also write the report as one self-contained HTML file (plots as SVG)."),
 ) -> None:
-    """Tabulate runs (achieved vs optimal hit rate, accuracy, throughput), or compare two for CI."""
+    """Tabulate runs (per task: scores with standard errors, achieved vs optimal hit rate, throughput), or
+    compare two for CI."""
     from lmbatch import report as rep
 
     try:
+        html_path = _html_path(html)
         if compare:
             if run_dirs:
                 raise UserError(f"--compare BASE CAND takes no other run directory ({run_dirs[0]} was given too): "
                                 "compare two runs, or tabulate runs without --compare")
-            rep.check_thresholds(max_slowdown=max_slowdown, min_hit_ratio=min_hit_ratio, max_acc_drop=max_acc_drop)
-            base, cand = (rep.load_summary(p) for p in compare)
-            ok, lines = rep.compare(base, cand, max_slowdown=max_slowdown, min_hit_ratio=min_hit_ratio,
-                                    max_acc_drop=max_acc_drop)
-            typer.echo("\n".join(lines))
-            raise typer.Exit(0 if ok else 1)
+            rep.check_thresholds(max_slowdown=max_slowdown, min_hit_ratio=min_hit_ratio, max_acc_drop=max_acc_drop,
+                                 alpha=alpha)
+            base, cand = (rep.load_run(p) for p in compare)
+            found = rep.compare_runs(base, cand, max_slowdown=max_slowdown, min_hit_ratio=min_hit_ratio,
+                                     max_acc_drop=max_acc_drop, alpha=alpha)
+            _write_html(html_path, [base, cand], found)
+            typer.echo("\n".join(found.lines))
+            raise typer.Exit(0 if found.ok else 1)
         if not run_dirs:
             raise UserError("give one or more run directories, or --compare BASE CAND")
-        typer.echo(rep.render(rep.report_rows([rep.load_summary(p) for p in run_dirs]), fmt))
+        if fmt not in rep.FORMATS:
+            raise UserError(f"unknown format {fmt!r} (choose from {', '.join(rep.FORMATS)})")
+        runs = [rep.load_run(p) for p in run_dirs]
+        _write_html(html_path, runs, None)
+        typer.echo(rep.render(rep.report_rows(runs), fmt))
     except UserError as e:
         _fail(e)
+
+
+def _html_path(html: Optional[str]) -> Optional[Path]:
+    """--html FILE, checked before any run is read: a file name in a folder that exists."""
+    if html is None:
+        return None
+    path = Path(html)
+    if not html.strip() or html.endswith(("/", os.sep)) or path.is_dir():
+        raise UserError(f"--html {html!r}: name a file to write (it is replaced if it exists)")
+    if not path.absolute().parent.is_dir():
+        raise UserError(f"--html {html}: the folder {path.absolute().parent} does not exist")
+    return path
+
+
+def _write_html(path: Optional[Path], runs: list[Run], comparison: Optional[Comparison]) -> None:
+    if path is not None:
+        from lmbatch.report_html import write_html
+
+        write_html(path, runs, comparison)
 
 
 @app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,

@@ -1,13 +1,17 @@
-"""Read run directories (docs/outputs.md), tabulate them and compare two runs for regressions."""
+"""Read run directories (docs/outputs.md), tabulate them (a row per run, and one per task of a suite run),
+and compare two runs for regressions (a paired test per task on the instances both ran)."""
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterable
 
 from lmbatch.errors import UserError, first_line
+from lmbatch.stats import MCNEMAR, Paired, holm, mean, mean_stderr, paired_test
 
 FORMATS = ("table", "markdown", "json")
 # a task's own metrics other than acc (HellaSwag's acc_norm, json's complete and valid) are columns too,
@@ -25,6 +29,7 @@ _EPS = 1e-9  # thresholds are inclusive: a value exactly at a limit (up to float
 _NUMBER, _OPTIONAL_NUMBER, _INT, _STR, _OBJECT = "a number", "a number or null", "an integer", "a string", "an object"
 FIELDS = {"run_id": _STR, "task": _STR, "model": _STR, "device": _STR, "dtype": _STR, "counts": _OBJECT,
           "counts.instances": _INT, "counts.failed_instances": _INT, "accuracy": _OPTIONAL_NUMBER,
+          "accuracy_stderr": _OPTIONAL_NUMBER, "shots": _OPTIONAL_NUMBER,
           "metrics": _OBJECT, "hit_rate": _NUMBER, "optimal_hit_rate": _NUMBER, "time_s": _OBJECT,
           "time_s.execute": _NUMBER, "throughput": _OBJECT, "throughput.programs_per_s": _NUMBER,
           "throughput.prompt_tokens_per_s": _NUMBER, "throughput.computed_tokens_per_s": _NUMBER,
@@ -161,6 +166,15 @@ def _model_name(model: str) -> str:
     return PurePosixPath(model.replace("\\", "/")).name
 
 
+STDERR = "_stderr"      # summary.json's "<metric>_stderr" beside a metric is its standard error
+
+
+def split_stderr(metrics: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A metrics object as (metrics, their standard errors): "NAME_stderr" beside "NAME" is NAME's error."""
+    errors = {k[:-len(STDERR)]: v for k, v in metrics.items() if k.endswith(STDERR) and k[:-len(STDERR)] in metrics}
+    return {k: v for k, v in metrics.items() if not (k.endswith(STDERR) and k[:-len(STDERR)] in errors)}, errors
+
+
 def _metrics(s: dict, where: str = "") -> dict[str, Any]:
     """A run's own metrics other than acc (its accuracy column), each a column of its own: HellaSwag's
     acc_norm, json's complete and valid. A metric named like a column is shown as metric:NAME."""
@@ -170,50 +184,303 @@ def _metrics(s: dict, where: str = "") -> dict[str, Any]:
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise UserError(f"{where or 'summary of run ' + str(s.get('run_id', '?'))}: field 'metrics.{name}' is "
                             f"{value!r}, not a number: not a summary lmbatch wrote")
-        if name == "acc":
-            continue
-        out[f"metric:{name}" if name in COLUMNS else name] = value
+    for name, value in sorted(split_stderr(metrics)[0].items()):
+        if name != "acc":
+            out[f"metric:{name}" if name in COLUMNS else name] = value
     return out
 
 
-def report_rows(summaries: Iterable[dict]) -> list[dict]:
-    """One flat row per run summary: COLUMNS, and the run's own metrics (`_metrics`) after accuracy."""
+# --- one task of a run: summary.json's `tasks` block, or derived from instances.parquet ------------------------
+
+@dataclass
+class TaskResult:
+    """One task of a run, as report shows and compares it."""
+    name: str
+    n: int                              # its instances
+    failed: int | None                  # of them, those whose program or score failed (None: not recorded)
+    primary_metric: str | None          # the metric that decides a comparison (None: every metric does)
+    metrics: dict[str, float | None]    # each metric's mean over the instances scored
+    stderr: dict[str, float | None]     # their standard errors (`stats.mean_stderr`), where known
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    computed_tokens: int | None = None
+    hit_rate: float | None = None
+    optimal_hit_rate: float | None = None
+
+    def decisive(self) -> list[str]:
+        """The metrics that decide a comparison and are plotted: the primary one, else every one."""
+        return [self.primary_metric] if self.primary_metric else sorted(self.metrics)
+
+
+@dataclass
+class TaskInstances:
+    """A task's rows of the run's instances files: each instance's metrics by id (None where it failed),
+    and the token counts summed over them."""
+    scores: dict[str, dict[str, float] | None]
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+
+
+INSTANCE_COLUMNS = ("task", "id", "metrics", "error")
+TOKEN_COLUMNS = ("prompt_tokens", "cached_tokens", "computed_tokens")
+
+
+def instance_files(run_dir: Path, summary: dict) -> list[Path]:
+    """The run's instances files: those its summary records (`instances.parquet`, and any `*instances.parquet`
+    beside it), else the instances.parquet there is (none in a summary-only folder)."""
+    files = summary.get("files")
+    if isinstance(files, dict):
+        return [run_dir / name for name in files if str(name).endswith("instances.parquet")]
+    return [f for f in [run_dir / "instances.parquet"] if f.is_file()]
+
+
+def read_instances(run_dir: Path, summary: dict) -> dict[str, TaskInstances] | None:
+    """Every instance the run wrote, by task (in file order); None when the run has no instances file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = instance_files(run_dir, summary)
+    if not files:
+        return None
+    out: dict[str, TaskInstances] = {}
+    for f in files:
+        try:
+            names = set(pq.read_schema(f).names)
+            missing = [c for c in INSTANCE_COLUMNS if c not in names]
+            if missing:
+                raise UserError(f"{f} has no column {missing[0]!r}: not an instances file lmbatch wrote")
+            rows = pq.read_table(f, columns=[*INSTANCE_COLUMNS, *(c for c in TOKEN_COLUMNS if c in names)])
+        except (OSError, ValueError, pa.ArrowException) as e:
+            raise UserError(f"{f} cannot be read ({first_line(e)})") from None
+        for row in rows.to_pylist():
+            _add_instance(out, row, f)
+    return out
+
+
+def _add_instance(out: dict[str, TaskInstances], row: dict[str, Any], f: Path) -> None:
+    task, key = str(row["task"]), str(row["id"])
+    t = out.setdefault(task, TaskInstances({}))
+    if key in t.scores:
+        raise UserError(f"{f}: instance {key!r} of task {task!r} is there twice: not a file lmbatch wrote")
+    t.scores[key] = None if row["error"] is not None else {str(k): v for k, v in row["metrics"] or []}
+    t.prompt_tokens += row.get("prompt_tokens") or 0
+    t.cached_tokens += row.get("cached_tokens") or 0
+    t.computed_tokens += row.get("computed_tokens") or 0
+
+
+def task_from_instances(name: str, inst: TaskInstances) -> TaskResult:
+    """A task's view derived from its instances, as summary.json's `tasks` block holds it: each metric's
+    mean and standard error over the instances that have it, the primary metric acc where they have it."""
+    scored = [m for m in inst.scores.values() if m is not None]
+    names = sorted({k for m in scored for k in m})
+    values = {k: [m[k] for m in scored if k in m] for k in names}
+    return TaskResult(name=name, n=len(inst.scores), failed=len(inst.scores) - len(scored),
+                      primary_metric="acc" if "acc" in values else None,
+                      metrics={k: mean(v) for k, v in values.items()},
+                      stderr={k: mean_stderr(v) for k, v in values.items()},
+                      prompt_tokens=inst.prompt_tokens, cached_tokens=inst.cached_tokens,
+                      computed_tokens=inst.computed_tokens,
+                      hit_rate=inst.cached_tokens / inst.prompt_tokens if inst.prompt_tokens else None)
+
+
+def task_from_summary(s: dict) -> TaskResult:
+    """A single-task run's one task from its summary alone (no instances to derive standard errors from,
+    unless the summary has them)."""
+    metrics, errors = split_stderr(_optional(s, "metrics") or {})
+    if not metrics and _get(s, "accuracy") is not None:
+        metrics = {"acc": _get(s, "accuracy")}
+    tokens: dict[str, Any] = s["tokens"] if isinstance(s.get("tokens"), dict) else {}
+    tokens = {k: v for k, v in tokens.items() if isinstance(v, int) and not isinstance(v, bool)}
+    return TaskResult(name=_get(s, "task"), n=_get(s, "counts.instances"),
+                      failed=_optional(s, "counts.failed_instances"),
+                      primary_metric="acc" if "acc" in metrics else None, metrics=metrics, stderr=errors,
+                      prompt_tokens=tokens.get("prompt"), cached_tokens=tokens.get("cached"),
+                      computed_tokens=tokens.get("computed"), hit_rate=_get(s, "hit_rate"),
+                      optimal_hit_rate=_get(s, "optimal_hit_rate"))
+
+
+# each field of a task in summary.json's `tasks` block, and what it must be (absent: not recorded, except n)
+TASK_FIELDS = {"n": _INT, "failed": _INT, "primary_metric": _STR, "metrics": _OBJECT, "prompt_tokens": _INT,
+               "cached_tokens": _INT, "computed_tokens": _INT, "hit_rate": _NUMBER, "optimal_hit_rate": _NUMBER}
+
+
+def _task_field(block: dict, key: str, where: str) -> Any:
+    """A field of one task of the `tasks` block (None if absent or null), checked to be what TASK_FIELDS says."""
+    value = block.get(key)
+    if value is None:
+        if key in ("n", "metrics"):
+            raise UserError(f"{where} lacks field '{key}': not a summary lmbatch wrote")
+        return None
+    kind = TASK_FIELDS[key]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = {_NUMBER: number, _STR: isinstance(value, str), _OBJECT: isinstance(value, dict),
+          _INT: isinstance(value, int) and not isinstance(value, bool)}[kind]
+    metrics_ok = kind != _OBJECT or all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+                                        for v in value.values())
+    if not ok or not metrics_ok:
+        raise UserError(f"{where}: field '{key}' is {value!r:.40} ({type(value).__name__}), not {kind}"
+                        f"{' of numbers' if ok else ''}: not a summary lmbatch wrote")
+    return value
+
+
+def tasks_from_block(s: dict) -> dict[str, TaskResult] | None:
+    """The run's tasks as its summary's `tasks` block holds them; None for a summary without one (written
+    before lmbatch ran suites)."""
+    block = s.get("tasks")
+    if block is None:
+        return None
+    where = f"summary of run {s.get('run_id', '?')}"
+    if not isinstance(block, dict) or not all(isinstance(v, dict) for v in block.values()):
+        raise UserError(f"{where}: field 'tasks' is not an object of tasks: not a summary lmbatch wrote")
+    out = {}
+    for name, t in block.items():
+        f = {key: _task_field(t, key, f"{where}: task {name!r}") for key in TASK_FIELDS}
+        metrics, errors = split_stderr(f["metrics"])
+        out[str(name)] = TaskResult(name=str(name), n=f["n"], failed=f["failed"], primary_metric=f["primary_metric"],
+                                    metrics=metrics, stderr=errors,
+                                    **{k: f[k] for k in ("prompt_tokens", "cached_tokens", "computed_tokens",
+                                                         "hit_rate", "optimal_hit_rate")})
+    return out
+
+
+class Run:
+    """A run as report reads it: its summary, its instances (read when first needed), its tasks."""
+
+    def __init__(self, summary: dict, path: Path | None = None):
+        self.summary, self.path = summary, path
+
+    @property
+    def run_id(self) -> str:
+        return str(_get(self.summary, "run_id"))
+
+    @cached_property
+    def instances(self) -> dict[str, TaskInstances] | None:
+        """Each task's instances by id; None for a summary alone (no run directory, or no instances file)."""
+        return None if self.path is None else read_instances(self.path, self.summary)
+
+    @cached_property
+    def tasks(self) -> dict[str, TaskResult]:
+        """The run's tasks: its summary's `tasks` block, else derived from its instances (a single task's
+        hit rates are the run's), else the summary's one task."""
+        block = tasks_from_block(self.summary)
+        if block is not None:
+            return block
+        if not self.instances:
+            return {_get(self.summary, "task"): task_from_summary(self.summary)}
+        out = {name: task_from_instances(name, inst) for name, inst in self.instances.items()}
+        if len(out) == 1:       # the run's own figures (of this attempt, as the run's row shows them)
+            only, whole = next(iter(out.values())), task_from_summary(self.summary)
+            only.hit_rate, only.optimal_hit_rate = whole.hit_rate, whole.optimal_hit_rate
+            if whole.prompt_tokens is not None:
+                only.prompt_tokens, only.cached_tokens = whole.prompt_tokens, whole.cached_tokens
+                only.computed_tokens = whole.computed_tokens
+        return out
+
+
+def load_run(run_dir: Path) -> Run:
+    """A run directory, its summary checked (`load_summary`)."""
+    return Run(load_summary(run_dir), Path(run_dir))
+
+
+def as_run(run: Run | dict) -> Run:
+    return run if isinstance(run, Run) else Run(run)
+
+
+# --- tables -------------------------------------------------------------------------------------------------------
+
+def _run_stderr(run: Run) -> dict[str, Any]:
+    """The standard error of each of a run's metrics: its summary's "NAME_stderr", else its one task's."""
+    errors = split_stderr(_optional(run.summary, "metrics") or {})[1]
+    if len(run.tasks) == 1:
+        errors = {**next(iter(run.tasks.values())).stderr, **errors}
+    return errors
+
+
+def _with_stderr(metrics: dict[str, Any], errors: dict[str, Any]) -> dict[str, Any]:
+    """The metric columns (`_metrics`), each followed by its NAME_stderr where its error is known."""
+    out = {}
+    for col, value in metrics.items():
+        out[col] = value
+        name = col.removeprefix("metric:")
+        if errors.get(name) is not None:
+            out[col + STDERR] = errors[name]
+    return out
+
+
+def _run_row(run: Run) -> dict[str, Any]:
+    s = run.summary
+    options = _optional(s, "options") or {}
+    errors = _run_stderr(run)
+    # accuracy's own error where the summary has it (a suite's accuracy is over each task's primary metric)
+    acc_stderr = _optional(s, "accuracy_stderr") if "accuracy_stderr" in s else errors.get("acc")
+    return {
+        "run_id": _get(s, "run_id"),
+        "task": _get(s, "task"),
+        "model": _model_name(_get(s, "model")),
+        "shots": _optional(s, "shots") if "shots" in s else options.get("shots"),     # a suite's: null if mixed
+        "dtype": _optional(s, "dtype"),
+        "device": _get(s, "device"),
+        "instances": _get(s, "counts.instances"),
+        "failed": _optional(s, "counts.failed_instances"),
+        "accuracy": _get(s, "accuracy"),
+        "accuracy_stderr": acc_stderr if _get(s, "accuracy") is not None else None,
+        **_with_stderr(_metrics(s), errors),
+        "hit_rate": _get(s, "hit_rate"),
+        "optimal_hit_rate": _get(s, "optimal_hit_rate"),
+        "hit_ratio": hit_ratio(s),
+        "execute_s": _get(s, "time_s.execute"),
+        "programs_per_s": _get(s, "throughput.programs_per_s"),
+        "prompt_tokens_per_s": _get(s, "throughput.prompt_tokens_per_s"),
+        "computed_tokens_per_s": _get(s, "throughput.computed_tokens_per_s"),
+    }
+
+
+def _task_row(run_row: dict[str, Any], t: TaskResult) -> dict[str, Any]:
+    """A row of one task of a suite run: its metrics, counts and hit rates; its run's speed is the whole run's
+    (one batch over one tree), so the speed columns are empty."""
+    metrics = {f"metric:{k}" if k in COLUMNS else k: v for k, v in sorted(t.metrics.items()) if k != "acc"}
+    ratio = None if t.hit_rate is None or t.optimal_hit_rate is None else \
+        1.0 if not t.optimal_hit_rate else t.hit_rate / t.optimal_hit_rate
+    return {**{k: run_row[k] for k in ("run_id", "model", "shots", "dtype", "device")}, "task": t.name,
+            "instances": t.n, "failed": t.failed, "accuracy": t.metrics.get("acc"),
+            "accuracy_stderr": t.stderr.get("acc"), **_with_stderr(metrics, t.stderr),
+            "hit_rate": t.hit_rate, "optimal_hit_rate": t.optimal_hit_rate, "hit_ratio": ratio,
+            **{k: None for k in ("execute_s", "programs_per_s", "prompt_tokens_per_s", "computed_tokens_per_s")}}
+
+
+def report_rows(runs: Iterable[Run | dict]) -> list[dict]:
+    """One flat row per run: COLUMNS, and the run's own metrics (`_metrics`) after accuracy, each metric with
+    its standard error as NAME_stderr where known (accuracy_stderr: acc's); a run of several tasks (a suite)
+    is followed by a row per task."""
     rows = []
-    for s in summaries:
-        options = _optional(s, "options") or {}
-        rows.append({
-            "run_id": _get(s, "run_id"),
-            "task": _get(s, "task"),
-            "model": _model_name(_get(s, "model")),
-            "shots": options.get("shots"),
-            "dtype": _optional(s, "dtype"),
-            "device": _get(s, "device"),
-            "instances": _get(s, "counts.instances"),
-            "failed": _optional(s, "counts.failed_instances"),
-            "accuracy": _get(s, "accuracy"),
-            **_metrics(s),
-            "hit_rate": _get(s, "hit_rate"),
-            "optimal_hit_rate": _get(s, "optimal_hit_rate"),
-            "hit_ratio": hit_ratio(s),
-            "execute_s": _get(s, "time_s.execute"),
-            "programs_per_s": _get(s, "throughput.programs_per_s"),
-            "prompt_tokens_per_s": _get(s, "throughput.prompt_tokens_per_s"),
-            "computed_tokens_per_s": _get(s, "throughput.computed_tokens_per_s"),
-        })
+    for r in map(as_run, runs):
+        row = _run_row(r)
+        rows.append(row)
+        if len(r.tasks) > 1:
+            rows += [_task_row(row, t) for t in r.tasks.values()]
     return rows
 
 
+def _is_stderr(key: str, row: dict) -> bool:
+    return key.endswith(STDERR) and key[:-len(STDERR)] in row
+
+
 def columns(rows: list[dict]) -> list[str]:
-    """COLUMNS, with every metric column of the rows after accuracy (in order of first appearance)."""
-    metrics = list(dict.fromkeys(k for r in rows for k in r if k not in COLUMNS))
+    """COLUMNS, with every metric column of the rows after accuracy (in order of first appearance); a
+    standard error is shown in its metric's column."""
+    metrics = list(dict.fromkeys(k for r in rows for k in r if k not in COLUMNS and not _is_stderr(k, r)))
     at = COLUMNS.index("accuracy") + 1
     return [*COLUMNS[:at], *metrics, *COLUMNS[at:]]
 
 
-def _cell(column: str, value: Any) -> str:
-    """A value as displayed in table/markdown ('-' for None)."""
+def _cell(column: str, value: Any, stderr: Any = None) -> str:
+    """A value as displayed in table/markdown ('-' for None); a metric with its standard error as
+    '0.4120 ± 0.0131'."""
     if value is None:
         return "-"
+    if isinstance(stderr, (int, float)) and isinstance(value, (int, float)):
+        return f"{value:.4f} ± {stderr:.4f}"
     if column not in COLUMNS and isinstance(value, float):      # a metric
         return f"{value:.4f}"
     if column in DECIMALS and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -223,35 +490,48 @@ def _cell(column: str, value: Any) -> str:
     return str(value)
 
 
+def cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The table's columns and each row's cells as displayed."""
+    cols = columns(rows)
+    return cols, [[_cell(c, r.get(c), r.get(c + STDERR)) for c in cols] for r in rows]
+
+
 def render(rows: list[dict], fmt: str) -> str:
     """rows as 'table' (aligned plain text), 'markdown' (GitHub table) or 'json'."""
     if fmt not in FORMATS:
         raise UserError(f"unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
     if fmt == "json":
         return json.dumps(rows, indent=2)
-    cols = columns(rows)
-    cells = [[_cell(c, r.get(c)) for c in cols] for r in rows]
+    cols, shown = cells(rows)
     numeric = [c in DECIMALS or c in ("shots", "instances", "failed") or c not in COLUMNS for c in cols]
     if fmt == "markdown":
         lines = ["| " + " | ".join(cols) + " |",
                  "|" + "|".join("---:" if n else "---" for n in numeric) + "|"]
-        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]
+        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in shown]
         return "\n".join(lines)
-    widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(cols)]
+    widths = [max(len(h), *(len(row[i]) for row in shown)) for i, h in enumerate(cols)]
 
     def line(values: list[str] | tuple[str, ...]) -> str:
         return "  ".join(v.rjust(w) if n else v.ljust(w)
                          for v, w, n in zip(values, widths, numeric)).rstrip()
 
-    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in cells])
+    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in shown])
 
 
-def check_thresholds(max_slowdown: float, min_hit_ratio: float, max_acc_drop: float) -> None:
-    """--max-slowdown is at least 0 (inf: speed unchecked); --min-hit-ratio and --max-acc-drop are
-    fractions, 0 to 1. NaN is none of them."""
+# --- comparing two runs -----------------------------------------------------------------------------------------
+
+# the accuracy check of runs without per-instance results (summaries alone): an absolute drop, as before
+# significance tests (a candidate more than this below base is a regression unless --max-acc-drop says otherwise)
+LEGACY_MAX_ACC_DROP = 0.005
+
+
+def check_thresholds(max_slowdown: float, min_hit_ratio: float, max_acc_drop: float | None,
+                     alpha: float = 0.05) -> None:
+    """--max-slowdown is at least 0 (inf: speed unchecked); --min-hit-ratio, --max-acc-drop (None: not given)
+    and --alpha are fractions, 0 to 1. NaN is none of them."""
     for flag, value, top in (("--max-slowdown", max_slowdown, math.inf), ("--min-hit-ratio", min_hit_ratio, 1.0),
-                             ("--max-acc-drop", max_acc_drop, 1.0)):
-        if not 0 <= value <= top:       # NaN fails both
+                             ("--max-acc-drop", max_acc_drop, 1.0), ("--alpha", alpha, 1.0)):
+        if value is not None and not 0 <= value <= top:       # NaN fails both
             within = "at least 0" if top == math.inf else "a fraction from 0 to 1"
             raise UserError(f"{flag} {value}: it must be {within}")
 
@@ -284,19 +564,126 @@ def workload_differences(base: dict, cand: dict) -> list[str]:
     return out
 
 
-def compare(base: dict, cand: dict, max_slowdown: float = 0.05, min_hit_ratio: float = 0.99,
-            max_acc_drop: float = 0.005) -> tuple[bool, list[str]]:
-    """Check candidate against base for speed, cache-hit and accuracy regressions: (ok, lines).
+def instance_differences(base: dict[str, TaskInstances], cand: dict[str, TaskInstances]) -> list[str]:
+    """How the two runs' instances differ (by task, by id), each as a short phrase; [] when they ran the same."""
+    out = []
+    for task in dict.fromkeys([*base, *cand]):
+        if task not in cand or task not in base:
+            out.append(f"task {task!r} only in {'base' if task in base else 'candidate'}")
+            continue
+        for this, that, who in ((base, cand, "base"), (cand, base, "candidate")):
+            only = [i for i in this[task].scores if i not in that[task].scores]
+            if only:
+                out.append(f"task {task!r}: {len(only)} instance{'s' * (len(only) > 1)} only in {who}, "
+                           f"e.g. id {only[0]!r}")
+    return out
 
-    Limits are inclusive (exactly at a threshold passes). UserError if the thresholds are out of range or
-    the runs are not comparable (they ran other workloads: `workload_differences`).
-    """
-    check_thresholds(max_slowdown, min_hit_ratio, max_acc_drop)
-    _get(base, "task"), _get(cand, "task"), _get(base, "counts.instances"), _get(cand, "counts.instances")
-    diff = workload_differences(base, cand)
+
+@dataclass
+class TaskDelta:
+    """One task's metric in two runs over the instances both scored: the paired test, and its verdict."""
+    task: str
+    metric: str
+    paired: Paired
+    base_stderr: float | None
+    cand_stderr: float | None
+    p_holm: float = 1.0                 # its p adjusted over the comparison's tests (`stats.holm`)
+    tests: int = 1                      # how many the comparison made (tasks x decisive metrics scored)
+    regression: bool = False
+    why: str = ""                       # what makes it a regression ('' when it is none)
+
+
+@dataclass
+class Comparison:
+    """What `compare_runs` found: a line per check ("REGRESSION ..." for a failed one) and each task's delta."""
+    lines: list[str]
+    deltas: list[TaskDelta]
+
+    @property
+    def ok(self) -> bool:
+        return not any(line.startswith("REGRESSION") for line in self.lines)
+
+
+def _pm(value: float | None, stderr: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}" + (f" ± {stderr:.4f}" if stderr is not None else "")
+
+
+def task_delta(task: str, metric: str, base: TaskInstances, cand: TaskInstances) -> TaskDelta:
+    """The paired test of one metric of a task over the instances that both runs scored with it."""
+    pairs = [(m[metric], other[metric]) for i, m in base.scores.items()
+             if m and metric in m and (other := cand.scores.get(i)) and metric in other]
+    b, c = [x for x, _ in pairs], [y for _, y in pairs]
+    return TaskDelta(task, metric, paired_test(b, c), mean_stderr(b), mean_stderr(c))
+
+
+def judge(deltas: list[TaskDelta], max_acc_drop: float | None, alpha: float) -> None:
+    """Each delta's verdict: a regression when the candidate is lower and the test says so at `alpha` (its p,
+    Holm-adjusted over every test of the comparison, below alpha: a suite of many tasks raises no more false
+    alarms than one task), or it is lower by more than `max_acc_drop` (when given)."""
+    tested = [d for d in deltas if d.paired.n]
+    for d, adjusted in zip(tested, holm([d.paired.p for d in tested])):
+        d.p_holm, d.tests = adjusted, len(tested)
+    for d in deltas:
+        why = []
+        if d.paired.n and d.paired.delta < 0 and d.p_holm < alpha:
+            holm_p = f", Holm-adjusted over {d.tests} tests {d.p_holm:.3g}" if d.tests > 1 else ""
+            why.append(f"a significant drop (p {d.paired.p:.3g}{holm_p} < alpha {alpha:g})")
+        if d.paired.n and max_acc_drop is not None and -d.paired.delta > max_acc_drop + _EPS:
+            why.append(f"dropped by more than the {max_acc_drop:.4f} allowed")
+        d.regression, d.why = bool(why), " and ".join(why)
+
+
+def delta_line(d: TaskDelta, base: TaskResult, cand: TaskResult) -> str:
+    """'mmlu acc: candidate 0.3040 ± 0.0193 vs base 0.3100 ± 0.0194 (-0.0060 over 570 instances: 9 worse,
+    6 better; McNemar mid-p p=0.61) ok', or REGRESSION ... and why."""
+    p = d.paired
+    if p.n == 0:
+        return f"{d.task} {d.metric}: no instance scored in both runs, skipped"
+    changed = f"{p.worse} worse, {p.better} better" if p.test == MCNEMAR else f"{p.worse} lower, {p.better} higher"
+    failed = f"; failed: candidate {cand.failed}, base {base.failed}" if base.failed != cand.failed else ""
+    holm_p = f", Holm {d.p_holm:.3g}" if d.tests > 1 else ""
+    desc = (f"candidate {_pm(p.cand, d.cand_stderr)} vs base {_pm(p.base, d.base_stderr)} ({p.delta:+.4f} over "
+            f"{p.n} instances: {changed}; {p.test} p={p.p:.3g}{holm_p}{failed})")
+    return f"REGRESSION {d.task} {d.metric}: {desc} {d.why}" if d.regression else f"{d.task} {d.metric}: {desc} ok"
+
+
+def _task_deltas(base: Run, cand: Run, max_acc_drop: float | None, alpha: float) -> tuple[list[TaskDelta], list[str]]:
+    """Each task's decisive metrics (`TaskResult.decisive`) compared instance by instance."""
+    assert base.instances is not None and cand.instances is not None
+    diff = instance_differences(base.instances, cand.instances)
     if diff:
-        raise UserError(f"cannot compare: base and candidate ran different workloads (base vs candidate: "
-                        f"{'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''})")
+        raise UserError(f"cannot compare: base and candidate ran different instances ({'; '.join(diff[:3])}"
+                        f"{'; ...' if len(diff) > 3 else ''})")
+    deltas, skipped = [], []
+    for task, b_inst in base.instances.items():
+        bt, ct = base.tasks.get(task), cand.tasks.get(task)
+        if bt is None or ct is None:
+            raise UserError(f"cannot compare: task {task!r} of the instances is not in the summary of "
+                            f"{'base' if bt is None else 'candidate'}: not a run lmbatch wrote")
+        # a primary metric a tasks block declares decides over the one derived for a run without a block
+        declared = [t for r, t in ((base, bt), (cand, ct)) if "tasks" in r.summary and t.primary_metric]
+        metrics = (declared[0] if declared else bt).decisive() or ct.decisive()
+        if not metrics:
+            skipped.append(f"{task}: no metric recorded, skipped")
+        deltas += [task_delta(task, metric, b_inst, cand.instances[task]) for metric in metrics]
+    judge(deltas, max_acc_drop, alpha)
+    return deltas, [delta_line(d, base.tasks[d.task], cand.tasks[d.task]) for d in deltas] + skipped
+
+
+def _legacy_accuracy(base: dict, cand: dict, max_acc_drop: float | None) -> str:
+    """The accuracy check of runs without per-instance results: an absolute drop of the summaries' accuracy."""
+    limit = LEGACY_MAX_ACC_DROP if max_acc_drop is None else max_acc_drop
+    b_acc, c_acc = _get(base, "accuracy"), _get(cand, "accuracy")
+    if b_acc is None or c_acc is None:
+        return "accuracy: not recorded in both runs, skipped"
+    drop = b_acc - c_acc
+    desc = f"candidate {c_acc:.4f} vs base {b_acc:.4f} ({-drop:+.4f})"
+    if drop > limit + _EPS:
+        return f"REGRESSION accuracy: {desc} dropped by more than the {limit:.4f} allowed"
+    return f"accuracy: {desc} ok"
+
+
+def _speed_and_cache(base: dict, cand: dict, max_slowdown: float, min_hit_ratio: float) -> list[str]:
     lines: list[str] = []
 
     def check(bad: bool, name: str, desc: str, why: str) -> None:
@@ -315,13 +702,37 @@ def compare(base: dict, cand: dict, max_slowdown: float = 0.05, min_hit_ratio: f
           f"candidate {_get(cand, 'hit_rate'):.4f} of optimal {_get(cand, 'optimal_hit_rate'):.4f} "
           f"(ratio {ratio:.4f}, base {hit_ratio(base):.4f})",
           f"is below the {min_hit_ratio:.4f} required")
+    return lines
 
-    b_acc, c_acc = _get(base, "accuracy"), _get(cand, "accuracy")
-    if b_acc is None or c_acc is None:
-        lines.append("accuracy: not recorded in both runs, skipped")
-    else:
-        drop = b_acc - c_acc
-        check(drop > max_acc_drop + _EPS, "accuracy",
-              f"candidate {c_acc:.4f} vs base {b_acc:.4f} ({-drop:+.4f})",
-              f"dropped by more than the {max_acc_drop:.4f} allowed")
-    return not any(line.startswith("REGRESSION") for line in lines), lines
+
+def compare_runs(base: Run | dict, cand: Run | dict, max_slowdown: float = 0.05, min_hit_ratio: float = 0.99,
+                 max_acc_drop: float | None = None, alpha: float = 0.05) -> Comparison:
+    """Check candidate against base for speed, cache-hit and accuracy regressions.
+
+    Speed and hit rate are the whole runs'. Accuracy is each task's, on the instances both runs scored: a
+    paired test (`stats.paired_test`) of the task's primary metric (every metric where it has none) flags a
+    drop significant at `alpha`, or one larger than `max_acc_drop` when given. Runs without per-instance
+    results (summaries alone) compare their accuracy against `max_acc_drop` (LEGACY_MAX_ACC_DROP if None).
+    Limits are inclusive (exactly at a threshold passes). UserError if the thresholds are out of range or the
+    runs are not comparable: other workloads (`workload_differences`), other instances (`instance_differences`).
+    """
+    check_thresholds(max_slowdown, min_hit_ratio, max_acc_drop, alpha)
+    b, c = as_run(base), as_run(cand)
+    _get(b.summary, "task"), _get(c.summary, "task")
+    _get(b.summary, "counts.instances"), _get(c.summary, "counts.instances")
+    diff = workload_differences(b.summary, c.summary)
+    if diff:
+        raise UserError(f"cannot compare: base and candidate ran different workloads (base vs candidate: "
+                        f"{'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''})")
+    lines = _speed_and_cache(b.summary, c.summary, max_slowdown, min_hit_ratio)
+    if b.instances is None or c.instances is None:
+        return Comparison(lines + [_legacy_accuracy(b.summary, c.summary, max_acc_drop)], [])
+    deltas, task_lines = _task_deltas(b, c, max_acc_drop, alpha)
+    return Comparison(lines + task_lines, deltas)
+
+
+def compare(base: Run | dict, cand: Run | dict, max_slowdown: float = 0.05, min_hit_ratio: float = 0.99,
+            max_acc_drop: float | None = None, alpha: float = 0.05) -> tuple[bool, list[str]]:
+    """`compare_runs` as (ok, lines)."""
+    found = compare_runs(base, cand, max_slowdown, min_hit_ratio, max_acc_drop, alpha)
+    return found.ok, found.lines

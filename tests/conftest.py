@@ -152,3 +152,45 @@ def random_requests(rng: random.Random, n: int, vocab: int = 128) -> list[ScoreR
         cut = rng.randint(1, len(toks) - 1)
         reqs.append(ScoreRequest(toks[:cut], toks[cut:]))
     return reqs
+
+
+class Page:
+    """An HTML file parsed by html.parser: its tags counted, every attribute, the text."""
+
+    def __init__(self, text: str):
+        from collections import Counter
+        from html.parser import HTMLParser
+
+        self.tags: Counter = Counter()
+        self.attrs: list = []
+        self.text: list = []
+        page = self
+
+        class Parser(HTMLParser):
+            def handle_starttag(self, tag, attrs):
+                page.tags[tag] += 1
+                page.attrs += [(tag, k, v) for k, v in attrs]
+
+            def handle_startendtag(self, tag, attrs):
+                self.handle_starttag(tag, attrs)
+
+            def handle_data(self, data):
+                page.text.append(data)
+
+        parser = Parser()
+        parser.feed(text)
+        parser.close()
+
+
+def assert_self_contained_html(text: str, plots: int) -> Page:
+    """`lmbatch report --html`'s page: it parses, holds one SVG per plot (each a figure), and refers to
+    nothing outside itself (no script, stylesheet, image or link; no URL)."""
+    page = Page(text)
+    assert text.startswith("<!DOCTYPE html>") and page.tags["html"] == page.tags["body"] == 1
+    assert page.tags["svg"] == page.tags["figure"] == plots         # one SVG per plot, each a figure
+    assert not {"script", "link", "img", "iframe", "object", "embed", "use", "image", "base"} & set(page.tags)
+    refs = [(t, k, v) for t, k, v in page.attrs if k in ("src", "href", "xlink:href", "srcset", "action", "data")]
+    assert not refs, refs
+    for needle in ("http:", "https:", "src=", "href=", "url(", "@import", "//"):
+        assert needle not in text, needle
+    return page

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A fast smoke test of the CLI on the installed lmbatch and its dependencies (about a minute): help, the
 # parsing of every `lmbatch run` option, a dry run, tiny real runs (the embedded model natively, through its
-# chat template, with constrained generation; a tiny GPT-2 through the transformers fallback), and report.
+# chat template, with constrained generation; a tiny GPT-2 through the transformers fallback), and report
+# (a table, a comparison, an HTML page).
 #
 #   tools/smoke.sh            on the active venv (a developer's .venv holds the newest, tested set)
 #   tools/smoke.sh --oldest   first makes .venv-oldest (or the folder given after it) with the oldest
@@ -98,4 +99,5 @@ EOF
 check "a run through the transformers fallback" lmbatch run "${runs[@]}" --model "$tmp/gpt2" --run-id fallback
 check "lmbatch report" has "native" lmbatch report "$out/native" "$out/chat" "$out/json" "$out/fallback"
 check "lmbatch report --compare" lmbatch report --compare "$out/native" "$out/native"
+check "lmbatch report --html" lmbatch report "$out/native" "$out/json" --html "$tmp/report.html"
 echo "smoke: every check passed in $((SECONDS - start)) s"

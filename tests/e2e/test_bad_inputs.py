@@ -196,6 +196,26 @@ def _report_files(name: str, alter, needles):
     return case
 
 
+def _other_instances(e: Env):
+    """A copy of the earlier run over other instances (its ids changed), its files recorded as a run records
+    them: the same workload by its summary, other instances by its instances.parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from lmbatch.outputs import file_record
+
+    d = e.variant("oi", lambda s: None)
+    f = d / "instances.parquet"
+    t = pq.read_table(f)
+    pq.write_table(t.set_column(t.schema.get_field_index("id"), "id", pa.array([i + "x" for i in
+                                                                                 t.column("id").to_pylist()])), f)
+    s = json.loads((d / "summary.json").read_text())
+    s["files"]["instances.parquet"] = file_record(f, t.num_rows)
+    (d / "summary.json").write_text(json.dumps(s))
+    return ["report", "--compare", e.out / "earlier", d], ["cannot compare", "ran different instances",
+                                                            "1 instance only in base, e.g. id 'anatomy/0'"]
+
+
 def _run_dir_is_a_file(e: Env):
     (e.out / "earlier-file").write_text("x")
     return e.run(run_id="earlier-file")
@@ -330,6 +350,11 @@ CASES: list[tuple[str, Callable, list[str]]] = [
     ("max-slowdown-negative", _report_compare("--max-slowdown", -1), []),
     ("min-hit-ratio-above-1", _report_compare("--min-hit-ratio", 1.5), []),
     ("max-acc-drop-nan", _report_compare("--max-acc-drop", "nan"), []),
+    ("alpha-above-1", _report_compare("--alpha", 2), []),
+    ("compare-other-instances", _other_instances, []),
+    ("html-in-a-missing-folder", lambda e: ["report", e.out / "earlier", "--html", e.out / "nowhere" / "r.html"],
+     ["--html", "nowhere", "does not exist"]),
+    ("html-a-folder", lambda e: ["report", e.out / "earlier", "--html", e.out], ["--html", "name a file"]),
     ("report-format", lambda e: ["report", e.out / "earlier", "--format", "html"], ["'html'"]),
     ("report-nothing", lambda e: ["report"], ["give one or more run directories"]),
 ]

@@ -180,6 +180,35 @@ def test_report_and_compare_exit_codes(tiny, tmp_path):
     _error(lmbatch("report", tmp_path / "missing"), "not an lmbatch run directory")
 
 
+def test_report_of_real_runs_stderr_paired_compare_and_html(tiny, tmp_path):
+    """Issue 39 on real runs (written by lmbatch run, no tasks block): the task's view derived from
+    instances.parquet equals the summary's metrics, its standard error lm-eval's formula over the instances; a
+    candidate scheduled otherwise scores the same instances the same (McNemar p 1); the HTML report of both."""
+    from conftest import assert_self_contained_html
+
+    from lmbatch.report import load_run
+    from lmbatch.stats import mean_stderr
+
+    for name, extra in (("base", []), ("random", ["--schedule", "random"])):
+        r = lmbatch("run", "mmlu", "--shots", 1, "--limit", 3, "--subjects", "anatomy", "--subjects", "virology",
+                    "--model", tiny, "--out", tmp_path, "--run-id", name, "--quiet", *extra)
+        assert r.exit_code == 0, r.output
+    base = load_run(tmp_path / "base")
+    task = base.tasks["mmlu"]
+    acc = [m["acc"] for m in pq.read_table(tmp_path / "base" / "instances.parquet").to_pydict()["metrics"]
+           for m in [dict(m)]]
+    assert (task.n, task.failed, task.primary_metric) == (6, 0, "acc")
+    assert task.metrics["acc"] == pytest.approx(base.summary["metrics"]["acc"]) and len(acc) == 6
+    assert task.stderr["acc"] == pytest.approx(mean_stderr(acc))
+    rows = json.loads(lmbatch("report", tmp_path / "base", "--format", "json").output)
+    assert rows[0]["accuracy_stderr"] == pytest.approx(mean_stderr(acc))
+    html = tmp_path / "report.html"
+    r = lmbatch("report", "--compare", tmp_path / "base", tmp_path / "random", "--max-slowdown", 100, "--html", html)
+    assert r.exit_code == 0, r.output
+    assert r.output.splitlines()[2].endswith("over 6 instances: 0 worse, 0 better; McNemar mid-p p=1) ok")
+    assert_self_contained_html(html.read_text(encoding="utf-8"), plots=5)
+
+
 def test_tasks_lists_the_builtin_workloads():
     r = lmbatch("tasks")
     assert r.exit_code == 0

@@ -1,10 +1,12 @@
 """lmbatch.report on synthetic run directories (no model, no data)."""
 
 import json
+import math
 import re
 from pathlib import Path
 
 import pytest
+from conftest import assert_self_contained_html as assert_self_contained
 
 from lmbatch.errors import UserError
 from lmbatch.report import compare, load_summary, render, report_rows
@@ -48,7 +50,8 @@ def test_rows_and_ratio(rows):
     a = rows[0]
     assert a == {
         "run_id": "run-a", "task": "mmlu", "model": "SmolLM2-135M-Instruct", "shots": 5, "dtype": "float32",
-        "device": "cpu", "instances": 570, "failed": None, "accuracy": 0.31, "hit_rate": 0.43, "optimal_hit_rate": 0.86,
+        "device": "cpu", "instances": 570, "failed": None, "accuracy": 0.31, "accuracy_stderr": None, "hit_rate": 0.43,
+        "optimal_hit_rate": 0.86,
         "hit_ratio": 0.5, "execute_s": 47.5, "programs_per_s": 12.0,
         "prompt_tokens_per_s": 21052.63, "computed_tokens_per_s": 4210.5,
     }
@@ -174,6 +177,24 @@ def test_small_rates_are_readable():
 
 # --- a run's files are checked against its summary (#22 item 5) -------------------------------------------
 
+def instances_table(task: str, scores: dict, errors: dict | None = None):
+    """instances.parquet's table (lmbatch.outputs.INSTANCE_SCHEMA) of one task: each id's metrics, or its error
+    (errors: id -> message; such an instance has no metrics)."""
+    import pyarrow as pa
+
+    from lmbatch.outputs import INSTANCE_SCHEMA
+
+    errors = errors or {}
+    ids = list(dict.fromkeys([*scores, *errors]))
+    rows = [dict(task=task, subject="", id=i, prediction="0", gold="0",
+                 correct=None if i in errors or "acc" not in scores[i] else bool(scores[i]["acc"]),
+                 logprobs=[], is_greedy=[], metrics=list(({} if i in errors else scores[i]).items()), outputs="{}",
+                 error=errors.get(i), prompt_tokens=10, cached_tokens=6, computed_tokens=4, decode_tokens=0,
+                 inputs="{}")
+            for i in ids]
+    return pa.Table.from_pylist(rows, schema=INSTANCE_SCHEMA)
+
+
 def write_checked_run(root: Path, run_id: str, ids=("a1", "a2")) -> Path:
     """A run directory whose summary records its two Parquet files as the runner does (outputs.file_record)."""
     import pyarrow as pa
@@ -183,7 +204,7 @@ def write_checked_run(root: Path, run_id: str, ids=("a1", "a2")) -> Path:
 
     run = root / run_id
     run.mkdir()
-    tables = {"instances.parquet": pa.table({"id": list(ids), "prediction": ["A"] * len(ids)}),
+    tables = {"instances.parquet": instances_table("mmlu", {i: {"acc": 1.0} for i in ids}),
               "requests.parquet": pa.table({"order": list(range(2 * len(ids))),
                                             "instance_id": [i for i in ids for _ in (0, 1)]})}
     files = {}
@@ -227,9 +248,13 @@ def test_report_of_an_intact_run(tmp_path):
     r = report_cli(a, b)
     assert r.exit_code == 0, r.output
     assert [ln.split()[0] for ln in r.stdout.splitlines()[2:]] == ["run-a", "run-b"]
-    r = report_cli("--compare", a, b)
+    r = report_cli("--compare", a, write_checked_run(tmp_path, "run-a2"))      # the same instances
     assert r.exit_code == 0, r.output
     assert load_summary(a)["files"]["instances.parquet"]["rows"] == 2
+    # other instances (ids a1, a2 vs b1, b2) are not compared: one line
+    assert_one_line_error(report_cli("--compare", a, b), "cannot compare: base and candidate ran different "
+                          "instances (task 'mmlu': 2 instances only in base, e.g. id 'a1'; task 'mmlu': 2 "
+                          "instances only in candidate, e.g. id 'b1')")
 
 
 def _truncate(run: Path, other: Path) -> None:
@@ -386,3 +411,285 @@ def test_a_summary_with_a_field_of_another_type_is_one_line(tmp_path, field, val
     if field != "files":            # the same check on a summary given as a dict
         with pytest.raises(UserError, match=re.escape(needle.split(" is ")[0])):
             report_rows([s])
+
+
+# --- issue 39: standard errors, per-task views, paired comparisons, the HTML report ----------------------------
+
+def write_scored_run(root: Path, run_id: str, scores: dict, errors: dict | None = None, tasks_block: bool = False,
+                     **summary) -> Path:
+    """A run directory as lmbatch writes it, of made-up per-instance results: scores is task -> id -> metrics
+    (errors: task -> id -> message, failed instances). Its summary records instances.parquet; its metrics are
+    the means over the scored instances; with tasks_block, it has summary.json's `tasks` block too."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from lmbatch.outputs import file_record
+
+    errors = errors or {}
+    run = root / run_id
+    run.mkdir()
+    table = pa.concat_tables([instances_table(t, scores.get(t, {}), errors.get(t)) for t in {**scores, **errors}])
+    pq.write_table(table, run / "instances.parquet")
+    values = [m for t in scores.values() for m in t.values()]
+    names = sorted({k for m in values for k in m})
+    means = {k: sum(m[k] for m in values if k in m) / sum(k in m for m in values) for k in names}
+    s = make_summary(run_id, task=",".join(scores) if len(scores) > 1 else next(iter(scores)),
+                     instances=table.num_rows, accuracy=means.get("acc"))
+    s.update(metrics=means, files={"instances.parquet": file_record(run / "instances.parquet", table.num_rows)},
+             **summary)
+    s["counts"]["failed_instances"] = sum(len(e) for e in errors.values())
+    if tasks_block:
+        s["tasks"] = {t: task_block(v) for t, v in scores.items()}
+    (run / "summary.json").write_text(json.dumps(s))
+    return run
+
+
+def task_block(scores: dict) -> dict:
+    """A task of summary.json's `tasks` block, as the suite runner writes it (its stderr by hand: 0.0 marks it)."""
+    acc = [m["acc"] for m in scores.values()]
+    return {"n": len(scores), "failed": 0, "primary_metric": "acc",
+            "metrics": {"acc": sum(acc) / len(acc), "acc_stderr": 0.0123},
+            "prompt_tokens": 10 * len(scores), "cached_tokens": 6 * len(scores), "computed_tokens": 4 * len(scores),
+            "hit_rate": 0.6, "optimal_hit_rate": 0.625}
+
+
+def accs(values: list) -> dict:
+    return {f"q{i}": {"acc": float(v)} for i, v in enumerate(values)}
+
+
+BASE = [i % 2 for i in range(400)]                                  # 200 of 400 right
+
+
+def flipped(worse: int, better: int) -> list:
+    """BASE with `worse` right answers turned wrong and `better` wrong ones turned right."""
+    out, right, wrong = list(BASE), [i for i, v in enumerate(BASE) if v], [i for i, v in enumerate(BASE) if not v]
+    for i in right[:worse]:
+        out[i] = 0
+    for i in wrong[:better]:
+        out[i] = 1
+    return out
+
+
+def test_the_table_shows_standard_errors_computed_by_hand(tmp_path):
+    from lmbatch.report import load_run
+
+    run = write_scored_run(tmp_path, "r", {"mmlu": accs([1, 0, 1, 1])})
+    row = report_rows([load_run(run)])[0]
+    assert row["accuracy"] == 0.75 and row["accuracy_stderr"] == pytest.approx(0.25, abs=1e-15)   # see test_stats
+    lines = render([row], "table").splitlines()
+    assert "0.7500 ± 0.2500" in lines[2] and "accuracy_stderr" not in lines[0]
+    assert "| 0.7500 ± 0.2500 |" in render([row], "markdown")
+    assert json.loads(render([row], "json"))[0]["accuracy_stderr"] == pytest.approx(0.25)
+
+
+def test_every_metric_has_its_standard_error(tmp_path):
+    from lmbatch.report import load_run
+
+    scores = {"a": {"acc": 1.0, "acc_norm": 1.0}, "b": {"acc": 0.0, "acc_norm": 1.0},
+              "c": {"acc": 0.0, "acc_norm": 0.0}}
+    row = report_rows([load_run(write_scored_run(tmp_path, "hs", {"hellaswag": scores}))])[0]
+    third = math.sqrt((2 * (1 / 3) ** 2 + (2 / 3) ** 2) / 2) / math.sqrt(3)
+    assert row["accuracy_stderr"] == pytest.approx(third) and row["acc_norm_stderr"] == pytest.approx(third)
+    assert render([row], "table").splitlines()[0].split()[8:10] == ["accuracy", "acc_norm"]
+
+
+def test_a_suite_run_has_a_row_per_task(tmp_path):
+    from lmbatch.report import load_run
+
+    run = write_scored_run(tmp_path, "suite", {"arc_easy:rc": accs([1, 0, 1]), "boolq:mc": accs([1, 1])},
+                           tasks_block=True)
+    rows = report_rows([load_run(run)])
+    assert [(r["run_id"], r["task"]) for r in rows] == [("suite", "arc_easy:rc,boolq:mc"), ("suite", "arc_easy:rc"),
+                                                        ("suite", "boolq:mc")]
+    arc = rows[1]
+    assert (arc["instances"], arc["failed"], arc["accuracy"], arc["accuracy_stderr"]) == (3, 0, 2 / 3, 0.0123)
+    assert (arc["hit_rate"], arc["optimal_hit_rate"], arc["hit_ratio"]) == (0.6, 0.625, 0.96)
+    assert arc["programs_per_s"] is None            # one batch over one tree: speed is the run's
+    assert "0.6667 ± 0.0123" in render(rows, "table")
+
+
+def test_a_tasks_block_of_another_type_is_one_line(tmp_path):
+    from lmbatch.report import load_run
+
+    run = write_scored_run(tmp_path, "s", {"t": accs([1, 0])}, tasks={"t": {"n": "2", "metrics": {}}})
+    with pytest.raises(UserError, match=r"task 't': field 'n' is '2' \(str\), not an integer"):
+        report_rows([load_run(run)])
+
+
+def compare_cli(base: Path, cand: Path, *extra):
+    r = report_cli("--compare", base, cand, *extra)
+    assert r.exit_code in (0, 1), r.output
+    return r.exit_code, [ln for ln in r.stdout.splitlines() if ln.startswith(("REGRESSION", "mmlu"))]
+
+
+def test_a_real_drop_is_a_regression_a_noise_sized_one_is_not(tmp_path):
+    base = write_scored_run(tmp_path, "base", {"mmlu": accs(BASE)})
+    real = write_scored_run(tmp_path, "real", {"mmlu": accs(flipped(40, 5))})     # -0.0875
+    noise = write_scored_run(tmp_path, "noise", {"mmlu": accs(flipped(10, 6))})   # -0.0100
+    code, lines = compare_cli(base, real)
+    assert code == 1 and lines == [
+        f"REGRESSION mmlu acc: candidate 0.4125 ± 0.0246 vs base 0.5000 ± 0.0250 (-0.0875 over 400 instances: "
+        f"40 worse, 5 better; McNemar mid-p p={mcnemar(40, 5):.3g}) a significant drop (p {mcnemar(40, 5):.3g} "
+        f"< alpha 0.05)"]
+    code, lines = compare_cli(base, noise)
+    assert code == 0 and lines[0].startswith("mmlu acc: candidate 0.4900") and lines[0].endswith(
+        f"(-0.0100 over 400 instances: 10 worse, 6 better; McNemar mid-p p={mcnemar(10, 6):.3g}) ok")
+    assert mcnemar(10, 6) > 0.3
+    # the drop the old fixed threshold (0.005) flagged, when asked for; --alpha 0: that threshold alone
+    assert compare_cli(base, noise, "--max-acc-drop", 0.005)[1][0].endswith("dropped by more than the 0.0050 allowed")
+    assert compare_cli(base, noise, "--max-acc-drop", 0.01)[0] == 0                 # inclusive
+    assert compare_cli(base, real, "--alpha", 0)[0] == 0
+    assert compare_cli(base, real, "--alpha", 0, "--max-acc-drop", 0.005)[0] == 1
+    # a rise is never a regression, however significant
+    assert compare_cli(real, base)[0] == 0
+
+
+def mcnemar(b: int, c: int) -> float:
+    from lmbatch.stats import mcnemar_midp
+
+    return mcnemar_midp(b, c)
+
+
+def test_compare_pairs_only_instances_scored_in_both(tmp_path):
+    base = write_scored_run(tmp_path, "base", {"mmlu": accs(BASE)})
+    scores = accs(flipped(0, 0))
+    failed = {k: "score: ValueError: x" for k in list(scores)[:20]}      # 10 right, 10 wrong in base
+    cand = write_scored_run(tmp_path, "cand", {"mmlu": {k: v for k, v in scores.items() if k not in failed}},
+                            errors={"mmlu": failed})
+    code, lines = compare_cli(base, cand)
+    assert code == 0 and "+0.0000 over 380 instances: 0 worse, 0 better" in lines[0]
+    assert lines[0].endswith("; failed: candidate 20, base 0) ok")
+
+
+@pytest.mark.parametrize("cand_scores,needle", [
+    ({"mmlu": {**accs(BASE[:399]), "other": {"acc": 1.0}}},
+     "task 'mmlu': 1 instance only in base, e.g. id 'q399'; task 'mmlu': 1 instance only in candidate, e.g. id "
+     "'other'"),
+    ({"mmlu": accs(BASE[:200]), "hellaswag": accs(BASE[200:])}, "task 'hellaswag' only in candidate"),
+], ids=["other-ids", "other-tasks"])
+def test_compare_refuses_runs_over_other_instances_in_one_line(tmp_path, cand_scores, needle):
+    base = write_scored_run(tmp_path, "base", {"mmlu": accs(BASE)})
+    cand = write_scored_run(tmp_path, "cand", cand_scores)
+    s = json.loads((cand / "summary.json").read_text())
+    s["task"] = "mmlu"                  # the same workload as far as the summaries tell
+    (cand / "summary.json").write_text(json.dumps(s))
+    assert_one_line_error(report_cli("--compare", base, cand), "cannot compare: base and candidate ran different "
+                          "instances (task 'mmlu'", needle)
+    with pytest.raises(UserError, match="ran different instances"):
+        compare(*map(__import__("lmbatch.report", fromlist=["load_run"]).load_run, (base, cand)))
+
+
+def test_compare_a_suite_per_task(tmp_path):
+    scores = {"arc_easy:rc": accs(BASE), "boolq:mc": accs(BASE)}
+    base = write_scored_run(tmp_path, "base", scores, tasks_block=True)
+    cand = write_scored_run(tmp_path, "cand", {"arc_easy:rc": accs(BASE), "boolq:mc": accs(flipped(40, 5))},
+                            tasks_block=True)
+    r = report_cli("--compare", base, cand)
+    assert r.exit_code == 1
+    lines = r.stdout.splitlines()[2:]
+    assert len(lines) == 2 and lines[0].startswith("arc_easy:rc acc: candidate 0.5000") and lines[0].endswith(" ok")
+    assert lines[1].startswith("REGRESSION boolq:mc acc: candidate 0.4125")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--alpha", 1.5], "--alpha 1.5: it must be a fraction from 0 to 1"),
+    (["--alpha", "nan"], "--alpha nan"),
+    (["--max-acc-drop", -0.1], "--max-acc-drop -0.1"),
+])
+def test_alpha_and_max_acc_drop_are_checked(tmp_path, args, needle):
+    base = write_scored_run(tmp_path, "base", {"mmlu": accs(BASE)})
+    assert_one_line_error(report_cli("--compare", base, base, *args), needle)
+
+
+def test_the_html_report_is_one_self_contained_file(tmp_path):
+    base = write_scored_run(tmp_path, "base", {"mmlu": accs(BASE)})
+    cand = write_scored_run(tmp_path, "cand", {"mmlu": accs(flipped(40, 5))})
+    suite = write_scored_run(tmp_path, "suite", {"arc_easy:rc": accs([1, 0, 1]), "boolq:mc": accs([1, 1])},
+                             tasks_block=True)
+    out = tmp_path / "out" / "report.html"
+    out.parent.mkdir()
+    out.write_text("an earlier report")
+    r = report_cli(base, cand, suite, "--html", out)
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines()[0].split()[:2] == ["run_id", "task"]      # the text table stays the output
+    assert [p.name for p in out.parent.iterdir()] == ["report.html"]       # replaced, no temporary file left
+    page = assert_self_contained(out.read_text(encoding="utf-8"), plots=4)
+    text = " ".join(page.text)
+    # scores with their standard errors, a bar per run: mmlu's two runs, the suite's two tasks
+    for shown in ("mmlu acc", "0.5000 ± 0.0250", "0.4125 ± 0.0246", "arc_easy:rc acc", "0.6667 ± 0.0123"):
+        assert shown in text, shown
+    assert "0.6000 of 0.6250" in text and "0.8600 of 0.8600" in text         # hit rate of its optimum
+    assert "200 of 1k (20.0%)" in text and "12 of 30 (40.0%)" in text      # tokens computed of prompt tokens
+    assert "cand: execute 47.50s" in text                                    # where the time went
+
+
+def test_the_html_report_of_a_comparison_shows_each_tasks_delta(tmp_path):
+    base = write_scored_run(tmp_path, "base", {"mmlu": accs(BASE)})
+    cand = write_scored_run(tmp_path, "cand", {"mmlu": accs(flipped(40, 5))})
+    out = tmp_path / "cmp.html"
+    r = report_cli("--compare", base, cand, "--html", out)
+    assert r.exit_code == 1 and "REGRESSION mmlu acc" in r.stdout
+    page = assert_self_contained(out.read_text(encoding="utf-8"), plots=5)
+    text = " ".join(page.text)
+    assert "-0.0875 p=4.41e-08" in text and "REGRESSION: a significant drop (p 4.41e-08 < alpha 0.05)" in text
+    assert "#d03c3c" in out.read_text()                                    # the regression's bar is red
+
+
+def test_an_html_file_that_cannot_be_written_is_one_line(tmp_path):
+    base = write_scored_run(tmp_path, "base", {"mmlu": accs(BASE)})
+    assert_one_line_error(report_cli(base, "--html", tmp_path / "absent" / "r.html"), "--html", "does not exist")
+    assert_one_line_error(report_cli(base, "--html", tmp_path), "--html", "name a file to write")
+    assert_one_line_error(report_cli(tmp_path / "nothing", "--html", tmp_path / "r.html"), "not an lmbatch run")
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_a_suite_raises_no_more_false_alarms_than_one_task(tmp_path):
+    """p 0.021 on one task alone is a regression at alpha 0.05; as one of ten tasks compared together it is
+    what chance gives one task in ten (Holm: second smallest of ten, 9 x 0.021), while a real drop stays one."""
+    from lmbatch.report import compare_runs, load_run
+
+    alone = compare_runs(load_run(write_scored_run(tmp_path, "b1", {"t0": accs(BASE)})),
+                         load_run(write_scored_run(tmp_path, "c1", {"t0": accs(flipped(12, 3))})))
+    assert [d.regression for d in alone.deltas] == [True] and alone.deltas[0].p_holm == mcnemar(12, 3) < 0.05
+    tasks = {f"t{i}": accs(BASE) for i in range(10)}
+    base = load_run(write_scored_run(tmp_path, "base", tasks, tasks_block=True))
+    cand = load_run(write_scored_run(tmp_path, "cand", {**tasks, "t0": accs(flipped(12, 3)),
+                                                        "t1": accs(flipped(40, 5))}, tasks_block=True))
+    found = compare_runs(base, cand)
+    assert [d.regression for d in found.deltas] == [False, True] + [False] * 8
+    assert found.deltas[0].p_holm == pytest.approx(9 * mcnemar(12, 3)) and found.deltas[0].tests == 10
+    assert found.lines[2].endswith(f"McNemar mid-p p={mcnemar(12, 3):.3g}, Holm {9 * mcnemar(12, 3):.3g}) ok")
+    assert found.lines[3].endswith(f"a significant drop (p {mcnemar(40, 5):.3g}, Holm-adjusted over 10 tests "
+                                   f"{10 * mcnemar(40, 5):.3g} < alpha 0.05)")
+
+
+def test_the_primary_metric_a_tasks_block_declares_decides(tmp_path):
+    """A run written before the tasks block (primary acc, derived) against one whose block declares acc_norm:
+    acc_norm decides, whichever run is the base."""
+    from lmbatch.report import compare_runs, load_run
+
+    same, worse = accs(BASE), accs(flipped(40, 5))
+    old = {k: {"acc": v["acc"], "acc_norm": v["acc"]} for k, v in same.items()}
+    new = {k: {"acc": v["acc"], "acc_norm": w["acc"]} for (k, v), w in zip(same.items(), worse.values())}
+    legacy = load_run(write_scored_run(tmp_path, "legacy", {"hellaswag": old}))
+    block = {"hellaswag": {**task_block(same), "primary_metric": "acc_norm"}}
+    current = load_run(write_scored_run(tmp_path, "current", {"hellaswag": new}, tasks=block))
+    for base, cand in ((legacy, current), (current, legacy)):
+        found = compare_runs(base, cand)
+        assert [(d.task, d.metric) for d in found.deltas] == [("hellaswag", "acc_norm")]
+    assert not compare_runs(legacy, current).ok and compare_runs(current, legacy).ok
+
+
+def test_a_suite_summarys_own_accuracy_error_and_shots_are_shown(tmp_path):
+    """A suite's accuracy is over each task's primary metric: its summary's accuracy_stderr is that mean's,
+    not acc's; its top-level shots (null when its tasks' differ) is the one shown."""
+    from lmbatch.report import load_run
+
+    run = write_scored_run(tmp_path, "suite", {"arc_easy:rc": accs([1, 0, 1]), "boolq:mc": accs([1, 1])},
+                           tasks_block=True, accuracy_stderr=0.0456, shots=None)
+    row = report_rows([load_run(run)])[0]
+    assert (row["accuracy_stderr"], row["shots"]) == (0.0456, None)
+    s = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**s, "accuracy_stderr": "0.1"}))
+    with pytest.raises(UserError, match="field 'accuracy_stderr' is '0.1'"):
+        load_run(run)
