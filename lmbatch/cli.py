@@ -200,6 +200,9 @@ def _write_html(path: Optional[Path], runs: list[Run], comparison: Optional[Comp
 def lm_eval(ctx: typer.Context) -> None:
     """Run lm-evaluation-harness tasks on lmbatch: lm_eval's own arguments (--tasks, --model_args
     pretrained=DIR, --include_path, --output_path, ...); --model lmbatch is implied."""
+    from lmbatch.lm_eval_engine import start_early
+
+    start_early(list(ctx.args))     # the model loads while lm-eval imports and builds its tasks
     try:
         from lmbatch import lm_eval as backend
     except ImportError as e:

