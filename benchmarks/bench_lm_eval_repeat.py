@@ -5,6 +5,7 @@ LM_HARNESS_CACHE_PATH): the repeat's wall over the first's, and whether every sa
 are the same (`--log_samples`).
 
     python benchmarks/bench_lm_eval_repeat.py --device cpu --limit 1      # 2-core CPU: lm-eval's mmlu, 57 subjects
+    python benchmarks/bench_lm_eval_repeat.py --device cpu --limit 1 --use-cache   # lm-eval's answer cache too
     python benchmarks/bench_lm_eval_repeat.py --model DIR --device cuda   # the full task
 """
 from __future__ import annotations
@@ -38,6 +39,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--no-cache-requests", action="store_true", help="without lm-eval's --cache_requests")
+    ap.add_argument("--use-cache", action="store_true",
+                    help="with lm-eval's --use_cache (its sqlite cache of the model's answers: a repeat scores nothing)")
     args = ap.parse_args()
 
     from lmbatch.lm_eval import write_offline_tasks
@@ -58,6 +61,7 @@ def main() -> None:
                "--output_path", str(out), "--log_samples"]
         cmd += [] if args.no_cache_requests else ["--cache_requests", "true"]
         cmd += ["--limit", args.limit] if args.limit else []
+        cmd += ["--use_cache", str(root / "answers")] if args.use_cache else []
         start = time.perf_counter()
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
         walls.append(time.perf_counter() - start)

@@ -144,6 +144,11 @@ def test_the_command_line_starts_the_model_before_lm_eval(model):
     lm2 = LMBatch(pretrained=model, dtype="float32", device="cpu")
     assert lm2._loader is not other and not lm_eval_engine._EARLY and other.loaded.engine is not None
     assert lm.loglikelihood(_instances(PAIRS[:2])) == lm2.loglikelihood(_instances(PAIRS[:2]))
+    # the early engine decodes through a tokenizer made on first use: the same generations, stops included
+    gen = [Instance(request_type="generate_until", doc={}, idx=i,
+                    arguments=(STEM, {"until": [".", " the"], "max_gen_toks": 12, "do_sample": False}))
+           for i in range(2)]
+    assert lm.generate_until(gen) == lm2.generate_until(gen)
     lm.close()
     lm2.close()
     for argv in (["--model", "hf", "--model_args", f"pretrained={model}"],
