@@ -73,6 +73,9 @@ def main() -> None:
     sampler = threading.Thread(target=sample, name="sampler", daemon=True)
     sampler.start()
     start = time.perf_counter()
+    from lmbatch.lm_eval_engine import start_early
+
+    start_early(args)           # as `lmbatch lm-eval` does, before lm-eval is imported
     from lmbatch.lm_eval import main as lm_eval_main
 
     lm_eval_main(args)
