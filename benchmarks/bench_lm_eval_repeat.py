@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--no-cache-requests", action="store_true", help="without lm-eval's --cache_requests")
     ap.add_argument("--use-cache", action="store_true",
-                    help="with lm-eval's --use_cache (its sqlite cache of the model's answers: a repeat scores nothing)")
+                    help="with lm-eval's --use_cache (its sqlite cache of answers: a repeat scores nothing)")
     args = ap.parse_args()
 
     from lmbatch.lm_eval import write_offline_tasks
