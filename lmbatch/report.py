@@ -67,29 +67,31 @@ def load_summary(run_dir: Path) -> dict:
     for dotted in FIELDS:
         _typed(data, dotted, str(path))
     for dotted in REQUIRED:
-        if not _has(data, dotted):
+        if _field(data, dotted) is _ABSENT:
             raise UserError(f"{path} lacks field '{dotted}': not a summary lmbatch wrote")
     _metrics(data, str(path))
     _check_files(Path(run_dir), data.get("files"))
     return data
 
 
-def _has(summary: dict, dotted: str) -> bool:
+def _field(summary: dict, dotted: str) -> Any:
+    """A summary's field by its dotted path ("options.subjects"), or _ABSENT."""
     value: Any = summary
     for key in dotted.split("."):
         if not isinstance(value, dict) or key not in value:
-            return False
+            return _ABSENT
         value = value[key]
-    return True
+    return value
+
+
+_ABSENT = object()
 
 
 def _typed(summary: dict, dotted: str, where: str) -> Any:
     """summary's field `dotted` (None if absent), checked to be what FIELDS says it is."""
-    value: Any = summary
-    for key in dotted.split("."):
-        if not isinstance(value, dict) or key not in value:
-            return None
-        value = value[key]
+    value = _field(summary, dotted)
+    if value is _ABSENT:
+        return None
     kind = FIELDS.get(dotted)
     number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     ok = {_NUMBER: number, _OPTIONAL_NUMBER: value is None or number, _STR: isinstance(value, str),
@@ -537,20 +539,13 @@ def check_thresholds(max_slowdown: float, min_hit_ratio: float, max_acc_drop: fl
 
 
 def _workload(summary: dict, dotted: str) -> Any:
-    """A WORKLOAD field as compared: the model by its folder's name, subjects as a set; absent: None."""
-    value: Any = summary
-    for key in dotted.split("."):
-        if not isinstance(value, dict) or key not in value:
-            return _ABSENT
-        value = value[key]
+    """A WORKLOAD field as compared: the model by its folder's name, subjects as a set; absent: _ABSENT."""
+    value = _field(summary, dotted)
     if dotted == "model" and isinstance(value, str):
         return _model_name(value)
     if dotted == "options.subjects" and isinstance(value, list):
         return sorted(set(map(str, value)))
     return value
-
-
-_ABSENT = object()
 
 
 def workload_differences(base: dict, cand: dict) -> list[str]:
