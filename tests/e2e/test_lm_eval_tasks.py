@@ -60,17 +60,34 @@ def test_tasks_match_lm_evals_hf_backend(task_dir):
         assert ours[task]["results"][task] == theirs[task]["results"][task]
 
 
-def test_lmbatch_lm_eval_command(task_dir, tmp_path):
-    out = tmp_path / "out"
-    res = CliRunner().invoke(app, ["lm-eval", "--model_args", f"pretrained={embedded_model_dir()}", "--device", "cpu",
-                                   "--tasks", "hellaswag_offline", "--include_path", str(task_dir), "--limit", "5",
-                                   "--output_path", str(out)])
+def _samples(out: Path) -> dict[int, list]:
+    return {s["doc_id"]: s["resps"] for f in out.rglob("samples_*.jsonl")
+            for s in map(json.loads, f.read_text().splitlines())}
+
+
+def test_lmbatch_lm_eval_command(task_dir, tmp_path, monkeypatch):
+    """The command, with lm-eval's request cache as README recommends (`--cache_requests true`): a repeat
+    takes lm-eval's requests from that cache and scores every sample as the first run did."""
+    from lm_eval.caching import cache
+
+    monkeypatch.setattr(cache, "PATH", str(tmp_path / "requests"))     # lm-eval reads its path once, at import
+    args = ["lm-eval", "--model_args", f"pretrained={embedded_model_dir()}", "--device", "cpu", "--tasks",
+            "hellaswag_offline", "--include_path", str(task_dir), "--limit", "5", "--cache_requests", "true",
+            "--log_samples", "--output_path"]
+    res = CliRunner().invoke(app, [*args, str(tmp_path / "out")])
     assert res.exit_code == 0, res.output
+    out = tmp_path / "out"
     report = json.loads(next(out.glob("lmbatch_*.json")).read_text())
     assert report["requests"] == 20 and report["hit_rate"] == pytest.approx(report["optimal_hit_rate"])
     assert report["hit_rate"] > 0
     assert list(out.rglob("results_*.json")), "lm-eval wrote no results"
     assert INSTANCES and INSTANCES[-1].stats.requests == 20
+    assert list((tmp_path / "requests").glob("*.pickle")), "lm-eval cached no requests"
+
+    again = CliRunner().invoke(app, [*args, str(tmp_path / "again")])
+    assert again.exit_code == 0, again.output
+    first = _samples(out)
+    assert len(first) == 5 and _samples(tmp_path / "again") == first
 
 
 def test_cached_templates_give_lm_evals_prompts(task_dir, monkeypatch):
