@@ -19,18 +19,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_fixed_costs import timed, write_random_checkpoint  # noqa: E402
+from bench_fixed_costs import lmbatch, timed, write_random_checkpoint  # noqa: E402
 
 
 def _run(args: argparse.Namespace, task: str, model: Path, run_id: str) -> dict:
-    exe = Path(sys.executable).parent / "lmbatch"
-    cli = [str(exe)] if exe.is_file() else [sys.executable, "-c", "from lmbatch.cli import main; main()"]
     runs = Path(args.out) / "runs"
-    shots = ["--shots", "5"] if task == "mmlu" else []     # the suite pins MMLU's; OLMES tasks have theirs
-    cmd = cli + ["run", task, *shots, "--model", str(model), "--out", str(runs), "--run-id", run_id,
-                 "--overwrite", "--quiet", "--device", args.device, *args.lmbatch_args.split()]
-    if args.limit:
-        cmd += ["--limit", str(args.limit)]
+    extra = ["--device", args.device, *args.lmbatch_args.split()] + (["--limit", str(args.limit)] if args.limit else [])
+    # the suite pins MMLU's shots; OLMES tasks have their own
+    cmd = lmbatch(task, model, runs, run_id, extra, shots=5 if task == "mmlu" else None)
     wall = timed(cmd, Path(args.out) / f"{run_id}.log")
     s = json.loads((runs / run_id / "summary.json").read_text())
     row = {"task": task, "wall_s": round(wall, 2), "execute_s": s["time_s"].get("execute"), "time_s": s["time_s"],
