@@ -220,6 +220,9 @@ def main() -> None:
     one took ~2.5 s on a GPU host, after the results were already on disk."""
     import os
 
+    from lmbatch.cache import keep_bytecode
+
+    keep_bytecode()     # before the command's own imports (torch, transformers, lm-eval)
     try:
         app()
         code = 0

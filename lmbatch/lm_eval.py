@@ -535,7 +535,7 @@ def _stored_index(roots: list[Path], resolve_includes: bool, build: Callable[[],
 
     import lm_eval
 
-    from lmbatch.model.checkpoint import cache_dir
+    from lmbatch.cache import cache_dir
 
     own_tasks = Path(lm_eval.__file__).parent / "tasks"
     h = hashlib.sha256(f"{lm_eval.__version__}\0{resolve_includes}".encode())

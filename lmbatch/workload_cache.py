@@ -32,7 +32,7 @@ import numpy as np
 
 from lmbatch.frontend.calls import KnownIds
 from lmbatch.frontend.workload import Instance
-from lmbatch.model.checkpoint import cache_dir
+from lmbatch.cache import cache_dir
 from lmbatch.requests import ScoreRequest
 from lmbatch.scheduler.planner import Plan, plan_from_arrays, plan_to_arrays
 

@@ -99,7 +99,7 @@ def tokenizer_cache_file(model_dir: Path) -> Path:
     """Where the tokenizer AutoTokenizer makes of this folder is cached: keyed by the folder's path
     (AutoTokenizer consults it), its files other than weights, and the versions of transformers and
     tokenizers, which together decide what AutoTokenizer builds."""
-    from lmbatch.model.checkpoint import cache_dir
+    from lmbatch.cache import cache_dir
 
     h = hashlib.sha256(str(model_dir.resolve()).encode())
     for lib in ("transformers", "tokenizers"):

@@ -12,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from lmbatch.cache import cache_dir
 from lmbatch.errors import UserError, first_line
 from lmbatch.model.config import ARCHITECTURES, ModelConfig, config_problem
 from lmbatch.model.shapes import TensorHeader, shape_problem
@@ -28,14 +29,6 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 # is checked with the tokenizers library): each must parse, as an object, before anything reads the folder
 JSON_FILES = ("generation_config.json", "model.safetensors.index.json", "tokenizer_config.json",
               "special_tokens_map.json", "added_tokens.json", "vocab.json")
-
-
-def cache_dir() -> Path:
-    """$LMBATCH_CACHE, else $XDG_CACHE_HOME/lmbatch, else ~/.cache/lmbatch."""
-    if os.environ.get("LMBATCH_CACHE"):
-        return Path(os.environ["LMBATCH_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "lmbatch"
 
 
 def embedded_gguf() -> Path:

@@ -506,3 +506,52 @@ def test_an_unwritable_workload_cache_is_one_notice_and_the_run_goes_on(tiny, tm
     notes = [ln for ln in r.stderr.splitlines() if "LMBATCH_CACHE" in ln]
     assert len(notes) == 1 and "workload cache" in notes[0] and "not writable" in notes[0], r.stderr
     assert "Traceback" not in r.stderr and (tmp_path / "a" / "summary.json").is_file()
+
+
+def test_bytecode_is_kept_in_the_cache_where_python_writes_none(tiny, tmp_path):
+    """`python -B` (as PYTHONDONTWRITEBYTECODE=1): the command keeps the bytecode of what it imports under
+    LMBATCH_CACHE/pycache (a module imported only once the command runs, lmbatch/run.py, is there), and
+    nowhere beside the sources; LMBATCH_PYCACHE=0 keeps none; the outputs are the same."""
+    import subprocess
+    import sys
+
+    import lmbatch
+
+    def run(cache, run_id, **env):
+        r = subprocess.run([sys.executable, "-B", "-c", "from lmbatch.cli import main; main()",
+                            *map(str, run_args(tiny, tmp_path, run_id, "--dry-run"))], capture_output=True, text=True,
+                           env={**os.environ, "LMBATCH_CACHE": str(cache), **env})
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)      # a dry run's plan summary
+
+    source = __import__("pathlib").Path(lmbatch.__file__).resolve().parent
+    kept = run(tmp_path / "c1", "a")
+    tree = tmp_path / "c1" / "pycache"
+    assert [p.name for p in (tree / source.relative_to("/")).glob("run.*.pyc")], sorted(tree.rglob("*.pyc"))[:5]
+    assert len(list(tree.rglob("*.pyc"))) > 50      # typer's lazily imported parts, numpy, the tokenizer ...
+    plain = run(tmp_path / "c2", "b", LMBATCH_PYCACHE="0")
+    assert not (tmp_path / "c2" / "pycache").exists()
+    assert {k: v for k, v in kept.items() if k not in ("time_s", "run_id")} == \
+        {k: v for k, v in plain.items() if k not in ("time_s", "run_id")}
+
+
+def test_keep_bytecode_leaves_python_as_it_is_unless_told_to_write_none(tmp_path, monkeypatch):
+    import sys
+
+    from lmbatch.cache import keep_bytecode
+
+    monkeypatch.setenv("LMBATCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", "")      # restored (absent) after the test, whatever it sets
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX")
+    assert keep_bytecode() is None and sys.pycache_prefix is None      # Python writes beside the sources
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.setattr(sys, "pycache_prefix", "/elsewhere")
+    assert keep_bytecode() is None and sys.pycache_prefix == "/elsewhere"   # the user's own place
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    monkeypatch.setenv("LMBATCH_PYCACHE", "0")
+    assert keep_bytecode() is None and sys.dont_write_bytecode
+    monkeypatch.delenv("LMBATCH_PYCACHE")
+    assert keep_bytecode() == str(tmp_path / "pycache") == sys.pycache_prefix == os.environ["PYTHONPYCACHEPREFIX"]
+    assert not sys.dont_write_bytecode

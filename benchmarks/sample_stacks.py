@@ -1,0 +1,109 @@
+"""Where a Python command spends its time, by function: every thread's stack sampled every 2 ms from a
+thread of this process (nothing patched, no tracing overhead in the code measured), then the functions
+that hold the most samples, self (innermost frame) and inclusive (anywhere on the stack), per thread.
+
+    python benchmarks/sample_stacks.py [--within NAME] [--top 25] -- -m lmbatch.cli run tot-gsm8k ...
+    python benchmarks/sample_stacks.py --within _stream -- benchmarks/bench_programs.py --workload ...
+
+`--within NAME` keeps only samples with a frame of that function name on the stack (e.g. `_stream`:
+the engine's execution). A sample stands for the wall time between two samples; a thread waiting in
+C (a device sync, a lock) shows its waiting frame.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import runpy
+import sys
+import threading
+import time
+from types import FrameType
+
+INTERVAL = 0.002
+
+
+def _label(frame: FrameType) -> str:
+    code = frame.f_code
+    parts = code.co_filename.replace("\\", "/").split("/")
+    return f"{'/'.join(parts[-2:])}:{code.co_name}"
+
+
+def main() -> None:
+    cut = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--within", default=None, help="count only samples with a frame of this function name")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--threads", default="MainThread", help="comma-separated thread names to report, or all")
+    opts = ap.parse_args(sys.argv[1:cut])
+    target = sys.argv[cut + 1:]
+    if not target:
+        raise SystemExit("usage: sample_stacks.py [options] -- SCRIPT.py ARGS | -m MODULE ARGS")
+    self_n: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    incl_n: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    kept: collections.Counter[str] = collections.Counter()
+    names: dict[int, str] = {}
+    done = threading.Event()
+    ticks = [0]
+
+    def sample() -> None:
+        me = threading.get_ident()
+        while not done.wait(INTERVAL):
+            ticks[0] += 1
+            for t in threading.enumerate():
+                names[t.ident or 0] = t.name
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                name = names.get(ident, str(ident))
+                stack, f = [], frame
+                while f is not None:
+                    stack.append(f)
+                    f = f.f_back
+                if opts.within and not any(s.f_code.co_name == opts.within for s in stack):
+                    continue
+                kept[name] += 1
+                self_n[name][_label(stack[0])] += 1
+                for label in {_label(s) for s in stack}:
+                    incl_n[name][label] += 1
+
+    sampler = threading.Thread(target=sample, name="sampler", daemon=True)
+    sampler.start()
+    start = time.perf_counter()
+    code = 0
+    real_exit = os._exit
+
+    def exit_here(status: int) -> None:     # lmbatch's console script ends with os._exit: report first
+        raise SystemExit(status)
+
+    os._exit = exit_here        # type: ignore[assignment]
+    try:
+        if target[0] == "-m":
+            sys.argv = [target[1], *target[2:]]
+            runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = target
+            sys.path.insert(0, str(__import__("pathlib").Path(target[0]).resolve().parent))
+            runpy.run_path(target[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    os._exit = real_exit
+    wall = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    tick = wall / max(ticks[0], 1)
+    print(f"\n[sample_stacks] wall {wall:.1f} s, {ticks[0]} samples (one per {tick * 1000:.1f} ms)"
+          + (f", within {opts.within}" if opts.within else ""), file=sys.stderr)
+    shown = [t for t in kept if opts.threads == "all" or t in opts.threads.split(",")]
+    for thread in shown:
+        print(f"\n[sample_stacks] thread {thread}: {kept[thread] * tick:.2f} s sampled", file=sys.stderr)
+        for title, counter in (("self", self_n[thread]), ("inclusive", incl_n[thread])):
+            print(f"  {title}:", file=sys.stderr)
+            for label, n in counter.most_common(opts.top):
+                print(f"    {n * tick:8.2f} s {n / kept[thread]:6.1%}  {label}", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(code)      # as the profiled command would have ended
+
+
+if __name__ == "__main__":
+    main()
