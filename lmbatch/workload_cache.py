@@ -30,9 +30,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from lmbatch.cache import cache_dir
 from lmbatch.frontend.calls import KnownIds
 from lmbatch.frontend.workload import Instance
-from lmbatch.cache import cache_dir
 from lmbatch.requests import ScoreRequest
 from lmbatch.scheduler.planner import Plan, plan_from_arrays, plan_to_arrays
 
