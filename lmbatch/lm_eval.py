@@ -309,7 +309,10 @@ def main(args: list[str]) -> int:
         if getattr(ns, "command", None) == "run":
             if ns.model == "lmbatch" and ns.device is None and "device" not in (ns.model_args or {}):
                 ns.device = "auto"      # lm-eval's own default would be cuda, GPU or not
-            check_run(ns)
+            if check_run(ns):
+                from lmbatch.lm_eval_engine import tasks_generate
+
+                tasks_generate()
         checked()
         setup_logging()
         cache_templates()
@@ -380,11 +383,12 @@ def check_model_args(args: dict[str, Any]) -> None:
         raise bad("add_bos_token", "use true or false")
 
 
-def check_run(ns: Any) -> None:
+def check_run(ns: Any) -> bool:
     """`lmbatch lm-eval run`'s inputs (lm-eval's parsed arguments), each bad one a UserError of one line
     (lm-eval would raise its ValueError or a ConnectionError deep inside, or lmbatch an error of its own
     after lm-eval's start): lmbatch's model_args and its model folder, that tasks are named, that lm-eval
-    knows them, and, offline, that their data is at hand."""
+    knows them, and, offline, that their data is at hand. Returns whether a task may generate text
+    (True where the tasks cannot be told from lm-eval's index: a config file, task files, Python tasks)."""
     model_args = dict(ns.model_args or {})
     if ns.model == "lmbatch":
         passed = {"batch_size": True, "max_batch_size": ns.max_batch_size is not None, "device": ns.device is not None}
@@ -396,12 +400,12 @@ def check_run(ns: Any) -> None:
         check_model_args(model_args)
     if not ns.tasks:
         if ns.config:       # tasks may come from the config file: lm-eval reads it
-            return
+            return True
         raise UserError("give --tasks: lm-eval task, group or tag names, comma-separated "
                         "(`lmbatch lm-eval ls tasks` lists them)")
     if ns.model == "lmbatch":
         _check_pretrained(model_args.get("pretrained"))
-    _check_tasks([t for task in ns.tasks for t in str(task).split(",") if t], ns.include_path)
+    return _check_tasks([t for task in ns.tasks for t in str(task).split(",") if t], ns.include_path)
 
 
 def _check_pretrained(pretrained: Any) -> None:
@@ -414,9 +418,9 @@ def _check_pretrained(pretrained: Any) -> None:
     check_tokenizer_files(resolve_model(None if pretrained is None else str(pretrained)))
 
 
-def _check_tasks(names: list[str], include_path: str | None) -> None:
+def _check_tasks(names: list[str], include_path: str | None) -> bool:
     """Every task name is one lm-eval's index has (a task, group or tag, or a glob of them), or a task
-    file; offline, every task's data is local."""
+    file; offline, every task's data is local. Returns whether a task may generate (`_may_generate`)."""
     import difflib
     import glob
 
@@ -426,10 +430,11 @@ def _check_tasks(names: list[str], include_path: str | None) -> None:
         if name.endswith(".yaml") and not glob.glob(name):
             raise UserError(f"--tasks {name}: no such task file")
     if len(names) == 1 and Path(names[0]).is_dir():
-        return          # a folder of task files (unless a task has its name): lm-eval reads it
+        return True     # a folder of task files (unless a task has its name): lm-eval reads it
+    files = [n for n in names if n.endswith(".yaml")]
     names = [n for n in names if not n.endswith(".yaml")]
     if not names:
-        return
+        return True
     manager = TaskManager(include_path=include_path)
     for name in names:
         if not manager.match_tasks([name]):
@@ -447,36 +452,58 @@ def _check_tasks(names: list[str], include_path: str | None) -> None:
                                 f"Hub, which is not in the local cache, and {offline} is set: run it once online, "
                                 f"or use tasks over local files (lmbatch.lm_eval.write_offline_tasks writes "
                                 f"mmlu_offline, hellaswag_offline and gsm8k_offline for --include_path)")
+    return bool(files) or _may_generate(manager, names)
 
 
-def _hub_datasets(manager: Any, names: list[str]) -> Iterator[tuple[str, str, str]]:
-    """(name asked for, task, dataset) of every task the names stand for (groups and tags expanded through
-    lm-eval's index) whose dataset_path is a Hugging Face Hub dataset: neither one of `datasets`'
-    packaged builders (json, arrow, ...) nor a local path; tasks of Python classes or custom loaders
-    are not looked into."""
-    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
-
+def _leaves(manager: Any, names: list[str]) -> Iterator[tuple[str, str, str, dict[str, Any]]]:
+    """(name asked for, task, kind, config) of every task the names stand for, groups and tags expanded
+    through lm-eval's index: kind TASK, PY_TASK (a Python class) or UNKNOWN, which stands for what the
+    index does not resolve (a task given inline with its own output type, whose settings are yielded as
+    they stand, or a name the index lacks)."""
     index = manager.task_index
     stack: list[tuple[str, Any]] = [(n, m) for n in names for m in manager.match_tasks([n])]
     seen: set[str] = set()
     while stack:
         asked, item = stack.pop()
-        if isinstance(item, dict):          # a group's member given with overrides, or a group inline
+        if isinstance(item, dict):          # a group's member given with overrides, or a group or task inline
+            if "output_type" in item:
+                yield asked, str(item.get("task")), "UNKNOWN", item
             stack += [(asked, m) for m in _members(item.get("task"))]
             continue
-        entry = index.get(item) if isinstance(item, str) and item not in seen else None
-        if entry is None:
+        if not isinstance(item, str) or item in seen:
             continue
         seen.add(item)
+        entry = index.get(item)
+        if entry is None:
+            yield asked, item, "UNKNOWN", {}
+            continue
         kind, cfg = entry.kind.name, entry.cfg or {}
         if kind == "GROUP":
             stack += [(asked, m) for m in _members(cfg.get("task"))]
         elif kind == "TAG":
             stack += [(asked, m) for m in sorted(entry.tags)]
-        elif kind == "TASK" and not ({"class", "custom_dataset"} & set(cfg)):
+        else:
+            yield asked, item, kind, cfg
+
+
+def _may_generate(manager: Any, names: list[str]) -> bool:
+    """Whether a task the names stand for generates text (lm-eval's `output_type` generate_until, also
+    its default), or may: a task the index does not resolve, or one of a Python class."""
+    return any(kind != "TASK" or cfg.get("class") or cfg.get("output_type", "generate_until") == "generate_until"
+               for _, _, kind, cfg in _leaves(manager, names))
+
+
+def _hub_datasets(manager: Any, names: list[str]) -> Iterator[tuple[str, str, str]]:
+    """(name asked for, task, dataset) of every task the names stand for whose dataset_path is a Hugging
+    Face Hub dataset: neither one of `datasets`' packaged builders (json, arrow, ...) nor a local path;
+    tasks of Python classes or custom loaders are not looked into."""
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+    for asked, task, kind, cfg in _leaves(manager, names):
+        if kind == "TASK" and not ({"class", "custom_dataset"} & set(cfg)):
             path = cfg.get("dataset_path")
             if isinstance(path, str) and path not in _PACKAGED_DATASETS_MODULES and not Path(path).exists():
-                yield asked, item, path
+                yield asked, task, path
 
 
 def _members(task: Any) -> list[Any]:

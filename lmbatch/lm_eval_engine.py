@@ -2,7 +2,12 @@
 is imported. `lmbatch lm-eval` reads `--model_args` and `--device` from the command line first
 (`start_early`), so the model's weights, kernels and graphs load on their own thread while lm-eval
 imports (seconds: torch, transformers, datasets) and builds its tasks; `LMBatch` takes that loader
-when its model args come to the same spec (`loader_for`), and otherwise starts its own."""
+when its model args come to the same spec (`loader_for`), and otherwise starts its own.
+
+Decode graphs are captured ahead only for a run whose tasks generate (`tasks_generate`, called by
+`lmbatch lm-eval` once lm-eval's index tells it): capturing them is seconds of the model thread's Python,
+which a loglikelihood run would pay beside lm-eval's task building for nothing. Where nobody says (the
+Python API), they are captured at the first decode step."""
 from __future__ import annotations
 
 import atexit
@@ -13,6 +18,7 @@ from lmbatch.engine.options import EngineOptions, EngineSpec
 from lmbatch.loading import ModelLoader
 
 _EARLY: dict[EngineSpec, ModelLoader] = {}
+_GENERATES = [False]        # the run's tasks generate: loaders capture decode graphs once built
 
 
 def engine_spec(model_dir: str | Path, args: dict[str, Any]) -> EngineSpec:
@@ -30,14 +36,24 @@ def engine_spec(model_dir: str | Path, args: dict[str, Any]) -> EngineSpec:
                                     attention=str(args.get("attention") or "auto")),
                       data_parallel=str(args.get("data_parallel", 1)),
                       tensor_parallel=int(args.get("tensor_parallel", 1)),
-                      ray_address=args.get("ray_address") or None)
+                      ray_address=args.get("ray_address") or None, graphs_ahead=False)
 
 
 def _started(spec: EngineSpec, tokenizer: Any, user_pool: bool) -> ModelLoader:
     loader = ModelLoader(spec, tokenizer, user_pool)
+    if _GENERATES[0]:
+        loader.capture_graphs()
     # a process that ends (lm-eval's error, say) while the thread is inside torch would abort: it waits
-    atexit.register(loader.thread.join)
+    atexit.register(lambda: loader.thread.join())      # the thread at exit (a capture may follow the load)
     return loader
+
+
+def tasks_generate() -> None:
+    """The run's tasks generate text (or may: `lmbatch lm-eval` could not tell): the model's loader,
+    started or still to start, captures the decode graphs as soon as its engine is built."""
+    _GENERATES[0] = True
+    for loader in _EARLY.values():
+        loader.capture_graphs()
 
 
 def start_early(argv: list[str]) -> None:

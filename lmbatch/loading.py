@@ -1,7 +1,8 @@
 """The model's side of a run, on a thread of its own while the host prepares the workload: torch's
 import, CUDA's start, the engine's fitting (device, dtype, sizes, attention backend), the weights,
-kernels compiled or loaded, decode graphs captured. Each step is timed (`Loaded.seconds`: imports,
-cuda_init, weights, compile, graphs), and its errors (a user's too) are raised where the run takes
+kernels compiled or loaded, decode graphs captured and, for a run that generates, the tokenizer that
+decodes its text made. Each step is timed (`Loaded.seconds`: imports, cuda_init, weights, compile,
+graphs, tokenizer), and its errors (a user's too) are raised where the run takes
 the result. The thread holds the interpreter lock only while it runs Python: torch's import and the
 graphs' capture mostly; the host's work, when it is not cached, runs in a process of its own
 (lmbatch/prepare.py)."""
@@ -11,6 +12,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from lmbatch.model.tokenizer import LazyTokenizer
 from lmbatch.timing import Phases
 
 if TYPE_CHECKING:
@@ -39,8 +41,42 @@ class ModelLoader:
         self.error: BaseException | None = None
         # set once torch and the model's code are imported: the step that most needs the interpreter lock
         self.imported = threading.Event()
+        self._lock = threading.Lock()
+        self._built = False             # the engine is built (or its build failed)
+        self._graphs = False            # capture the decode graphs once it is
         self.thread = threading.Thread(target=self._load, name="lmbatch-model-load", daemon=True)
         self.thread.start()
+
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs on the model's side as soon as the engine is built, for a run that
+        learns it will generate only after its load began (`lmbatch lm-eval`, once it knows its tasks):
+        on this thread if the load is under way, else on a thread of its own that `result` waits for.
+        An engine of several processes captures its graphs as its spec says (`graphs_ahead`)."""
+        with self._lock:
+            self._graphs = True
+            if not self._built:
+                return          # _load captures them
+        load = self.thread
+
+        def capture() -> None:
+            load.join()
+            self._capture()
+
+        self.thread = threading.Thread(target=capture, name="lmbatch-graphs", daemon=True)
+        self.thread.start()
+
+    def _capture(self) -> None:
+        runner = getattr(self.loaded.engine, "model_runner", None) if self.loaded is not None else None
+        if runner is None or self.loaded is None or "graphs" in self.loaded.seconds:
+            return
+        t = time.perf_counter()
+        try:
+            runner.capture_graphs()
+            if isinstance(self.tokenizer, LazyTokenizer):
+                self.tokenizer.get()        # the run decodes text: made here, not in its first step
+        except BaseException as e:  # noqa: BLE001  raised on the run's thread
+            self.error = e
+        self.loaded.seconds["graphs"] = time.perf_counter() - t
 
     def __enter__(self) -> ModelLoader:
         return self
@@ -67,10 +103,17 @@ class ModelLoader:
                 spec, attention = fit(self.spec, cfg)
                 _start_cuda(spec.device)
             engine = make_engine(spec, self.tokenizer, clock)
+            if spec.graphs_ahead and isinstance(self.tokenizer, LazyTokenizer):
+                with clock("tokenizer"):        # a run that generates decodes text: made here, not in its first step
+                    self.tokenizer.get()
             self.loaded = Loaded(engine, spec, attention, {**clock.seconds, "load_background": 0.0})
         except BaseException as e:  # noqa: BLE001  raised on the run's thread
             self.error = e
         self.imported.set()
+        with self._lock:
+            self._built, graphs = True, self._graphs
+        if graphs:
+            self._capture()
         if self.loaded is not None:
             self.loaded.seconds["load_background"] = time.perf_counter() - t
 

@@ -20,7 +20,7 @@ def process_age() -> float:
 
 
 # a run's phases one after the other on its main line, from the process's start to its exit; the model's
-# side (imports, cuda_init, weights, compile, graphs; load_background in all) runs beside them
+# side (imports, cuda_init, weights, compile, graphs, tokenizer; load_background in all) runs beside them
 MAIN_LINE = ("startup", "model_files", "data", "tokenize", "plan", "load", "execute", "write")
 
 

@@ -156,3 +156,46 @@ def test_the_command_line_starts_the_model_before_lm_eval(model):
                  ["--model_args", "pretrained=/no/such/folder"]):
         lm_eval_engine.start_early(argv)
         assert not lm_eval_engine._EARLY, argv
+
+
+def test_decode_graphs_are_asked_for_only_where_a_task_generates(tmp_path):
+    """`lmbatch lm-eval` has the model's loader capture decode graphs ahead only when lm-eval's index says
+    a task generates (gsm8k), or cannot say (a task file, a task given inline with its own output type);
+    never for tasks that only score (mmlu, hellaswag, through groups and inline overrides)."""
+    import json
+
+    from lm_eval.tasks import TaskManager
+
+    from lmbatch.lm_eval import _check_tasks, _may_generate
+
+    write_offline_tasks(tmp_path)
+    (tmp_path / "mix.yaml").write_text(json.dumps({"group": "mix", "task": [
+        {"task": "mmlu_offline_anatomy", "num_fewshot": 1}, "hellaswag_offline"]}))
+    (tmp_path / "mix_gen.yaml").write_text(json.dumps({"group": "mix_gen", "task": [
+        "mmlu_offline_anatomy", {"task": "free_text", "output_type": "generate_until", "dataset_path": "json"}]}))
+    manager = TaskManager(include_path=str(tmp_path), include_defaults=False)
+    for names, generates in ((["mmlu_offline"], False), (["hellaswag_offline"], False), (["mix"], False),
+                             (["gsm8k_offline"], True), (["mmlu_offline", "gsm8k_offline"], True),
+                             (["mix_gen"], True)):
+        assert _may_generate(manager, names) is generates, names
+    assert _check_tasks([str(tmp_path / "mix.yaml")], None) is True     # a task file: not looked into
+
+
+def test_the_loader_captures_graphs_asked_for_before_or_after_its_load(model):
+    """`ModelLoader.capture_graphs` asked while the engine loads runs on the load's thread; asked after,
+    on a thread of its own that `result` waits for; once either way (timed as the `graphs` step)."""
+    from lmbatch.engine.options import EngineOptions, EngineSpec
+    from lmbatch.loading import ModelLoader
+
+    spec = EngineSpec(model, "cpu", "float32", EngineOptions(kv_cache_tokens=4096, max_tokens_per_batch=512),
+                      graphs_ahead=False)
+    before = ModelLoader(spec, None, user_pool=True)
+    before.capture_graphs()
+    assert "graphs" in before.result(100).seconds and before.thread.name == "lmbatch-model-load"
+    after = ModelLoader(spec, None, user_pool=True)
+    after.thread.join()
+    assert "graphs" not in after.loaded.seconds
+    after.capture_graphs()
+    assert after.thread.name == "lmbatch-graphs" and "graphs" in after.result(100).seconds
+    for loader in (before, after):
+        loader.loaded.engine.close()
