@@ -23,10 +23,10 @@ from types import FrameType
 INTERVAL = 0.002
 
 
-def _label(frame: FrameType) -> str:
+def _label(frame: FrameType, line: bool = False) -> str:
     code = frame.f_code
     parts = code.co_filename.replace("\\", "/").split("/")
-    return f"{'/'.join(parts[-2:])}:{code.co_name}"
+    return f"{'/'.join(parts[-2:])}:{code.co_name}" + (f":{frame.f_lineno}" if line else "")
 
 
 def main() -> None:
@@ -34,6 +34,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--within", default=None, help="count only samples with a frame of this function name")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--lines", action="store_true", help="self time by line (the innermost frame's line)")
     ap.add_argument("--threads", default="MainThread", help="comma-separated thread names to report, or all")
     opts = ap.parse_args(sys.argv[1:cut])
     target = sys.argv[cut + 1:]
@@ -63,7 +64,7 @@ def main() -> None:
                 if opts.within and not any(s.f_code.co_name == opts.within for s in stack):
                     continue
                 kept[name] += 1
-                self_n[name][_label(stack[0])] += 1
+                self_n[name][_label(stack[0], opts.lines)] += 1
                 for label in {_label(s) for s in stack}:
                     incl_n[name][label] += 1
 
