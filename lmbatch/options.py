@@ -38,7 +38,7 @@ class RunOptions:
         None, "Token budget of one forward batch (default: 4096 on CPU; on CUDA up to 16384, fitted to the model "
               "and free memory).")
     kv_cache_tokens: int | None = _option(None, "KV pool size in tokens (default: 4 GiB on CPU; on CUDA half the "
-                                                "free memory, at most 131072 tokens).")
+                                                "free memory, at most 1048576 tokens).")
     data_parallel: str = _option("1", "Worker processes, each with its own copy of the model on its own device, "
                                       "each running whole subtrees of the radix tree: a number, or auto (every "
                                       "visible GPU; 1 on CPU).")

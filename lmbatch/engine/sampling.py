@@ -6,8 +6,10 @@ its device in a few vectorized ops (no per-row host round trip).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from lmbatch.attention import to_device
 from lmbatch.requests import SamplingParams
 
 _M1, _M2 = -49064778989728563, -4265267296055464877   # 0xff51afd7ed558ccd, 0xc4ceb9fe1a85ec53 as int64
@@ -41,18 +43,20 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], steps: 
     out = logits.argmax(dim=-1)
     hot = [i for i, p in enumerate(params) if p.temperature > 0]
     if hot:
-        dev = logits.device
-        idx = torch.tensor(hot, device=dev)
-        temp = torch.tensor([params[i].temperature for i in hot], device=dev)[:, None]
-        top_p = torch.tensor([params[i].top_p for i in hot], device=dev)[:, None]
+        # the rows' settings in two host arrays, each one copy that waits for nothing (a tensor made on
+        # the device from a list waits for the work queued before it: the step's forward pass)
+        ints = to_device(torch.from_numpy(np.array([(i, params[i].seed, steps[i]) for i in hot], dtype=np.int64)),
+                         logits.device)
+        floats = to_device(torch.from_numpy(np.array([(params[i].temperature, params[i].top_p) for i in hot],
+                                                     dtype=np.float32)), logits.device)
+        idx, seeds, st = ints[:, 0], ints[:, 1], ints[:, 2]
+        temp, top_p = floats[:, :1], floats[:, 1:]
         z = logits[idx].float() / temp
         if any(params[i].top_p < 1.0 for i in hot):   # keep the smallest set of tokens reaching top_p
             probs = torch.softmax(z, dim=-1)
             sorted_p, order = probs.sort(dim=-1, descending=True)
             drop_sorted = sorted_p.cumsum(-1) - sorted_p >= top_p
             z = z.masked_fill(torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted), float("-inf"))
-        seeds = torch.tensor([params[i].seed for i in hot], device=dev, dtype=torch.int64)
-        st = torch.tensor([steps[i] for i in hot], device=dev, dtype=torch.int64)
         gumbel = -torch.log(-torch.log(_uniform(seeds, st, z.shape[-1])))
         out[idx] = (z + gumbel).argmax(dim=-1)
     return out
