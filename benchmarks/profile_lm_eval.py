@@ -19,8 +19,8 @@ from types import FrameType
 # (code file ending, function name) -> phase; a name alone matches any file
 PHASES: list[tuple[str, str, str]] = [
     ("lmbatch/lm_eval.py", "loaded", "lmbatch: waits for the model"),
-    ("lmbatch/lm_eval.py", "_score_requests", "lmbatch: tokenize"),
-    ("lmbatch/lm_eval.py", "_cache_key", "lmbatch: cache key"),
+    ("lmbatch/lm_eval_tokens.py", "score_requests", "lmbatch: tokenize"),
+    ("lmbatch/lm_eval_tokens.py", "cache_key", "lmbatch: cache key"),
     ("lmbatch/workload_cache.py", "", "lmbatch: cache read/write"),
     ("lmbatch/lm_eval.py", "loglikelihood", "lmbatch: loglikelihood (other)"),
     ("lmbatch/lm_eval.py", "generate_until", "lmbatch: generate (host)"),
@@ -73,6 +73,9 @@ def main() -> None:
     sampler = threading.Thread(target=sample, name="sampler", daemon=True)
     sampler.start()
     start = time.perf_counter()
+    from lmbatch.cache import keep_bytecode
+
+    keep_bytecode()             # as the console script does, before anything is imported
     from lmbatch.lm_eval_engine import start_early
 
     start_early(args)           # as `lmbatch lm-eval` does, before lm-eval is imported
