@@ -38,21 +38,31 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int])
     return sample_on_device(logits, params, steps).tolist()
 
 
-def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> torch.Tensor:
-    """As `sample`, the tokens left on the logits' device (launched: nothing waits for them)."""
+def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
+                     fused: bool = True) -> torch.Tensor:
+    """As `sample`, the tokens left on the logits' device (launched: nothing waits for them). On CUDA,
+    rows without top-p are picked by one Triton kernel (lmbatch.kernels.sampling: the same noise and
+    token as the PyTorch ops here, which `fused=False` runs instead)."""
     out = logits.argmax(dim=-1)
     hot = [i for i, p in enumerate(params) if p.temperature > 0]
     if hot:
         # the rows' settings in two host arrays, each one copy that waits for nothing (a tensor made on
         # the device from a list waits for the work queued before it: the step's forward pass)
-        ints = to_device(torch.from_numpy(np.array([(i, params[i].seed, steps[i]) for i in hot], dtype=np.int64)),
-                         logits.device)
-        floats = to_device(torch.from_numpy(np.array([(params[i].temperature, params[i].top_p) for i in hot],
-                                                     dtype=np.float32)), logits.device)
-        idx, seeds, st = ints[:, 0], ints[:, 1], ints[:, 2]
-        temp, top_p = floats[:, :1], floats[:, 1:]
+        ints = to_device(torch.from_numpy(np.array([hot, [params[i].seed for i in hot], [steps[i] for i in hot]],
+                                                   dtype=np.int64)), logits.device)
+        floats = to_device(torch.from_numpy(np.array([[params[i].temperature for i in hot],
+                                                      [params[i].top_p for i in hot]], dtype=np.float32)),
+                           logits.device)
+        idx, seeds, st = ints[0], ints[1], ints[2]
+        nucleus = any(params[i].top_p < 1.0 for i in hot)
+        if fused and logits.is_cuda and not nucleus and logits.stride(-1) == 1:
+            from lmbatch.kernels.sampling import gumbel_argmax
+
+            out[idx] = gumbel_argmax(logits, idx, seeds, st, floats[0], (_K_SEED, _K_STEP, _K_TOKEN, _M1, _M2))
+            return out
+        temp, top_p = floats[0][:, None], floats[1][:, None]
         z = logits[idx].float() / temp
-        if any(params[i].top_p < 1.0 for i in hot):   # keep the smallest set of tokens reaching top_p
+        if nucleus:   # keep the smallest set of tokens reaching top_p
             probs = torch.softmax(z, dim=-1)
             sorted_p, order = probs.sort(dim=-1, descending=True)
             drop_sorted = sorted_p.cumsum(-1) - sorted_p >= top_p
