@@ -122,10 +122,11 @@ def lmbatch(task: str, model: Path, out: Path, run_id: str, extra: list[str], sh
                   "--overwrite", "--quiet", *extra]
 
 
-def record(out: Path, row: dict) -> None:
-    with open(out / "fixed-costs.jsonl", "a") as f:
+def record(out: Path, row: dict, name: str = "fixed-costs.jsonl", hide: tuple[str, ...] = ("time_s",)) -> None:
+    """A line of `out/name`, and the row printed without its `hide` fields."""
+    with open(out / name, "a") as f:
         f.write(json.dumps(row) + "\n")
-    print(json.dumps({k: v for k, v in row.items() if k != "time_s"}), flush=True)
+    print(json.dumps({k: v for k, v in row.items() if k not in hide}), flush=True)
 
 
 def run_job(args: argparse.Namespace, job: str, task: str, model: Path, kind: str, run_id: str) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_fixed_costs import lmbatch, timed, write_random_checkpoint  # noqa: E402
+from bench_fixed_costs import lmbatch, record, timed, write_random_checkpoint  # noqa: E402
 
 
 def _run(args: argparse.Namespace, task: str, model: Path, run_id: str) -> dict:
@@ -32,9 +32,7 @@ def _run(args: argparse.Namespace, task: str, model: Path, run_id: str) -> dict:
     row = {"task": task, "wall_s": round(wall, 2), "execute_s": s["time_s"].get("execute"), "time_s": s["time_s"],
            "hit_rate": s["hit_rate"], "optimal_hit_rate": s["optimal_hit_rate"],
            "tasks": {name: t.get("metrics") for name, t in (s.get("tasks") or {}).items()}}
-    with open(Path(args.out) / "suite.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
-    print(json.dumps({k: v for k, v in row.items() if k not in ("time_s", "tasks")}), flush=True)
+    record(Path(args.out), row, "suite.jsonl", ("time_s", "tasks"))
     return row
 
 

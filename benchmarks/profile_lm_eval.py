@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import collections
 import sys
-import threading
-import time
+from pathlib import Path
 from types import FrameType
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sample_stacks import StackSampler  # noqa: E402
 
 # (code file ending, function name) -> phase; a name alone matches any file
 PHASES: list[tuple[str, str, str]] = [
@@ -56,37 +59,23 @@ def _phase(frame: FrameType | None) -> str:
 def main() -> None:
     args = sys.argv[sys.argv.index("--") + 1:] if "--" in sys.argv else sys.argv[1:]
     counts: collections.Counter[tuple[str, str]] = collections.Counter()
-    names: dict[int, str] = {}
-    done = threading.Event()
-    ticks = [0]
 
-    def sample() -> None:
-        me = threading.get_ident()
-        while not done.wait(INTERVAL):
-            ticks[0] += 1
-            for t in threading.enumerate():
-                names[t.ident or 0] = t.name
-            for ident, frame in sys._current_frames().items():
-                if ident != me and names.get(ident) != "tqdm_monitor":
-                    counts[(names.get(ident, str(ident)), _phase(frame))] += 1
+    def sample(thread: str, frame: FrameType) -> None:
+        if thread != "tqdm_monitor":
+            counts[(thread, _phase(frame))] += 1
 
-    sampler = threading.Thread(target=sample, name="sampler", daemon=True)
-    sampler.start()
-    start = time.perf_counter()
-    from lmbatch.cache import keep_bytecode
+    with StackSampler(sample, INTERVAL) as sampler:
+        from lmbatch.cache import keep_bytecode
 
-    keep_bytecode()             # as the console script does, before anything is imported
-    from lmbatch.lm_eval_engine import start_early
+        keep_bytecode()             # as the console script does, before anything is imported
+        from lmbatch.lm_eval_engine import start_early
 
-    start_early(args)           # as `lmbatch lm-eval` does, before lm-eval is imported
-    from lmbatch.lm_eval import main as lm_eval_main
+        start_early(args)           # as `lmbatch lm-eval` does, before lm-eval is imported
+        from lmbatch.lm_eval import main as lm_eval_main
 
-    lm_eval_main(args)
-    wall = time.perf_counter() - start
-    done.set()
-    sampler.join()
-    tick = wall / max(ticks[0], 1)      # seconds a sample stands for
-    print(f"\nwall {wall:.1f} s ({ticks[0]} samples, one per {tick * 1000:.1f} ms)\n")
+        lm_eval_main(args)
+    wall, tick = sampler.wall, sampler.tick       # tick: seconds a sample stands for
+    print(f"\nwall {wall:.1f} s ({sampler.ticks} samples, one per {tick * 1000:.1f} ms)\n")
     print(f"{'thread':<28} {'phase':<34} {'s':>7} {'of wall':>7}")
     for (thread, phase), n in sorted(counts.items(), key=lambda kv: (kv[0][0] != "MainThread", kv[0][0], -kv[1])):
         if n * tick >= 0.05:

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from types import FrameType
+from typing import Callable
 
 INTERVAL = 0.002
 
@@ -27,6 +28,42 @@ def _label(frame: FrameType, line: bool = False) -> str:
     code = frame.f_code
     parts = code.co_filename.replace("\\", "/").split("/")
     return f"{'/'.join(parts[-2:])}:{code.co_name}" + (f":{frame.f_lineno}" if line else "")
+
+
+class StackSampler:
+    """Every other thread's innermost frame handed to `on_sample(thread name, frame)` every `interval`
+    seconds, from a thread of this process, between entering and leaving the `with` block; then `wall`
+    (seconds) and `ticks` (samples taken) say what one sample stands for (`tick`)."""
+
+    def __init__(self, on_sample: Callable[[str, FrameType], None], interval: float = INTERVAL):
+        self.on_sample, self.interval = on_sample, interval
+        self.ticks, self.wall = 0, 0.0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+
+    def _run(self) -> None:
+        me, names = threading.get_ident(), {}
+        while not self._done.wait(self.interval):
+            self.ticks += 1
+            for t in threading.enumerate():
+                names[t.ident or 0] = t.name
+            for ident, frame in sys._current_frames().items():
+                if ident != me:
+                    self.on_sample(names.get(ident, str(ident)), frame)
+
+    @property
+    def tick(self) -> float:
+        return self.wall / max(self.ticks, 1)
+
+    def __enter__(self) -> StackSampler:
+        self._start = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self._start
+        self._done.set()
+        self._thread.join()
 
 
 def main() -> None:
@@ -43,34 +80,19 @@ def main() -> None:
     self_n: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     incl_n: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     kept: collections.Counter[str] = collections.Counter()
-    names: dict[int, str] = {}
-    done = threading.Event()
-    ticks = [0]
+    def sample(name: str, frame: FrameType) -> None:
+        stack: list[FrameType] = []
+        f: FrameType | None = frame
+        while f is not None:
+            stack.append(f)
+            f = f.f_back
+        if opts.within and not any(s.f_code.co_name == opts.within for s in stack):
+            return
+        kept[name] += 1
+        self_n[name][_label(stack[0], opts.lines)] += 1
+        for label in {_label(s) for s in stack}:
+            incl_n[name][label] += 1
 
-    def sample() -> None:
-        me = threading.get_ident()
-        while not done.wait(INTERVAL):
-            ticks[0] += 1
-            for t in threading.enumerate():
-                names[t.ident or 0] = t.name
-            for ident, frame in sys._current_frames().items():
-                if ident == me:
-                    continue
-                name = names.get(ident, str(ident))
-                stack, f = [], frame
-                while f is not None:
-                    stack.append(f)
-                    f = f.f_back
-                if opts.within and not any(s.f_code.co_name == opts.within for s in stack):
-                    continue
-                kept[name] += 1
-                self_n[name][_label(stack[0], opts.lines)] += 1
-                for label in {_label(s) for s in stack}:
-                    incl_n[name][label] += 1
-
-    sampler = threading.Thread(target=sample, name="sampler", daemon=True)
-    sampler.start()
-    start = time.perf_counter()
     code = 0
     real_exit = os._exit
 
@@ -78,22 +100,20 @@ def main() -> None:
         raise SystemExit(status)
 
     os._exit = exit_here        # type: ignore[assignment]
-    try:
-        if target[0] == "-m":
-            sys.argv = [target[1], *target[2:]]
-            runpy.run_module(target[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = target
-            sys.path.insert(0, str(__import__("pathlib").Path(target[0]).resolve().parent))
-            runpy.run_path(target[0], run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    with StackSampler(sample) as sampler:
+        try:
+            if target[0] == "-m":
+                sys.argv = [target[1], *target[2:]]
+                runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = target
+                sys.path.insert(0, str(__import__("pathlib").Path(target[0]).resolve().parent))
+                runpy.run_path(target[0], run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     os._exit = real_exit
-    wall = time.perf_counter() - start
-    done.set()
-    sampler.join()
-    tick = wall / max(ticks[0], 1)
-    print(f"\n[sample_stacks] wall {wall:.1f} s, {ticks[0]} samples (one per {tick * 1000:.1f} ms)"
+    tick = sampler.tick
+    print(f"\n[sample_stacks] wall {sampler.wall:.1f} s, {sampler.ticks} samples (one per {tick * 1000:.1f} ms)"
           + (f", within {opts.within}" if opts.within else ""), file=sys.stderr)
     shown = [t for t in kept if opts.threads == "all" or t in opts.threads.split(",")]
     for thread in shown:

@@ -11,7 +11,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
+
+try:
+    from triton.language.extra import libdevice
+except ImportError:     # Triton releases that keep it only under the CUDA backend
+    from triton.language.extra.cuda import libdevice
 
 BLOCK = 2048
 
