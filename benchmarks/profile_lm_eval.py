@@ -31,6 +31,8 @@ PHASES: list[tuple[str, str, str]] = [
     ("lmbatch/engine/engine.py", "_stream", "lmbatch: execute"),
     ("lmbatch/loading.py", "_load", "lmbatch: model load (thread)"),
     ("lmbatch/lm_eval.py", "__init__", "lmbatch: model setup"),
+    ("lmbatch/lm_eval_index.py", "stored_index", "lmbatch: task index kept or built ahead"),
+    ("lmbatch/lm_eval.py", "_import_for_run", "imports"),
     ("lm_eval/api/task.py", "download", "lm-eval: datasets load"),
     ("lm_eval/api/task.py", "build_all_requests", "lm-eval: build requests"),
     ("lm_eval/api/task.py", "process_results", "lm-eval: process_results"),
@@ -69,8 +71,10 @@ def main() -> None:
 
         keep_bytecode()             # as the console script does, before anything is imported
         from lmbatch.lm_eval_engine import start_early
+        from lmbatch.lm_eval_index import build_ahead
 
-        start_early(args)           # as `lmbatch lm-eval` does, before lm-eval is imported
+        build_ahead()               # as `lmbatch lm-eval` does, before lm-eval is imported
+        start_early(args)
         from lmbatch.lm_eval import main as lm_eval_main
 
         lm_eval_main(args)

@@ -17,19 +17,20 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import sys
+import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import lm_eval.models  # noqa: F401  (lm-eval's own names first: it loads them only into an empty registry)
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from lmbatch.errors import UserError, first_line
+from lmbatch.lm_eval_index import building, index_built_once
 from lmbatch.lm_eval_tokens import PairTokenizer
 from lmbatch.requests import GenerateRequest, RunStats, SamplingParams, optimal_hit_rate
 from lmbatch.scheduler.planner import plan_requests
@@ -305,8 +306,10 @@ def main(args: list[str]) -> int:
     sys.argv = ["lm-eval", *args]
     cli = HarnessCLI()
     ns = cli.parse_args()
-    with _index_built_once() as checked, _tasks_name_their_data():
+    with index_built_once() as checked, _tasks_name_their_data():
         if getattr(ns, "command", None) == "run":
+            if building():      # lm-eval's index is being built elsewhere: imports the run needs meanwhile
+                _import_for_run()
             if ns.model == "lmbatch" and ns.device is None and "device" not in (ns.model_args or {}):
                 ns.device = "auto"      # lm-eval's own default would be cuda, GPU or not
             if check_run(ns):
@@ -316,7 +319,8 @@ def main(args: list[str]) -> int:
         checked()
         setup_logging()
         cache_templates()
-        cli.execute(ns)
+        with _env_info_ahead(getattr(ns, "command", None) == "run"):
+            cli.execute(ns)
     if not INSTANCES:
         return 0
     report = INSTANCES[-1].report()
@@ -333,6 +337,13 @@ def main(args: list[str]) -> int:
           f"{report['time_s'].get('load_waited', 0.0):.1f}; execute {report['time_s'].get('execute', 0.0):.1f})",
           file=sys.stderr)
     return 0
+
+
+def _import_for_run() -> None:
+    """What a run imports anyway (lm-eval's evaluator, tasks and its HF tokenizer classes)."""
+    import lm_eval.api.task  # noqa: F401
+    import lm_eval.evaluator  # noqa: F401
+    from transformers import AutoTokenizer  # noqa: F401
 
 
 def _command_line(args: list[str]) -> list[str]:
@@ -520,83 +531,43 @@ def _in_local_cache(dataset: str) -> bool:
 
 
 @contextmanager
-def _index_built_once() -> Iterator[Callable[[], None]]:
-    """lm-eval's task index (every task file parsed: 6 s on a GPU host, 15-40 s on a small CPU) read
-    from lmbatch's cache when its files have not changed (`_stored_index`), else built and kept there;
-    and made once for `check_run` and lm-eval both: an index built until the context's value is called
-    is kept, and the next build over the same folders takes it instead of reading them again (once:
-    lm-eval's own later use is left to itself)."""
-    from lm_eval.tasks._index import TaskIndex
-
-    own = TaskIndex.__dict__["build"]
-    kept: dict[tuple[tuple[str, ...], bool], Any] = {}
-    recording = [True]
-
-    def build(roots: Any, *, resolve_includes: bool = True) -> Any:
-        roots = list(roots)
-        key = (tuple(str(r) for r in roots), resolve_includes)
-        if not recording[0] and key in kept:
-            return kept.pop(key)
-        index = _stored_index(roots, resolve_includes, lambda: own.__func__(roots, resolve_includes=resolve_includes))
-        if recording[0]:
-            kept[key] = index
-        return index
-
-    TaskIndex.build = staticmethod(build)
+def _env_info_ahead(run: bool) -> Iterator[None]:
+    """lm-eval's results carry torch's environment report (`add_env_info` calls `get_pretty_env_info`:
+    `pip list`, `nvidia-smi` and more in subprocesses, seconds at the end of every run). For a `run`
+    it is made on a thread of its own from the start, beside the run's work, and lm-eval's call takes
+    it: the same function in the same process, so the same text (or the same error, which lm-eval
+    reports in its place)."""
     try:
-        yield lambda: recording.__setitem__(0, False)
+        from torch.utils import collect_env
+    except ImportError:
+        run = False
+    if not run:
+        yield
+        return
+    own = collect_env.get_pretty_env_info
+    made: dict[str, Any] = {}
+
+    def make() -> None:
+        try:
+            made["info"] = own()
+        except Exception as e:  # noqa: BLE001  raised again where lm-eval calls it (it reports the error)
+            made["error"] = e
+
+    thread = threading.Thread(target=make, name="lmbatch-env-info", daemon=True)
+    thread.start()
+
+    def get_pretty_env_info() -> str:
+        thread.join()
+        if "error" in made:
+            raise made["error"]
+        return str(made["info"])
+
+    collect_env.get_pretty_env_info = get_pretty_env_info
+    try:
+        yield
     finally:
-        TaskIndex.build = own
-
-
-_INCLUDE = re.compile(r"^include:\s*['\"]?([^'\"#\n]+?)['\"]?\s*$", re.M)
-
-
-def _stored_index(roots: list[Path], resolve_includes: bool, build: Callable[[], Any]) -> Any:
-    """`build()` (an index over `roots`), kept in lmbatch's cache under its inputs: lm-eval's version
-    (its own task folder is part of the installed package) and, for any other folder, every task
-    file's path, size and modification time, and those of the files they include from elsewhere. An
-    entry that cannot be read back whole is built again."""
-    import hashlib
-    import pickle
-
-    import lm_eval
-
-    from lmbatch.cache import cache_dir
-
-    own_tasks = Path(lm_eval.__file__).parent / "tasks"
-    h = hashlib.sha256(f"{lm_eval.__version__}\0{resolve_includes}".encode())
-    for root in map(Path, roots):
-        h.update(f"\0root {root}".encode())
-        if root.resolve() == own_tasks.resolve():
-            continue
-        for f in sorted(root.glob("**/*.yaml")):
-            st = f.stat()
-            h.update(f"\0{f}:{st.st_size}:{st.st_mtime_ns}".encode())
-            for inc in _INCLUDE.findall(f.read_text(errors="replace")):
-                target = (f.parent / inc.strip()).resolve()
-                if target.is_file() and own_tasks.resolve() not in target.parents:
-                    t = target.stat()
-                    h.update(f"\0{target}:{t.st_size}:{t.st_mtime_ns}".encode())
-    path = cache_dir() / "lm_eval" / f"index-{h.hexdigest()[:32]}.pkl"
-    try:
-        with open(path, "rb") as fh:
-            return pickle.load(fh)
-    except Exception:  # noqa: BLE001  absent, or not whole: built again
-        pass
-    index = build()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as fh:
-            pickle.dump(index, fh, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, path)
-        for old in sorted(path.parent.glob("index-*.pkl"), key=lambda f: f.stat().st_mtime)[:-8]:
-            old.unlink(missing_ok=True)
-    except (OSError, pickle.PicklingError, TypeError, AttributeError):     # not writable, or not picklable
-        with suppress(OSError):
-            tmp.unlink(missing_ok=True)
-    return index
+        collect_env.get_pretty_env_info = own
+        thread.join()       # not left inside torch or a subprocess when the process ends
 
 
 @contextmanager

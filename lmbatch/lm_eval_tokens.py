@@ -97,6 +97,9 @@ class PairTokenizer:
         on the left, never below one token)."""
         reqs = []
         for context, continuation in pairs:
+            if len(context) + len(continuation) <= self.max_length + 1:
+                reqs.append(ScoreRequest(context, continuation))    # uncut: a context shared stays one list
+                continue
             whole = (context + continuation)[-(self.max_length + 1):]
             cut = max(len(whole) - len(continuation), 1)
             reqs.append(ScoreRequest(whole[:cut], whole[cut:]))

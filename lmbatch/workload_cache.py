@@ -25,6 +25,7 @@ import pickle
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import chain
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -146,22 +147,36 @@ def load(path: Path) -> Snapshot | None:
 
 def store_scores(path: Path, requests: Sequence[ScoreRequest], plan: Plan | None) -> bool:
     """An lm-eval call's loglikelihood requests as token ids, and their plan (None: planned by the engine's
-    workers), as `store` writes an entry."""
-    lens = np.asarray([(len(r.context), len(r.continuation)) for r in requests], np.int64).reshape(-1, 2)
-    flat = np.fromiter((t for r in requests for t in r.tokens), np.int32, int(lens.sum()))
-    return _write(path, {"lens": lens, "flat": flat, "plan": None if plan is None else plan_to_arrays(plan)})
+    workers), as `store` writes an entry. A context list that several requests share (one question's
+    choices) is written once, and read back as one list again."""
+    at: dict[int, int] = {}
+    contexts: list[list[int]] = []
+    which = np.fromiter((at.setdefault(id(r.context), len(at)) for r in requests), np.int64, len(requests))
+    for r, i in zip(requests, which.tolist()):
+        if i == len(contexts):
+            contexts.append(r.context)
+    continuations = [r.continuation for r in requests]
+    return _write(path, {"contexts": _flat(contexts), "continuations": _flat(continuations), "which": which,
+                         "plan": None if plan is None else plan_to_arrays(plan)})
+
+
+def _flat(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    lens = np.fromiter(map(len, lists), np.int64, len(lists))
+    return lens, np.fromiter(chain.from_iterable(lists), np.int32, int(lens.sum()))
+
+
+def _lists(lens: np.ndarray, flat: np.ndarray) -> list[list[int]]:
+    ids, ends = flat.tolist(), np.cumsum(lens).tolist()
+    return [ids[end - n:end] for n, end in zip(lens.tolist(), ends)]
 
 
 def load_scores(path: Path) -> tuple[list[ScoreRequest], Plan | None] | None:
     """What `store_scores` wrote, or None (as `load`)."""
     d = _read(path)
-    if d is None:
+    if not isinstance(d, dict) or not {"contexts", "continuations", "which", "plan"} <= d.keys():
         return None
-    flat, requests, at = d["flat"].tolist(), [], 0
-    for n_context, n_continuation in d["lens"].tolist():
-        mid, end = at + n_context, at + n_context + n_continuation
-        requests.append(ScoreRequest(flat[at:mid], flat[mid:end]))
-        at = end
+    contexts = _lists(*d["contexts"])
+    requests = [ScoreRequest(contexts[i], cont) for i, cont in zip(d["which"].tolist(), _lists(*d["continuations"]))]
     return requests, None if d["plan"] is None else plan_from_arrays(d["plan"])
 
 

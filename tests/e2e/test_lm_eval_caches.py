@@ -10,7 +10,8 @@ import pytest
 from lm_eval.api.instance import Instance
 
 from lmbatch import workload_cache
-from lmbatch.lm_eval import LMBatch, _index_built_once, _local_arrow, write_offline_tasks
+from lmbatch.lm_eval import LMBatch, _local_arrow, write_offline_tasks
+from lmbatch.lm_eval_index import index_built_once
 from lmbatch.lm_eval_tokens import PairTokenizer
 from lmbatch.model.checkpoint import embedded_model_dir
 
@@ -62,6 +63,24 @@ def test_a_repeated_call_reads_its_ids_and_plan_from_the_cache(model, cache, mon
     lm.close()
 
 
+def test_an_entry_keeps_a_shared_context_once(cache):
+    """The choices of one question share their context's list: written once, read back as one list
+    shared again, every request equal to what was stored (and the entry a quarter of the copies' size)."""
+    from lmbatch.requests import ScoreRequest
+
+    contexts = [list(range(i, i + 500)) for i in range(20)]
+    reqs = [ScoreRequest(ctx, [7 + k, 9]) for ctx in contexts for k in range(4)]
+    reqs.append(ScoreRequest(list(contexts[0]), [1]))           # equal to a context, but its own list
+    shared, copied = cache / "shared.pkl", cache / "copied.pkl"
+    assert workload_cache.store_scores(shared, reqs, None)
+    assert workload_cache.store_scores(copied, [ScoreRequest(list(r.context), r.continuation) for r in reqs], None)
+    back, plan = workload_cache.load_scores(shared)
+    assert back == reqs and plan is None
+    assert all(back[4 * i].context is back[4 * i + k].context for i in range(20) for k in range(4))
+    assert back[-1].context is not back[0].context
+    assert shared.stat().st_size < copied.stat().st_size / 3
+
+
 def test_a_damaged_entry_is_made_again(model, cache, capsys):
     lm = LMBatch(pretrained=model, device="cpu", dtype="float32", max_length=64)
     first = lm.loglikelihood(_instances(PAIRS[:3]))
@@ -90,7 +109,7 @@ def test_the_task_index_is_kept_until_its_files_change(cache, tmp_path):
     TaskIndex.build = staticmethod(counting)
     try:
         def index() -> dict:
-            with _index_built_once() as checked:
+            with index_built_once() as checked:
                 checked()
                 return TaskIndex.build([tasks])
         first = index()
@@ -105,6 +124,68 @@ def test_the_task_index_is_kept_until_its_files_change(cache, tmp_path):
         assert built == [1, 1] and "gsm8k_offline_2" in changed and "gsm8k_offline" not in changed
     finally:
         TaskIndex.build = own
+
+
+def test_lm_evals_own_index_built_ahead_in_a_process_is_the_index_lm_eval_builds(tmp_path, monkeypatch):
+    """With no entry for lm-eval's own task folder, `build_ahead` starts a process that builds it; the run's
+    index (that part read from the process's entry, the include folder's part built here, merged) is
+    the index lm-eval's own `TaskIndex.build` makes over both folders, entry for entry."""
+    from lm_eval.tasks._index import TaskIndex
+
+    from lmbatch import lm_eval_index
+
+    monkeypatch.setenv("LMBATCH_CACHE", str(tmp_path / "cache"))
+    tasks = tmp_path / "tasks"
+    write_offline_tasks(tasks)
+    (tasks / "mmlu_anatomy.yaml").write_text("task: mmlu_anatomy\ndataset_path: arrow\n")   # an override
+    own = Path(lm_eval_index._own_tasks())
+    assert lm_eval_index.build_ahead() and lm_eval_index.building()
+    assert not lm_eval_index.build_ahead()          # one process per entry
+    theirs = TaskIndex.build([own, tasks])
+    built: list[Path] = []
+    real = TaskIndex.__dict__["build"]
+
+    def counting(roots, *, resolve_includes=True):
+        built.extend(roots)
+        return real.__func__(roots, resolve_includes=resolve_includes)
+
+    monkeypatch.setattr(TaskIndex, "build", staticmethod(counting))
+    with index_built_once():
+        ours = TaskIndex.build([own, tasks])
+    assert built == [tasks], "lm-eval's own folder was indexed in this process"
+    assert not lm_eval_index.building() and lm_eval_index.entry_path(own, True).is_file()
+    assert list(ours) == list(theirs) and ours == theirs
+    assert ours["mmlu_anatomy"].yaml_path == tasks / "mmlu_anatomy.yaml"
+
+
+def test_lm_evals_environment_report_is_made_ahead_and_taken_once(monkeypatch):
+    """`_env_info_ahead`: torch's environment report is made once, on a thread started at the context's
+    start, and lm-eval's call inside gets its text, or its error; the function is restored after."""
+    import threading
+
+    from torch.utils import collect_env
+
+    from lmbatch.lm_eval import _env_info_ahead
+
+    calls: list[str] = []
+
+    def report() -> str:
+        calls.append(threading.current_thread().name)
+        return "PyTorch version: 9"
+
+    monkeypatch.setattr(collect_env, "get_pretty_env_info", report)
+    with _env_info_ahead(True):
+        assert collect_env.get_pretty_env_info() == "PyTorch version: 9"
+    assert calls == ["lmbatch-env-info"] and collect_env.get_pretty_env_info is report
+
+    def failing() -> str:
+        raise RuntimeError("no pip")
+
+    monkeypatch.setattr(collect_env, "get_pretty_env_info", failing)
+    with _env_info_ahead(True), pytest.raises(RuntimeError, match="no pip"):
+        collect_env.get_pretty_env_info()
+    with _env_info_ahead(False):        # not a run: nothing made
+        assert collect_env.get_pretty_env_info is failing
 
 
 @pytest.mark.parametrize("task", ["mmlu_offline_anatomy", "hellaswag_offline"])
