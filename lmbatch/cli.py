@@ -201,18 +201,21 @@ def lm_eval(ctx: typer.Context) -> None:
     """Run lm-evaluation-harness tasks on lmbatch: lm_eval's own arguments (--tasks, --model_args
     pretrained=DIR, --include_path, --output_path, ...); --model lmbatch is implied."""
     from lmbatch.lm_eval_engine import start_early
-    from lmbatch.lm_eval_index import build_ahead
+    from lmbatch.lm_eval_index import build_ahead, end_ahead
 
     build_ahead()                   # lm-eval's task index, where lmbatch's cache has none, in a process
     start_early(list(ctx.args))     # the model loads while lm-eval imports and builds its tasks
     try:
-        from lmbatch import lm_eval as backend
-    except ImportError as e:
-        _fail(UserError(f"lm-eval is not installed ({e.name}): pip install -e '.[lm-eval]' (lm-eval==0.4.13)"))
-    try:
-        code = backend.main(list(ctx.args))
-    except UserError as e:
-        _fail(e)
+        try:
+            from lmbatch import lm_eval as backend
+        except ImportError as e:
+            _fail(UserError(f"lm-eval is not installed ({e.name}): pip install -e '.[lm-eval]' (lm-eval==0.4.13)"))
+        try:
+            code = backend.main(list(ctx.args))
+        except UserError as e:
+            _fail(e)
+    finally:
+        end_ahead()
     raise typer.Exit(code)
 
 

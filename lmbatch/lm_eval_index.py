@@ -83,6 +83,15 @@ def build_ahead() -> bool:
 def _end(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.kill()
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+
+def end_ahead() -> None:
+    """Ends what `build_ahead` started and no run waited for (the command is over: an error before
+    lm-eval needed its index), so that nothing goes on working after the command that started it."""
+    for path in list(_AHEAD):
+        _end(_AHEAD.pop(path))
 
 
 def building() -> bool:

@@ -156,6 +156,12 @@ def test_lm_evals_own_index_built_ahead_in_a_process_is_the_index_lm_eval_builds
     assert not lm_eval_index.building() and lm_eval_index.entry_path(own, True).is_file()
     assert list(ours) == list(theirs) and ours == theirs
     assert ours["mmlu_anatomy"].yaml_path == tasks / "mmlu_anatomy.yaml"
+    lm_eval_index.entry_path(own, True).unlink()
+    assert lm_eval_index.build_ahead() and lm_eval_index.building()
+    (proc,) = lm_eval_index._AHEAD.values()
+    lm_eval_index.end_ahead()           # a command that ended before it needed the index
+    assert proc.returncode is not None
+    assert not lm_eval_index.building() and not lm_eval_index._AHEAD
 
 
 def test_lm_evals_environment_report_is_made_ahead_and_taken_once(monkeypatch):
