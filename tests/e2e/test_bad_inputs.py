@@ -430,8 +430,10 @@ SLOW = ("import sys, time\nfrom pathlib import Path\nfrom lmbatch import rundir\
         "def hold(step):\n"
         "    if step == 'part requests':\n"
         "        parts.append(step)\n"
-        "        while len(parts) == 2 and not go.exists():\n"
-        "            time.sleep(0.05)\n"
+        "        if len(parts) == 2:\n"
+        "            Path(str(go) + '.held').touch()\n"
+        "            while not go.exists():\n"
+        "                time.sleep(0.05)\n"
         "rundir.fault = hold\n"
         "from lmbatch.cli import main\nsys.argv = ['lmbatch'] + sys.argv[2:]\nmain()\n")
 
@@ -446,9 +448,9 @@ def test_a_second_run_on_the_same_run_id_is_refused_while_the_first_writes(tiny,
     first = subprocess.Popen([sys.executable, "-c", SLOW, str(go), *map(str, args)], stderr=subprocess.PIPE,
                              text=True)
     try:
-        parts = out / "shared" / "parts"
+        held = tmp_path / "go.held"     # the first part and its run.json written, the second part not begun
         t = time.time()
-        while not list(parts.glob("*.instances.parquet")) if parts.is_dir() else True:
+        while not held.exists():
             assert first.poll() is None, first.stderr.read() if first.stderr else ""
             assert time.time() - t < 120
             time.sleep(0.05)
