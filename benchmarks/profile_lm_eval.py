@@ -32,7 +32,6 @@ PHASES: list[tuple[str, str, str]] = [
     ("lmbatch/loading.py", "_load", "lmbatch: model load (thread)"),
     ("lmbatch/lm_eval.py", "__init__", "lmbatch: model setup"),
     ("lmbatch/lm_eval_index.py", "stored_index", "lmbatch: task index kept or built ahead"),
-    ("lmbatch/lm_eval.py", "_import_for_run", "imports"),
     ("lm_eval/api/task.py", "download", "lm-eval: datasets load"),
     ("lm_eval/api/task.py", "build_all_requests", "lm-eval: build requests"),
     ("lm_eval/api/task.py", "process_results", "lm-eval: process_results"),

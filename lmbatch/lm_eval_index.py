@@ -24,6 +24,7 @@ import pickle
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -120,6 +121,9 @@ def stored_index(root: Path, resolve_includes: bool, build: Callable[[], Any]) -
         os.replace(tmp, path)
         for old in sorted(path.parent.glob("index-*.pkl"), key=lambda f: f.stat().st_mtime)[:-KEEP]:
             old.unlink(missing_ok=True)
+        for stale in path.parent.glob(".index-*.tmp"):     # a build ended while it wrote (`end_ahead`)
+            if time.time() - stale.stat().st_mtime > 3600:
+                stale.unlink(missing_ok=True)
     except (OSError, pickle.PicklingError, TypeError, AttributeError):     # not writable, or not picklable
         with suppress(OSError):
             tmp.unlink(missing_ok=True)

@@ -149,15 +149,16 @@ def store_scores(path: Path, requests: Sequence[ScoreRequest], plan: Plan | None
     """An lm-eval call's loglikelihood requests as token ids, and their plan (None: planned by the engine's
     workers), as `store` writes an entry. A context list that several requests share (one question's
     choices) is written once, and read back as one list again."""
-    at: dict[int, int] = {}
+    at: dict[int, int] = {}         # id of a context list -> its place in `contexts`
     contexts: list[list[int]] = []
-    which = np.fromiter((at.setdefault(id(r.context), len(at)) for r in requests), np.int64, len(requests))
-    for r, i in zip(requests, which.tolist()):
+    which: list[int] = []
+    for r in requests:
+        i = at.setdefault(id(r.context), len(contexts))
         if i == len(contexts):
             contexts.append(r.context)
-    continuations = [r.continuation for r in requests]
-    return _write(path, {"contexts": _flat(contexts), "continuations": _flat(continuations), "which": which,
-                         "plan": None if plan is None else plan_to_arrays(plan)})
+        which.append(i)
+    return _write(path, {"contexts": _flat(contexts), "continuations": _flat([r.continuation for r in requests]),
+                         "which": np.asarray(which, np.int64), "plan": None if plan is None else plan_to_arrays(plan)})
 
 
 def _flat(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
