@@ -61,7 +61,7 @@ class LMBatch(TemplateLM):
                  prefix_token_id: int | None = None, max_tokens_per_batch: int | None = None,
                  kv_cache_tokens: int | None = None, schedule: str = "dfs", batch_size: Any = None,
                  max_batch_size: Any = None, data_parallel: int | str = 1, tensor_parallel: int = 1,
-                 ray_address: str | None = None, attention: str = "auto", **unused: Any):
+                 ray_address: str | None = None, attention: str = "auto", score_cache: bool = True, **unused: Any):
         super().__init__()
         start = time.perf_counter()
         from transformers import AutoTokenizer
@@ -73,14 +73,14 @@ class LMBatch(TemplateLM):
         check_model_args({"dtype": dtype, "device": device, "max_length": max_length, "add_bos_token": add_bos_token,
                           "prefix_token_id": prefix_token_id, "max_tokens_per_batch": max_tokens_per_batch,
                           "kv_cache_tokens": kv_cache_tokens, "schedule": schedule, "data_parallel": data_parallel,
-                          "tensor_parallel": tensor_parallel, "attention": attention})
+                          "tensor_parallel": tensor_parallel, "attention": attention, "score_cache": score_cache})
         if batch_size not in (None, 1, "1") or max_batch_size is not None:
             log.info("lmbatch: batch_size/max_batch_size have no effect: each call's requests run as one batch, "
                      "in token-budgeted forward passes, and scores do not depend on batching")
         if unused:
             log.warning("lmbatch: model_args not used: %s", ", ".join(sorted(unused)))
         model_dir = resolve_model(pretrained)      # checked by our own code before transformers reads it
-        pick_device(str(device or "auto"), dtype if dtype not in (None, "auto") else None)   # its errors now
+        numerics = pick_device(str(device or "auto"), dtype if dtype not in (None, "auto") else None)  # errors now
         check_tokenizer_files(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         # the model loads on a thread of its own (as for `lmbatch run`) while lm-eval builds its tasks:
@@ -97,6 +97,10 @@ class LMBatch(TemplateLM):
         self.tokens = PairTokenizer(self.tokenizer, add_bos_token, prefix_token_id,
                                     int(max_length) if max_length else _context_length(model_dir, self.tokenizer))
         self.schedule = schedule
+        # a call's scores are kept (score_cache.py) under its requests and these: not for workers elsewhere
+        self._numerics = (*numerics, {"engine": repr(spec), "schedule": schedule}) \
+            if score_cache and ray_address is None else None
+        self.kept_scores = 0        # scores read from the score cache
         self.stats = RunStats()     # every call's counts, for the run's report
         self.seconds: dict[str, float] = {"setup": time.perf_counter() - start}
         INSTANCES.append(self)
@@ -174,7 +178,8 @@ class LMBatch(TemplateLM):
         """lmbatch's figures for the run so far: hit rate and its optimum over every call's tree,
         tokens computed vs prompt tokens, seconds by phase."""
         st = self.stats
-        return {"requests": st.requests, "executed_requests": st.executed, "hit_rate": st.hit_rate,
+        return {"requests": st.requests + self.kept_scores, "scores_from_cache": self.kept_scores,
+                "executed_requests": st.executed, "hit_rate": st.hit_rate,
                 "optimal_hit_rate": optimal_hit_rate(st.unique_tokens, st.prompt_tokens),
                 "tokens": {"prompt": st.prompt_tokens, "cached": st.cached_tokens, "computed": st.computed_tokens,
                            "unique": st.unique_tokens, "decode": st.decode_tokens},
@@ -187,12 +192,23 @@ class LMBatch(TemplateLM):
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """`TemplateLM.loglikelihood`'s token ids, made in bulk (`PairTokenizer.score_requests`; lm-eval
         encodes two long texts per request one by one). The ids and the plan are kept in the workload
-        cache under the requests' text: a repeat of the call tokenizes and plans nothing."""
-        from lmbatch import workload_cache
+        cache under the requests' text: a repeat of the call tokenizes and plans nothing. The scores are
+        kept too (score_cache.py): a repeat on the same model files and numerics computes nothing."""
+        from lmbatch import score_cache, workload_cache
 
         start = time.perf_counter()
         pairs = [req.args for req in requests]
-        entry = workload_cache.path_of(self.tokens.cache_key(pairs, self.schedule, self._plans_ahead, self._model_dir))
+        name = self.tokens.cache_key(pairs, self.schedule, self._plans_ahead, self._model_dir)
+        scores_at = None if self._numerics is None else \
+            score_cache.path_of(score_cache.key(name, self._model_dir, *self._numerics))
+        kept = None if scores_at is None else score_cache.load(scores_at, len(pairs))
+        if kept is not None:
+            self.kept_scores += len(kept)
+            log.info("lmbatch: %d loglikelihood scores read from the score cache (computed before with the same "
+                     "model files and numerics; score_cache=false computes them again)", len(kept))
+            self.seconds["prepare"] = self.seconds.get("prepare", 0.0) + time.perf_counter() - start
+            return self._answered(pairs, kept)
+        entry = workload_cache.path_of(name)
         cached = workload_cache.load_scores(entry)
         if cached is None:
             reqs = self.tokens.score_requests(pairs)
@@ -203,6 +219,11 @@ class LMBatch(TemplateLM):
             reqs, plan = cached
         self.seconds["prepare"] = self.seconds.get("prepare", 0.0) + time.perf_counter() - start
         out = [(r.logprob, r.is_greedy) for r in self._run(reqs, disable_tqdm, plan)]
+        if scores_at is not None:
+            score_cache.store(scores_at, out)
+        return self._answered(pairs, out)
+
+    def _answered(self, pairs: list[tuple[str, str]], out: list[tuple[float, bool]]) -> list[tuple[float, bool]]:
         for key, answer in zip(pairs, out):
             self.cache_hook.add_partial("loglikelihood", key, answer)
         return out
@@ -330,11 +351,13 @@ def main(args: list[str]) -> int:
         out.mkdir(parents=True, exist_ok=True)
         path = out / time.strftime("lmbatch_%Y%m%dT%H%M%S.json")
         path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"lmbatch: {report['requests']} requests  hit rate {report['hit_rate']:.4f} (optimum "
-          f"{report['optimal_hit_rate']:.4f})  computed {report['tokens']['computed']:,} of "
-          f"{report['tokens']['prompt']:,} prompt tokens  wall {report['time_s']['total']:.1f}s (model load "
-          f"{report['time_s']['load_background']:.1f} in the background, waited "
-          f"{report['time_s'].get('load_waited', 0.0):.1f}; execute {report['time_s'].get('execute', 0.0):.1f})",
+    kept, t = report["scores_from_cache"], report["time_s"]
+    ran = "" if kept == report["requests"] else \
+        (f"  hit rate {report['hit_rate']:.4f} (optimum {report['optimal_hit_rate']:.4f})  computed "
+         f"{report['tokens']['computed']:,} of {report['tokens']['prompt']:,} prompt tokens")
+    print(f"lmbatch: {report['requests']} requests" + (f", {kept} scores from the score cache (score_cache=false "
+          f"computes them)" if kept else "") + f"{ran}  wall {t['total']:.1f}s (model load {t['load_background']:.1f} "
+          f"in the background, waited {t.get('load_waited', 0.0):.1f}; execute {t.get('execute', 0.0):.1f})",
           file=sys.stderr)
     return 0
 
@@ -390,8 +413,9 @@ def check_model_args(args: dict[str, Any]) -> None:
         raise bad("data_parallel", "use a number of workers (at least 1) or auto")
     if args.get("prefix_token_id") is not None and not _whole(args["prefix_token_id"], 0):
         raise bad("prefix_token_id", "use a token id (a whole number, at least 0)")
-    if args.get("add_bos_token") not in (None, True, False):
-        raise bad("add_bos_token", "use true or false")
+    for name in ("add_bos_token", "score_cache"):
+        if args.get(name) not in (None, True, False):
+            raise bad(name, "use true or false")
 
 
 def check_run(ns: Any) -> bool:

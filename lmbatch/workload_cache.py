@@ -136,12 +136,12 @@ def store(path: Path, snap: Snapshot, temporary: bool = False) -> bool:
     """Write the entry (to a temporary name, then renamed: a reader sees a whole file or none); keep the
     KEEP most recent. A cache that cannot be written is said and left alone: False. A `temporary` file
     (not in the cache) is only written."""
-    return _write(path, _encode(snap), temporary)
+    return write_entry(path, _encode(snap), temporary)
 
 
 def load(path: Path) -> Snapshot | None:
     """The entry at `path`, or None: absent, or not whole (then it goes, with a one-line notice)."""
-    data = _read(path)
+    data = read_entry(path)
     return None if data is None else _decode(data)
 
 
@@ -157,7 +157,7 @@ def store_scores(path: Path, requests: Sequence[ScoreRequest], plan: Plan | None
         if i == len(contexts):
             contexts.append(r.context)
         which.append(i)
-    return _write(path, {"contexts": _flat(contexts), "continuations": _flat([r.continuation for r in requests]),
+    return write_entry(path, {"contexts": _flat(contexts), "continuations": _flat([r.continuation for r in requests]),
                          "which": np.asarray(which, np.int64), "plan": None if plan is None else plan_to_arrays(plan)})
 
 
@@ -173,7 +173,7 @@ def _lists(lens: np.ndarray, flat: np.ndarray) -> list[list[int]]:
 
 def load_scores(path: Path) -> tuple[list[ScoreRequest], Plan | None] | None:
     """What `store_scores` wrote, or None (as `load`)."""
-    d = _read(path)
+    d = read_entry(path)
     if not isinstance(d, dict) or not {"contexts", "continuations", "which", "plan"} <= d.keys():
         return None
     contexts = _lists(*d["contexts"])
@@ -181,7 +181,12 @@ def load_scores(path: Path) -> tuple[list[ScoreRequest], Plan | None] | None:
     return requests, None if d["plan"] is None else plan_from_arrays(d["plan"])
 
 
-def _write(path: Path, obj: dict[str, Any], temporary: bool = False) -> bool:
+def write_entry(path: Path, obj: dict[str, Any], temporary: bool = False, keep: int = KEEP,
+                cache: str = "workload", keeps: str = "prepared workloads") -> bool:
+    """`obj` pickled under a header (format, payload size and SHA-256), to a temporary name, then renamed: a
+    reader sees a whole file or none. The `keep` most recent entries of its folder stay. A folder that
+    cannot be written is said (naming the `cache` and what it `keeps`) and left alone: False. A `temporary` file (not in
+    a cache) is only written."""
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     header = json.dumps({"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}).encode()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -193,7 +198,7 @@ def _write(path: Path, obj: dict[str, Any], temporary: bool = False) -> bool:
         os.replace(tmp, path)
         if not temporary:
             entries = sorted(path.parent.glob("*.pkl"), key=lambda f: f.stat().st_mtime)
-            for old in entries[:-KEEP]:
+            for old in entries[:-keep]:
                 old.unlink(missing_ok=True)
         return True
     except OSError as e:
@@ -202,12 +207,14 @@ def _write(path: Path, obj: dict[str, Any], temporary: bool = False) -> bool:
         except OSError:         # its folder could not be made (LMBATCH_CACHE under a file, say)
             pass
         if not temporary:
-            print(f"lmbatch: the workload cache {path.parent} is not writable ({e.strerror or e}); set "
-                  "LMBATCH_CACHE to a writable folder to keep prepared workloads", file=sys.stderr)
+            print(f"lmbatch: the {cache} cache {path.parent} is not writable ({e.strerror or e}); set "
+                  f"LMBATCH_CACHE to a writable folder to keep {keeps}", file=sys.stderr)
         return False
 
 
-def _read(path: Path) -> Any:
+def read_entry(path: Path, what: str = "cached workload", again: str = "preparing it again") -> Any:
+    """What `write_entry` wrote at `path`, or None: absent, or not whole (then it goes, with a one-line notice
+    naming `what` it is and what happens `again`)."""
     try:
         data = path.read_bytes()
     except OSError:
@@ -222,7 +229,6 @@ def _read(path: Path) -> Any:
             raise ValueError("truncated or altered")
         return pickle.loads(payload)
     except Exception as e:  # noqa: BLE001  whatever is wrong with it, it is made again
-        print(f"lmbatch: cached workload {path.name} is unreadable ({type(e).__name__}: {e}); preparing it again",
-              file=sys.stderr)
+        print(f"lmbatch: {what} {path.name} is unreadable ({type(e).__name__}: {e}); {again}", file=sys.stderr)
         path.unlink(missing_ok=True)
         return None

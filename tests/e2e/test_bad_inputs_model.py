@@ -447,6 +447,7 @@ BAD_MODEL_ARGS = {   # --model_args beside pretrained=: the one line after "erro
     "data_parallel=many": "--model_args data_parallel=many: use a number of workers (at least 1) or auto",
     "prefix_token_id=-1": "--model_args prefix_token_id=-1: use a token id (a whole number, at least 0)",
     "add_bos_token=maybe": "--model_args add_bos_token=maybe: use true or false",
+    "score_cache=2": "--model_args score_cache=2: use true or false",
     "batch_size=8": "--model_args batch_size=8: lm-eval gives the model its batch_size itself: give it as "
                     "--batch_size only",
 }

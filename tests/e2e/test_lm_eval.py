@@ -25,7 +25,7 @@ TEXTS = [STEM, STEM * 4, "One two three four five. " * 40]
 @pytest.fixture(scope="module")
 def backends():
     path = str(embedded_model_dir())
-    ours = LMBatch(pretrained=path, device="cpu", dtype="float32", max_length=MAX_LENGTH)
+    ours = LMBatch(pretrained=path, device="cpu", dtype="float32", max_length=MAX_LENGTH, score_cache=False)
     theirs = HFLM(pretrained=path, device="cpu", dtype="float32", batch_size=4, max_length=MAX_LENGTH)
     return ours, theirs
 
@@ -101,7 +101,7 @@ def test_data_parallel_backend_matches_hf(backends):
     numbers unchanged (stop strings decoded in the workers, too)."""
     _, theirs = backends
     ours = LMBatch(pretrained=str(embedded_model_dir()), device="cpu", dtype="float32", max_length=MAX_LENGTH,
-                   data_parallel=2)
+                   data_parallel=2, score_cache=False)
     try:
         got = ours.loglikelihood(_instances("loglikelihood", PAIRS))
         want = theirs.loglikelihood(_instances("loglikelihood", PAIRS))

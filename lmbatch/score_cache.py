@@ -1,0 +1,106 @@
+"""The scores of an `lmbatch lm-eval` loglikelihood call, kept so that a repeat of the same command on the
+same model computes nothing: the same requests (the workload cache's key: their text, the backend's
+tokenization options, the model folder's small files, lmbatch's source) scored by the same weights
+(each file of the model folder by name, size and modification time, as make and Python's bytecode
+cache tell a file changed) on the same numerics (device and dtype, the engine's options, the GPU or
+CPU model and thread count, driver, torch, Triton, FlashInfer, lmbatch's kernels). A whole call is one
+entry: the engine's batching of a call decides a score's last bits, so only the same call's scores are
+the same scores.
+
+Hits are said (`LMBatch.report`, the closing line); `--model_args score_cache=false` computes again.
+A run through Ray is never kept (its workers' machines are not this one).
+
+    ~/.cache/lmbatch/scores/<key>.pkl    ($LMBATCH_CACHE, else $XDG_CACHE_HOME/lmbatch)
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from lmbatch.cache import cache_dir
+from lmbatch.workload_cache import read_entry, write_entry
+
+KEEP = 64       # entries kept (a few kB each); the least recently written go
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+@lru_cache(maxsize=1)
+def _kernels_source() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("lmbatch.kernels")
+    assert spec is not None and spec.submodule_search_locations is not None
+    root = Path(list(spec.submodule_search_locations)[0])
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def machine(device: str) -> dict[str, Any]:
+    """What of this machine decides the numerics on `device` (cpu or cuda), read without starting CUDA."""
+    import torch
+
+    if device == "cuda":
+        gpus = sorted(_read(str(f)) for f in Path("/proc/driver/nvidia/gpus").glob("*/information"))
+        return {"gpus": [ln for g in gpus for ln in g.splitlines() if ln.startswith("Model:")],
+                "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "driver": _read("/proc/driver/nvidia/version"),
+                "cuda": torch.version.cuda, "triton": _version("triton"), "flashinfer": _version("flashinfer-python")}
+    cpu = next((ln for ln in _read("/proc/cpuinfo").splitlines() if ln.startswith("model name")), platform.processor())
+    return {"cpu": cpu, "threads": torch.get_num_threads()}
+
+
+def weights(model_dir: Path) -> list[tuple[str, int, int]]:
+    """Each file of the model folder (links followed): name, size, modification time."""
+    return [(f.name, st.st_size, st.st_mtime_ns) for f in sorted(model_dir.iterdir()) if f.is_file()
+            for st in (f.stat(),)]
+
+
+def key(requests_key: str, model_dir: Path, device: str, dtype: str, engine: dict[str, Any]) -> str:
+    """The entry's name: the requests' key (the workload cache's), the model's files and the numerics."""
+    import torch
+
+    what = {"requests": requests_key, "weights": weights(model_dir), "device": device, "dtype": dtype,
+            "engine": engine, "machine": machine(device), "torch": torch.__version__, "kernels": _kernels_source()}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:40]
+
+
+def path_of(name: str) -> Path:
+    return cache_dir() / "scores" / f"{name}.pkl"
+
+
+def store(path: Path, scores: Sequence[tuple[float, bool]]) -> bool:
+    """A call's (logprob, is_greedy) pairs, as the workload cache writes an entry."""
+    logprobs = np.fromiter((lp for lp, _ in scores), np.float64, len(scores))
+    greedy = np.fromiter((g for _, g in scores), np.bool_, len(scores))
+    return write_entry(path, {"logprobs": logprobs, "greedy": greedy}, keep=KEEP, cache="score",
+                       keeps="the scores of lm-eval calls")
+
+
+def load(path: Path, n: int) -> list[tuple[float, bool]] | None:
+    """The `n` scores `store` wrote at `path`, or None (absent, not whole, or not `n` of them)."""
+    d = read_entry(path, what="kept scores", again="computing them again")
+    if not isinstance(d, dict) or not {"logprobs", "greedy"} <= d.keys() or len(d["logprobs"]) != n:
+        return None
+    return list(zip(d["logprobs"].tolist(), d["greedy"].tolist()))
