@@ -1,6 +1,12 @@
 """lmbatch: offline batch evaluation of LM programs, executed in DFS order over a radix tree."""
 
+import os
 import threading
+
+if os.environ.get("LMBATCH_KEEP_BYTECODE"):     # a process the command started: its bytecode kept as the command's
+    from lmbatch.cache import keep_bytecode
+
+    keep_bytecode()
 
 __version__ = "0.1.0"
 

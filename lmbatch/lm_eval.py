@@ -211,7 +211,9 @@ class LMBatch(TemplateLM):
         entry = workload_cache.path_of(name)
         cached = workload_cache.load_scores(entry)
         if cached is None:
+            t = time.perf_counter()
             reqs = self.tokens.score_requests(pairs)
+            self.seconds["tokenize"] = self.seconds.get("tokenize", 0.0) + time.perf_counter() - t
             # one engine runs the plan made here; data-parallel workers each plan their own part
             plan = plan_requests(reqs, self.schedule) if self._plans_ahead else None
             workload_cache.store_scores(entry, reqs, plan)

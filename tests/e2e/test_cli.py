@@ -509,13 +509,14 @@ def test_an_unwritable_workload_cache_is_one_notice_and_the_run_goes_on(tiny, tm
 
 
 def test_bytecode_is_kept_in_the_cache_where_python_writes_none(tiny, tmp_path):
-    """`python -B` (as PYTHONDONTWRITEBYTECODE=1): the command keeps the bytecode of what it imports under
-    LMBATCH_CACHE/pycache (a module imported only once the command runs, lmbatch/run.py, is there), and
-    nowhere beside the sources; LMBATCH_PYCACHE=0 keeps none; the outputs are the same."""
+    """`python -B` (as PYTHONDONTWRITEBYTECODE=1): the command keeps the bytecode of what it imports and
+    finds no current bytecode of beside (as installers write it) under LMBATCH_CACHE/pycache, and nowhere
+    beside the sources; a second run keeps nothing more; LMBATCH_PYCACHE=0 keeps none; the outputs are
+    the same."""
     import subprocess
     import sys
 
-    import lmbatch
+    from lmbatch.cache import _installed_bytecode
 
     def run(cache, run_id, **env):
         r = subprocess.run([sys.executable, "-B", "-c", "from lmbatch.cli import main; main()",
@@ -524,15 +525,66 @@ def test_bytecode_is_kept_in_the_cache_where_python_writes_none(tiny, tmp_path):
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)      # a dry run's plan summary
 
-    source = __import__("pathlib").Path(lmbatch.__file__).resolve().parent
     kept = run(tmp_path / "c1", "a")
     tree = tmp_path / "c1" / "pycache"
-    assert [p.name for p in (tree / source.relative_to("/")).glob("run.*.pyc")], sorted(tree.rglob("*.pyc"))[:5]
-    assert len(list(tree.rglob("*.pyc"))) > 50      # typer's lazily imported parts, numpy, the tokenizer ...
+    files = sorted(tree.rglob("*.pyc"))
+    for f in files:     # .../x.cpython-311.pyc under the tree mirrors /.../x.py
+        source = "/" + str(f.relative_to(tree).parent / (f.name.split(".")[0] + ".py"))
+        assert _installed_bytecode(source) is None, f"{source}: its installed bytecode was compiled again"
+    run(tmp_path / "c1", "a2")
+    assert sorted(tree.rglob("*.pyc")) == files
     plain = run(tmp_path / "c2", "b", LMBATCH_PYCACHE="0")
     assert not (tmp_path / "c2" / "pycache").exists()
     assert {k: v for k, v in kept.items() if k not in ("time_s", "run_id")} == \
         {k: v for k, v in plain.items() if k not in ("time_s", "run_id")}
+
+
+def test_installed_bytecode_is_read_as_python_reads_it(tmp_path):
+    """Under keep_bytecode a module's bytecode beside its source is taken where Python itself would take it
+    (a timestamp file matching the source's time and size, even if the text changed; an unchecked hash
+    file) and not otherwise (a stale timestamp, a checked hash of other text): those are compiled and kept
+    in lmbatch's cache. Each module's value is the one plain `python -B` gets; code names its source file."""
+    import py_compile
+    import subprocess
+    import sys
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    modes = {"a": "timestamp", "c": "timestamp", "d": "unchecked", "e": "checked"}
+    for name in "abcde":
+        src = pkg / f"{name}.py"
+        src.write_text("V = 'old'\ndef f():\n    pass\n")
+        if name in modes:
+            mode = {"timestamp": py_compile.PycInvalidationMode.TIMESTAMP,
+                    "unchecked": py_compile.PycInvalidationMode.UNCHECKED_HASH,
+                    "checked": py_compile.PycInvalidationMode.CHECKED_HASH}[modes[name]]
+            py_compile.compile(str(src), dfile=f"/elsewhere/{name}.py", invalidation_mode=mode, doraise=True)
+        st = src.stat()
+        new = "V = 'new'\ndef f():\n    pass\n" if name != "c" else "V = 'newer'\ndef f():\n    pass\n"
+        src.write_text(new)
+        if name == "a":     # the same size and time: Python cannot tell, and takes the old bytecode
+            os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+        else:
+            os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))
+    code = ("import sys; {keep}import pkg.a, pkg.b, pkg.c, pkg.d, pkg.e as e; "
+            "print([m.V for m in (pkg.a, pkg.b, pkg.c, pkg.d, e)], pkg.a.f.__code__.co_filename, "
+            "pkg.d.f.__code__.co_filename)")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "LMBATCH_CACHE": str(tmp_path / "cache")}
+    env.pop("LMBATCH_PYCACHE", None)
+
+    def values(keep: str) -> str:
+        r = subprocess.run([sys.executable, "-B", "-c", code.format(keep=keep)], capture_output=True, text=True,
+                           env=env, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    python = values("")
+    assert python == f"['old', 'new', 'newer', 'old', 'new'] {pkg / 'a.py'} {pkg / 'd.py'}"
+    assert values("from lmbatch.cache import keep_bytecode; assert keep_bytecode(); ") == python
+    tree = tmp_path / "cache" / "pycache"
+    assert sorted(f.name.split(".")[0] for f in tree.rglob("*.pyc")) == ["__init__", "b", "c", "e"]
+    assert values("from lmbatch.cache import keep_bytecode; assert keep_bytecode(); ") == python     # read back
 
 
 def test_keep_bytecode_leaves_python_as_it_is_unless_told_to_write_none(tmp_path, monkeypatch):
@@ -543,8 +595,9 @@ def test_keep_bytecode_leaves_python_as_it_is_unless_told_to_write_none(tmp_path
     monkeypatch.setenv("LMBATCH_CACHE", str(tmp_path))
     monkeypatch.setattr(sys, "pycache_prefix", None)
     monkeypatch.setattr(sys, "dont_write_bytecode", False)
-    monkeypatch.setenv("PYTHONPYCACHEPREFIX", "")      # restored (absent) after the test, whatever it sets
-    monkeypatch.delenv("PYTHONPYCACHEPREFIX")
+    monkeypatch.setenv("LMBATCH_KEEP_BYTECODE", "")      # restored (absent) after the test, whatever it sets
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    monkeypatch.setattr(sys, "path_hooks", list(sys.path_hooks))
     assert keep_bytecode() is None and sys.pycache_prefix is None      # Python writes beside the sources
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     monkeypatch.setattr(sys, "pycache_prefix", "/elsewhere")
@@ -553,5 +606,12 @@ def test_keep_bytecode_leaves_python_as_it_is_unless_told_to_write_none(tmp_path
     monkeypatch.setenv("LMBATCH_PYCACHE", "0")
     assert keep_bytecode() is None and sys.dont_write_bytecode
     monkeypatch.delenv("LMBATCH_PYCACHE")
-    assert keep_bytecode() == str(tmp_path / "pycache") == sys.pycache_prefix == os.environ["PYTHONPYCACHEPREFIX"]
-    assert not sys.dont_write_bytecode
+    assert keep_bytecode() == str(tmp_path / "pycache") == sys.pycache_prefix
+    assert not sys.dont_write_bytecode and os.environ["LMBATCH_KEEP_BYTECODE"] == "1"
+    assert "PYTHONPYCACHEPREFIX" not in os.environ      # it would hide started processes' installed bytecode
+    # a process the command starts keeps its bytecode there too, as soon as it imports lmbatch
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-B", "-c", "import sys, lmbatch; print(sys.pycache_prefix)"],
+                       capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == str(tmp_path / "pycache")
