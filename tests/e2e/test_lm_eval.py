@@ -9,6 +9,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.huggingface import HFLM
 
 from lmbatch.lm_eval import LMBatch
+from lmbatch.lm_eval_tokens import _batch_backend
 from lmbatch.model.checkpoint import embedded_model_dir
 
 MAX_LENGTH = 96     # small, so that long texts need several rolling windows and long pairs are cut
@@ -94,6 +95,36 @@ def test_batched_tokenization_gives_lm_evals_ids(backends, monkeypatch):
     assert batched == ours.tokens.cut([(context, continuation) for _, context, continuation in seen["hf"]])
     assert len(batched) == len(pairs) and all(r.continuation for r in batched)
     assert max(len(r.tokens) for r in batched) <= MAX_LENGTH + 1
+    # those ids came from the tokenizer's own batch encoding; transformers' call gives them too
+    assert _batch_backend(ours.tokenizer) is not None
+    monkeypatch.setattr("lmbatch.lm_eval_tokens._batch_backend", lambda tokenizer: None)
+    assert ours.tokens.score_requests(pairs) == batched
+
+
+def test_the_tokenizers_own_batch_encoding_only_where_transformers_call_is_it(backends, monkeypatch):
+    """`_batch_backend` refuses a tokenizer class that overrides a step of transformers' call, and one set
+    to truncate, pad or split special tokens (transformers' call would undo or apply those)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = backends[0].tokenizer
+    assert _batch_backend(tokenizer) is tokenizer._tokenizer
+
+    class Own(type(tokenizer)):
+        def _encode_plus(self, *args, **kwargs):
+            return super()._encode_plus(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "__class__", Own)
+    assert _batch_backend(tokenizer) is None
+    monkeypatch.undo()
+    monkeypatch.setattr(tokenizer, "split_special_tokens", True, raising=False)
+    assert _batch_backend(tokenizer) is None
+    monkeypatch.undo()
+    tokenizer._tokenizer.enable_truncation(8)
+    try:
+        assert _batch_backend(tokenizer) is None
+    finally:
+        tokenizer._tokenizer.no_truncation()
+    assert _batch_backend(tokenizer) is tokenizer._tokenizer and isinstance(tokenizer, PreTrainedTokenizerFast)
 
 
 def test_data_parallel_backend_matches_hf(backends):
