@@ -52,7 +52,8 @@ class LMBatch(TemplateLM):
     """`--model lmbatch --model_args pretrained=DIR,dtype=...,device=...` (plus lmbatch's own
     `max_tokens_per_batch`, `kv_cache_tokens`, `schedule`, and `data_parallel`, `tensor_parallel`,
     `ray_address` as `lmbatch run` has them: each call's batch is cut along whole subtrees, never
-    handed out round-robin)."""
+    handed out round-robin; and `score_cache`: false computes a loglikelihood call's scores even where
+    the same call on the same model files and numerics kept them, score_cache.py)."""
 
     backend = "causal"
 
