@@ -136,8 +136,19 @@ def test_two_workers_on_a_ray_cluster(tmp_path, program_path, ray_head):
     """The same run with its two workers placed by Ray (each connects back to the driver): the
     results of one local process."""
     one, s1, _ = _run(tmp_path, "mmlu", 1, program_path)
-    d = run(RunOptions(**CASES["mmlu"], out=tmp_path, run_id="ray", device="cpu", quiet=True, data_parallel="2",
-                       ray_address=ray_head, checkpoint_s=1e-6, max_tokens_per_batch=256))
+    # the driver is a process of its own: Ray 2.60 once aborted its driver on an internal check
+    # ("Tried to complete task that was not pending", CI 2026-11-26), which took pytest with it; that
+    # abort, and only it, is retried once
+    args = [sys.executable, "-c", "from lmbatch.cli import main; main()", "run", "mmlu", "--shots", "5", "--limit",
+            "2", *[a for subject in CASES["mmlu"]["subjects"] for a in ("--subjects", subject)], "--out",
+            str(tmp_path), "--run-id", "ray", "--device", "cpu", "--quiet", "--data-parallel", "2", "--ray-address",
+            ray_head, "--checkpoint-s", "1e-6", "--max-tokens-per-batch", "256"]
+    for attempt in range(2):
+        p = subprocess.run(args, capture_output=True, text=True, timeout=600)
+        if p.returncode == 0 or "likely discovered a bug in Ray" not in p.stderr or attempt:
+            break
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = tmp_path / "ray"
     two = pq.read_table(d / "instances.parquet").to_pylist()
     s2 = json.loads((d / "summary.json").read_text())
     assert [(r["id"], r["prediction"]) for r in two] == [(r["id"], r["prediction"]) for r in one]
