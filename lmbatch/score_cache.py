@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from lmbatch.cache import cache_dir
-from lmbatch.workload_cache import read_entry, write_entry
+from lmbatch.workload_cache import hash_source, read_entry, write_entry
 
 KEEP = 64       # entries kept (a few kB each); the least recently written go
 
@@ -47,14 +47,8 @@ def _read(path: str) -> str:
 
 @lru_cache(maxsize=1)
 def _kernels_source() -> str:
-    import importlib.util
-
-    spec = importlib.util.find_spec("lmbatch.kernels")
-    assert spec is not None and spec.submodule_search_locations is not None
-    root = Path(list(spec.submodule_search_locations)[0])
     h = hashlib.sha256()
-    for f in sorted(root.rglob("*.py")):
-        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    hash_source(h, ("lmbatch.kernels",))    # kernels/ maps in: outside code_version's packages
     return h.hexdigest()
 
 

@@ -19,6 +19,8 @@ model files and code, so a repeat of an lm-eval command tokenizes and plans noth
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import pickle
@@ -61,20 +63,23 @@ def _hash_files(h: Any, files: list[Path]) -> None:
                 h.update(block)
 
 
-@lru_cache(maxsize=1)
-def code_version() -> str:
-    """lmbatch's version and a hash of its installed source (prompts and tokenization are code)."""
-    import importlib.util
-
-    import lmbatch
-
-    h = hashlib.sha256(lmbatch.__version__.encode())
-    for pkg in ("lmbatch", "lmbatch.programs", "lmbatch.scheduler"):     # programs/, scheduler/ map in
+def hash_source(h: Any, packages: Sequence[str]) -> None:
+    """Feed `h` every .py file of the installed `packages` (lmbatch's, whose folders map in), path and text."""
+    for pkg in packages:
         spec = importlib.util.find_spec(pkg)
         assert spec is not None and spec.submodule_search_locations is not None, pkg
         root = Path(list(spec.submodule_search_locations)[0])
         for f in sorted(root.rglob("*.py")):
             h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """lmbatch's version and a hash of its installed source (prompts and tokenization are code)."""
+    import lmbatch
+
+    h = hashlib.sha256(lmbatch.__version__.encode())
+    hash_source(h, ("lmbatch", "lmbatch.programs", "lmbatch.scheduler"))     # programs/, scheduler/ map in
     for lib in ("tokenizers", "transformers"):
         h.update(f"\0{lib}={importlib.metadata.version(lib)}".encode())
     return h.hexdigest()
