@@ -6,6 +6,7 @@ the measured bf16 matmul rate times the GPUs used, and predictions equal to dp1'
 
     python benchmarks/bench_parallel.py --preset llama-3.1-8b --variants dp1,dp2,tp2     # 2 GPUs
     python benchmarks/bench_parallel.py --preset llama-3.1-70b --variants tp2 --limit 20  # 70B over 2 H200s
+    python benchmarks/bench_parallel.py --preset llama-3.1-70b --variants tp4,dp2xtp2      # 4 GPUs
 
 Each variant's workers start, warm up and close in turn (the GPUs hold one variant at a time).
 """
@@ -36,9 +37,9 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from lmbatch.baseline import first_selects
-    from lmbatch.engine.build import make_engine
     from lmbatch.engine.options import EngineOptions, EngineSpec
     from lmbatch.frontend.workload import LoadArgs
+    from lmbatch.loading import make_engine
     from lmbatch.model.checkpoint import embedded_model_dir
     from lmbatch.model.config import ModelConfig
     from lmbatch.programs import mmlu
@@ -58,8 +59,8 @@ def main() -> None:
           f"bf16 matmul {peak / 1e12:.0f} TFLOP/s per GPU", flush=True)
     rows, preds = [], {}
     for name in args.variants.split(","):
-        dp = int(name[2:]) if name.startswith("dp") else 1
-        tp = int(name[2:]) if name.startswith("tp") else 1
+        sizes = dict((part[:2], int(part[2:])) for part in name.split("x"))     # dp2, tp4, dp2xtp2
+        dp, tp = sizes.get("dp", 1), sizes.get("tp", 1)
         options = EngineOptions(kv_cache_tokens=args.kv_cache_tokens, max_tokens_per_batch=args.max_tokens_per_batch,
                                 attention="triton")
         engine = make_engine(EngineSpec(str(model_dir), "cuda", "bfloat16", options, data_parallel=dp,

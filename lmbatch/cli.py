@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, List, NoReturn, Optional, Tuple, get_type
 
 import typer
 
-from lmbatch.errors import Interrupted, UserError
+from lmbatch.errors import Interrupted, UserError, WorkerFailed
 from lmbatch.options import RunOptions
 
 if TYPE_CHECKING:
@@ -26,6 +26,13 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 def _fail(e: UserError) -> NoReturn:
     typer.echo(f"error: {e}", err=True)
     raise typer.Exit(2)
+
+
+def _worker_failed(e: WorkerFailed) -> NoReturn:
+    """One line, and out at once (the other workers are ended; a thread may still wait on one): what
+    finished is in the run directory, and the same command resumes it."""
+    print(f"error: {e} (what finished is kept; the same command resumes)", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def _param_name(f: dataclasses.Field) -> tuple[str, bool]:
@@ -101,6 +108,8 @@ def run(**values: Any) -> None:
         result = do_run(opts)
     except UserError as e:
         _fail(e)
+    except WorkerFailed as e:
+        _worker_failed(e)
     except (Interrupted, KeyboardInterrupt) as e:
         # one line, and out at once: a model still loading on its thread would otherwise abort the
         # process at exit; what finished is in the run directory's parts
@@ -214,6 +223,8 @@ def lm_eval(ctx: typer.Context) -> None:
             code = backend.main(list(ctx.args))
         except UserError as e:
             _fail(e)
+        except WorkerFailed as e:
+            _worker_failed(e)
     finally:
         end_ahead()
     raise typer.Exit(code)

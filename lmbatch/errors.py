@@ -1,8 +1,13 @@
-"""Errors a user can cause: the CLI prints them as one line and exits with code 2."""
+"""Errors the CLI prints as one line: a user's (exit code 2), a worker's (1), a stop (130)."""
 
 
 class UserError(Exception):
     """Bad input from the user (unknown task, missing model, too-long prompt, ...)."""
+
+
+class WorkerFailed(Exception):
+    """A data-parallel worker (or a rank of its split model) failed or exited: the CLI prints it as one
+    line and exits with code 1; what finished is in the run directory, and the same command resumes."""
 
 
 class Interrupted(Exception):

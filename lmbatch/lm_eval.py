@@ -61,15 +61,17 @@ class LMBatch(TemplateLM):
                  max_length: int | None = None, add_bos_token: bool | None = None,
                  prefix_token_id: int | None = None, max_tokens_per_batch: int | None = None,
                  kv_cache_tokens: int | None = None, schedule: str = "dfs", batch_size: Any = None,
-                 max_batch_size: Any = None, data_parallel: int | str = 1, tensor_parallel: int = 1,
+                 max_batch_size: Any = None, data_parallel: int | str = "auto", tensor_parallel: int | str = "auto",
                  ray_address: str | None = None, attention: str = "auto", score_cache: bool = True, **unused: Any):
         super().__init__()
         start = time.perf_counter()
         from transformers import AutoTokenizer
 
         from lmbatch.engine.build import pick_device
+        from lmbatch.engine.devices import layout
         from lmbatch.lm_eval_engine import engine_spec, loader_for
         from lmbatch.model.checkpoint import check_tokenizer_files, resolve_model
+        from lmbatch.model.config import ModelConfig
 
         check_model_args({"dtype": dtype, "device": device, "max_length": max_length, "add_bos_token": add_bos_token,
                           "prefix_token_id": prefix_token_id, "max_tokens_per_batch": max_tokens_per_batch,
@@ -94,12 +96,13 @@ class LMBatch(TemplateLM):
         self._loader = loader_for(spec, self.tokenizer)
         self._engine: Loaded | None = None
         self._model_dir = Path(model_dir)
-        self._plans_ahead = str(data_parallel) == "1" and int(tensor_parallel) == 1 and ray_address is None
         self.tokens = PairTokenizer(self.tokenizer, add_bos_token, prefix_token_id,
                                     int(max_length) if max_length else _context_length(model_dir, self.tokenizer))
         self.schedule = schedule
-        # a call's scores are kept (score_cache.py) under its requests and these: not for workers elsewhere
-        self._numerics = (*numerics, {"engine": repr(spec), "schedule": schedule}) \
+        # a call's scores are kept (score_cache.py) under its requests and these (the workers' and devices'
+        # counts as auto decides them here: each worker's batches decide the last bits): not for workers elsewhere
+        self._numerics = (*numerics, {"engine": repr(spec), "schedule": schedule,
+                                      "layout": layout(spec, ModelConfig.from_dir(model_dir))[:2]}) \
             if score_cache and ray_address is None else None
         self.kept_scores = 0        # scores read from the score cache
         self.stats = RunStats()     # every call's counts, for the run's report
@@ -186,8 +189,9 @@ class LMBatch(TemplateLM):
                            "unique": st.unique_tokens, "decode": st.decode_tokens},
                 "model": str(self.engine.cfg.model_type), "model_runtime": self.engine.cfg.runtime,
                 "attention": {"backend": self.loaded.attention.name, "why": self.loaded.attention.why},
-                "device": str(self.engine.device), "data_parallel": self.engine.data_parallel,
-                "tensor_parallel": self.engine.tensor_parallel,
+                "device": self.loaded.spec.device, "data_parallel": self.engine.data_parallel,
+                "tensor_parallel": self.engine.tensor_parallel, "layout": self.loaded.layout,
+                "workers_load": self.engine.load_report(),
                 "time_s": {**self.seconds, **self.loaded.seconds}}
 
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -199,7 +203,7 @@ class LMBatch(TemplateLM):
 
         start = time.perf_counter()
         pairs = [req.args for req in requests]
-        name = self.tokens.cache_key(pairs, self.schedule, self._plans_ahead, self._model_dir)
+        name = self.tokens.cache_key(pairs, self.schedule, self._model_dir)
         scores_at = None if self._numerics is None else \
             score_cache.path_of(score_cache.key(name, self._model_dir, *self._numerics))
         kept = None if scores_at is None else score_cache.load(scores_at, len(pairs))
@@ -211,12 +215,13 @@ class LMBatch(TemplateLM):
             return self._answered(pairs, kept)
         entry = workload_cache.path_of(name)
         cached = workload_cache.load_scores(entry)
+        plan: Plan | None
         if cached is None:
             t = time.perf_counter()
             reqs = self.tokens.score_requests(pairs)
             self.seconds["tokenize"] = self.seconds.get("tokenize", 0.0) + time.perf_counter() - t
-            # one engine runs the plan made here; data-parallel workers each plan their own part
-            plan = plan_requests(reqs, self.schedule) if self._plans_ahead else None
+            # one engine runs the plan made here; data-parallel workers are given its chunks in its order
+            plan = plan_requests(reqs, self.schedule)
             workload_cache.store_scores(entry, reqs, plan)
         else:
             reqs, plan = cached
@@ -408,12 +413,12 @@ def check_model_args(args: dict[str, Any]) -> None:
     for name, allowed in choices.items():
         if args.get(name) is not None and args[name] not in allowed:
             raise bad(name, f"use {_alternatives(allowed)}")
-    for name in ("max_length", "max_tokens_per_batch", "kv_cache_tokens", "tensor_parallel"):
+    for name in ("max_length", "max_tokens_per_batch", "kv_cache_tokens"):
         if args.get(name) is not None and not _whole(args[name], 1):
             raise bad(name, "use a whole number, at least 1")
-    workers = args.get("data_parallel")
-    if workers is not None and workers != "auto" and not _whole(workers, 1):
-        raise bad("data_parallel", "use a number of workers (at least 1) or auto")
+    for name, what in (("data_parallel", "a number of workers"), ("tensor_parallel", "a number of devices")):
+        if args.get(name) is not None and args[name] != "auto" and not _whole(args[name], 1):
+            raise bad(name, f"use {what} (at least 1) or auto")
     if args.get("prefix_token_id") is not None and not _whole(args["prefix_token_id"], 0):
         raise bad("prefix_token_id", "use a token id (a whole number, at least 0)")
     for name in ("add_bos_token", "score_cache"):

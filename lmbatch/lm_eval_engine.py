@@ -34,8 +34,8 @@ def engine_spec(model_dir: str | Path, args: dict[str, Any]) -> EngineSpec:
                       EngineOptions(kv_cache_tokens=number("kv_cache_tokens"),
                                     max_tokens_per_batch=number("max_tokens_per_batch"),
                                     attention=str(args.get("attention") or "auto")),
-                      data_parallel=str(args.get("data_parallel", 1)),
-                      tensor_parallel=int(args.get("tensor_parallel", 1)),
+                      data_parallel=str(args.get("data_parallel", "auto")),
+                      tensor_parallel=str(args.get("tensor_parallel", "auto")),
                       ray_address=args.get("ray_address") or None, graphs_ahead=False)
 
 

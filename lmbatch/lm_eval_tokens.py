@@ -138,9 +138,9 @@ class PairTokenizer:
             reqs.append(ScoreRequest(whole[:cut], whole[cut:]))
         return reqs
 
-    def cache_key(self, pairs: Sequence[tuple[str, str]], schedule: str, planned: bool, model_dir: Path) -> str:
-        """The workload cache's name for these pairs' requests and plan (`planned`: made here, for one
-        engine) on this model: their text, the tokenization options, the schedule."""
+    def cache_key(self, pairs: Sequence[tuple[str, str]], schedule: str, model_dir: Path) -> str:
+        """The workload cache's name for these pairs' requests and plan on this model: their text, the
+        tokenization options, the schedule."""
         from lmbatch import workload_cache
 
         h = hashlib.sha256()
@@ -148,6 +148,5 @@ class PairTokenizer:
             c, k = context.encode(), continuation.encode()
             h.update(len(c).to_bytes(8, "little") + c + len(k).to_bytes(8, "little") + k)
         options = {"kind": "lm-eval loglikelihood", "requests": h.hexdigest(), "add_bos_token": self.add_bos_token,
-                   "prefix_token_id": self.prefix_token_id, "max_length": self.max_length, "schedule": schedule,
-                   "planned": planned}
+                   "prefix_token_id": self.prefix_token_id, "max_length": self.max_length, "schedule": schedule}
         return workload_cache.key(options, [], model_dir)

@@ -18,6 +18,7 @@ from lmbatch.timing import Phases
 if TYPE_CHECKING:
     from lmbatch.engine.build import Attention
     from lmbatch.engine.options import EngineSpec
+    from lmbatch.engine.parallel import ParallelEngine
     from lmbatch.engine.protocol import BatchEngine
 
 
@@ -26,6 +27,7 @@ class Loaded(NamedTuple):
     spec: EngineSpec            # fitted: the device, dtype, sizes and backend it runs with
     attention: Attention
     seconds: dict[str, float]   # the model's side by step, and "load_background": all of it
+    layout: str = ""            # what decided the data- and tensor-parallel sizes (engine/devices.py)
 
 
 class ModelLoader:
@@ -90,23 +92,8 @@ class ModelLoader:
 
     def _load(self) -> None:
         t = time.perf_counter()
-        clock = Phases(since_start=False)
         try:
-            with clock("imports"):
-                import torch  # noqa: F401
-
-                from lmbatch.engine.build import fit, make_engine
-                from lmbatch.model.config import ModelConfig
-                cfg = ModelConfig.from_dir(self.spec.model_dir)
-            self.imported.set()
-            with clock("cuda_init"):
-                spec, attention = fit(self.spec, cfg)
-                _start_cuda(spec.device)
-            engine = make_engine(spec, self.tokenizer, clock)
-            if spec.graphs_ahead and isinstance(self.tokenizer, LazyTokenizer):
-                with clock("tokenizer"):        # a run that generates decodes text: made here, not in its first step
-                    self.tokenizer.get()
-            self.loaded = Loaded(engine, spec, attention, {**clock.seconds, "load_background": 0.0})
+            self.loaded = self._build()
         except BaseException as e:  # noqa: BLE001  raised on the run's thread
             self.error = e
         self.imported.set()
@@ -117,9 +104,37 @@ class ModelLoader:
         if self.loaded is not None:
             self.loaded.seconds["load_background"] = time.perf_counter() - t
 
+    def _build(self) -> Loaded:
+        """The engine: worker processes, started at once (each imports torch and fits its own engine),
+        where the run spans several devices; else built here."""
+        from lmbatch.engine.build import several
+        from lmbatch.engine.devices import resolved
+        from lmbatch.model.config import ModelConfig
+
+        clock = Phases(since_start=False)
+        cfg = ModelConfig.from_dir(self.spec.model_dir)
+        spec, layout = resolved(self.spec, cfg)
+        if several(spec):
+            self.imported.set()         # this process imports no torch: its workers do
+            workers = make_parallel(spec, clock)
+            return Loaded(workers, workers.spec, workers.attention, {**workers.seconds, **clock.seconds}, layout)
+        with clock("imports"):
+            import torch  # noqa: F401
+
+            from lmbatch.engine.build import fit, start_cuda
+        self.imported.set()
+        with clock("cuda_init"):
+            spec, attention = fit(spec, cfg)
+            start_cuda(spec.device)
+        engine = make_engine(spec, self.tokenizer, clock)
+        if spec.graphs_ahead and isinstance(self.tokenizer, LazyTokenizer):
+            with clock("tokenizer"):        # a run that generates decodes text: made here, not in its first step
+                self.tokenizer.get()
+        return Loaded(engine, spec, attention, dict(clock.seconds), layout)
+
     def result(self, longest: int) -> Loaded:
         """The engine, its pool able to hold the longest request plus a batch."""
-        from lmbatch.engine.build import fit_pool, make_engine
+        from lmbatch.engine.build import fit_pool
 
         self.thread.join()
         if self.error is not None:
@@ -133,10 +148,25 @@ class ModelLoader:
         return self.loaded
 
 
-def _start_cuda(device: str) -> None:
-    """CUDA's context, now (its start is a phase of its own, not the first allocation's)."""
-    if device == "cuda":
-        import torch
+def make_engine(spec: EngineSpec, tokenizer: object = None, clock: Phases | None = None) -> BatchEngine:
+    """A spec's engine, warmed up: in this process (the spec fitted), or `spec.workers` engines of
+    `spec.ranks` processes each (ParallelEngine: each fits its own), on this machine or placed by a Ray
+    cluster. `clock` times its steps: weights, compile (the first batch's kernels), graphs (or workers)."""
+    from lmbatch.engine.build import build_engine, several
 
-        torch.cuda.init()
-        torch.empty(1, device="cuda")
+    clock = clock or Phases(since_start=False)
+    if several(spec):
+        return make_parallel(spec, clock)
+    return build_engine(spec, tokenizer, clock)
+
+
+def make_parallel(spec: EngineSpec, clock: Phases) -> ParallelEngine:
+    """The worker processes of a spec whose sizes are decided, each ready (`clock`: "workers")."""
+    from lmbatch.engine.build import gpus
+    from lmbatch.engine.parallel import ParallelEngine
+    from lmbatch.model.config import ModelConfig
+
+    with clock("workers"):
+        return ParallelEngine(spec, ModelConfig.from_dir(spec.model_dir),
+                              gpus(spec.workers * spec.ranks) if spec.device == "cuda" and not spec.ray_address
+                              else None)

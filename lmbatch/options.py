@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PureWindowsPath
 from typing import Any
 
-from lmbatch.engine.build import ATTENTION, DEVICES, DTYPES, check_data_parallel
+from lmbatch.engine.build import ATTENTION, DEVICES, DTYPES
+from lmbatch.engine.devices import check_count
 from lmbatch.engine.options import EngineOptions, EngineSpec
 from lmbatch.errors import UserError
 from lmbatch.frontend.workload import Workload
@@ -39,13 +40,14 @@ class RunOptions:
               "and free memory).")
     kv_cache_tokens: int | None = _option(None, "KV pool size in tokens (default: 4 GiB on CPU; on CUDA half the "
                                                 "free memory, at most 1048576 tokens).")
-    data_parallel: str = _option("1", "Worker processes, each with its own copy of the model on its own device, "
-                                      "each running whole subtrees of the radix tree: a number, or auto (every "
-                                      "visible GPU; 1 on CPU).")
+    data_parallel: str = _option("auto", "Worker processes, each with its own copy of the model on its own device, "
+                                         "each running whole subtrees of the radix tree: a number, or auto (every "
+                                         "visible GPU over --tensor-parallel; 1 on CPU).")
     ray_address: str | None = _option(None, "Place the workers on this Ray cluster (host:port, or auto) instead of "
                                             "local processes.")
-    tensor_parallel: int = _option(1, "Devices (processes on CPU) each model is split over: attention heads, MLP "
-                                      "and vocabulary slices. Workers times this must not exceed the GPUs.")
+    tensor_parallel: str = _option("auto", "Devices (processes on CPU) each model is split over: attention heads, "
+                                           "MLP and vocabulary slices; auto: 1 where the model fits one GPU, else the "
+                                           "fewest that hold it. Workers times this must not exceed the GPUs.")
     schedule: str = _option("dfs", "dfs (radix-tree order), fcfs or random: the last two for ablations.")
     no_cache: bool = _option(False, "Disable prefix caching (ablation).")
     seed: int = _option(0, "Seed for shots drawing, sampling and --schedule random.")
@@ -126,9 +128,8 @@ def check(o: RunOptions, w: Workload) -> None:
         raise UserError("--checkpoint-s must be more than 0")
     if o.kv_cache_tokens is not None and o.kv_cache_tokens < 1:
         raise UserError("--kv-cache-tokens must be at least 1")
-    check_data_parallel(o.data_parallel)
-    if o.tensor_parallel < 1:
-        raise UserError("--tensor-parallel must be at least 1")
+    check_count("--data-parallel", o.data_parallel)
+    check_count("--tensor-parallel", o.tensor_parallel)
     if o.schedule not in SCHEDULES:
         raise UserError(f"--schedule {o.schedule}: use one of {', '.join(SCHEDULES)}")
 

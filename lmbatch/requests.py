@@ -43,12 +43,21 @@ class ScoreRequest:
         Requests with equal prompts (e.g. one-token choices after one context) run once."""
         return self.context + self.continuation[:-1]
 
+    @property
+    def prompt_len(self) -> int:
+        """len(self.prompt), without making it."""
+        return len(self.context) + len(self.continuation) - 1
+
 
 @dataclass(frozen=True)
 class GenerateRequest:
     prompt: list[int]
     params: SamplingParams = SamplingParams()
     constraint: Constraint | None = None    # its own matcher state
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
 
 
 @dataclass

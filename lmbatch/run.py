@@ -106,10 +106,10 @@ def open_model(o: RunOptions) -> ModelFiles:
     except AttributeError as e:  # no attention shape (e.g. a state-space model)
         raise UserError(f"model at {model_dir} has no attention shape lmbatch's KV cache can hold ({e}): "
                         "lmbatch runs decoder-only attention models") from None
-    if o.tensor_parallel > 1:
+    if o.tensor_parallel != "auto" and int(o.tensor_parallel) > 1:
         from lmbatch.model.tensor_parallel import shard_config
         try:
-            shard_config(shape, o.tensor_parallel)
+            shard_config(shape, int(o.tensor_parallel))
         except ValueError as e:
             raise UserError(f"--tensor-parallel {o.tensor_parallel}: {first_line(e)}") from None
     return ModelFiles(model_dir, encoder, shape)

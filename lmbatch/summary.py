@@ -14,7 +14,6 @@ from lmbatch.requests import RunStats, optimal_hit_rate
 from lmbatch.timing import largest
 
 if TYPE_CHECKING:
-    from lmbatch.engine.protocol import BatchEngine
     from lmbatch.frontend.interpreter import Interpreter
     from lmbatch.frontend.workload import Workload
     from lmbatch.loading import Loaded
@@ -70,15 +69,21 @@ def throughput(rows: list[dict[str, Any]], record: dict[str, Any]) -> dict[str, 
             "decode_tokens_per_s": sum(r["decode_tokens"] for r in rows) / ex}
 
 
-def _data_parallel(engine: BatchEngine, stats: RunStats) -> dict[str, Any]:
-    """Workers and the devices each spans; the fewest tokens they had to compute between them (each
-    its own parts' optimum) and how many of those more than one worker computed (the prefixes their
-    parts share): the best hit rate they reach together."""
+def _data_parallel(loaded: Loaded, stats: RunStats) -> dict[str, Any]:
+    """Workers and the devices each spans, and what decided them; the fewest tokens they had to compute
+    between them (each its own chunks' optimum) and how many of those more than one worker computed (the
+    prefixes their chunks share): the best hit rate they reach together; each worker's seconds busy and
+    idle, tokens computed, chunks run and taken from another."""
+    engine = loaded.engine
     unique = engine.optimal_unique_tokens()
     unique = stats.unique_tokens if unique is None else unique
-    return {"workers": engine.data_parallel, "tensor_parallel": engine.tensor_parallel,
-            "duplicated_tokens": unique - stats.unique_tokens,
-            "optimal_hit_rate": optimal_hit_rate(unique, stats.prompt_tokens)}
+    out = {"workers": engine.data_parallel, "tensor_parallel": engine.tensor_parallel, "why": loaded.layout,
+           "duplicated_tokens": unique - stats.unique_tokens,
+           "optimal_hit_rate": optimal_hit_rate(unique, stats.prompt_tokens)}
+    load = engine.load_report()
+    if load:
+        out["workers_load"] = load
+    return out
 
 
 def _metrics(w: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -152,7 +157,7 @@ def build(o: RunOptions, w: Workload, run_id: str, loaded: Loaded, merged: Merge
         "time_s": {**time_s, **loaded.seconds},
         "throughput": throughput(rows, record),
         "attempts": record["attempts"],
-        "data_parallel": _data_parallel(engine, stats),
+        "data_parallel": _data_parallel(loaded, stats),
     }
 
 
@@ -191,4 +196,14 @@ def closing_line(summary: dict[str, Any]) -> str:
             + _scores(summary)
             + f"  hit rate {summary['hit_rate']:.4f} (optimum {summary['optimal_hit_rate']:.4f})  wall "
             f"{t['total']:.1f}s ({largest(t)}" + (f"; model side {side}" if side else "") + ")"
-            + f"  {runtime}")
+            + _workers(summary["data_parallel"]) + f"  {runtime}")
+
+
+def _workers(dp: dict[str, Any]) -> str:
+    """'  4 workers busy 96-99% of execute': how evenly the work fell (nothing for one engine)."""
+    load = dp.get("workers_load")
+    if not load:
+        return ""
+    busy = [w["busy_s"] / (w["busy_s"] + w["idle_s"]) if w["busy_s"] + w["idle_s"] > 0 else 0.0 for w in load]
+    tp = f" x {dp['tensor_parallel']} GPUs" if dp["tensor_parallel"] > 1 else ""
+    return f"  {len(load)} workers{tp} busy {min(busy):.0%}-{max(busy):.0%}"

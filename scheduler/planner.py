@@ -44,6 +44,10 @@ class Plan:
     ends: list[PlanNode]            # node where each request's prompt ends
     prompt_tokens: int              # over executed requests
     unique_tokens: int              # sum of edge lengths
+    # every request in sorted order (a DFS of the tree) and each one's common prefix with the one before:
+    # what data parallelism cuts into parts without sorting the prompts again (scheduler/partition.py)
+    dfs: list[int] = field(default_factory=list)
+    lcps: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def optimal_hit_rate(self) -> float:
@@ -120,11 +124,18 @@ def build_tree(prompts: Sequence[Sequence[int]]) -> tuple[PlanNode, list[PlanNod
     which a prompt comes before its extensions.
     """
     order, lcps = sorted_lcps(prompts)
+    root, ends = tree_from_sorted([len(p) for p in prompts], order, lcps.tolist())
+    return root, ends, order
+
+
+def tree_from_sorted(lens: Sequence[int], order: Sequence[int], lcps: Sequence[int]) -> tuple[PlanNode, list[PlanNode]]:
+    """The radix tree of prompts of lengths `lens` given in sorted order (`order`), each with its common
+    prefix with the one before it (`lcps`, aligned with `order`): (root, end node of each prompt)."""
     root = PlanNode(0, 0, owner=-1)
-    ends: list[PlanNode] = [root] * len(prompts)
+    ends: list[PlanNode] = [root] * len(lens)
     stack = [root]                  # the path of the previous prompt
-    for i, lcp in zip(order, lcps.tolist()):
-        n = len(prompts[i])
+    for i, lcp in zip(order, lcps):
+        n = lens[i]
         while len(stack) > 1 and stack[-1].start >= lcp:
             stack.pop()
         node = stack[-1]
@@ -141,7 +152,7 @@ def build_tree(prompts: Sequence[Sequence[int]]) -> tuple[PlanNode, list[PlanNod
             stack.append(leaf)
             node = leaf
         ends[i] = node
-    return root, ends, order
+    return root, ends
 
 
 class PlanSummary(NamedTuple):
@@ -167,12 +178,15 @@ def summarize(prompts: Sequence[Sequence[int]], mergeable: Sequence[bool] | None
     return summarize_sorted(prompts, order, lcps, mergeable, logit_rows)
 
 
-def summarize_sorted(prompts: Sequence[Sequence[int]], order: Sequence[int], lcps: np.ndarray,
-                     mergeable: Sequence[bool] | None = None, logit_rows: Sequence[int] | None = None) -> PlanSummary:
+def summarize_sorted(prompts: Sequence[Sequence[int]] | Sequence[int], order: Sequence[int], lcps: np.ndarray,
+                     mergeable: Sequence[bool] | None = None, logit_rows: Sequence[int] | None = None,
+                     lengths: bool = False) -> PlanSummary:
     """`summarize` of the prompts `order` names (in sorted order; others are left out), given each
-    one's common prefix with the one before it (`sorted_lcps`)."""
+    one's common prefix with the one before it (`sorted_lcps`). `lengths`: `prompts` holds each
+    prompt's length only (all the figures need)."""
     n = len(order)
-    lens = np.fromiter((len(prompts[i]) for i in order), dtype=np.int64, count=n)
+    lens = np.fromiter((prompts[i] if lengths else len(prompts[i]) for i in order),  # type: ignore[arg-type]
+                       dtype=np.int64, count=n)
     flags = np.fromiter((bool(mergeable[i]) for i in order) if mergeable is not None else iter(()),
                         dtype=bool, count=n if mergeable is not None else 0)
     if not len(flags):
@@ -193,12 +207,18 @@ def summarize_sorted(prompts: Sequence[Sequence[int]], order: Sequence[int], lcp
 
 
 def make_plan(prompts: list[list[int]], schedule: str = "dfs", seed: int = 0,
-              mergeable: list[bool] | None = None) -> Plan:
+              mergeable: list[bool] | None = None, presorted: Sequence[int] | None = None) -> Plan:
     """Plan a batch. Requests flagged mergeable whose prompts are equal execute once (as lm-eval
-    runs one forward per context for one-token choices); the hit rates count executed requests."""
+    runs one forward per context for one-token choices); the hit rates count executed requests.
+    `presorted`: the prompts are in sorted order already and these are their adjacent common prefixes
+    (a data-parallel worker's part, cut from its parent's plan): nothing is sorted or compared."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
-    root, ends, dfs_order = build_tree(prompts)
+    if presorted is None:
+        dfs_order, lcps = sorted_lcps(prompts)
+    else:
+        dfs_order, lcps = list(range(len(prompts))), np.asarray(presorted, dtype=np.int64)
+    root, ends = tree_from_sorted([len(p) for p in prompts], dfs_order, lcps.tolist())
     mergeable = mergeable or [False] * len(prompts)
     rep: dict[int, int] = {}                 # id(end node) -> executed request
     members: dict[int, list[int]] = {}
@@ -217,16 +237,19 @@ def make_plan(prompts: list[list[int]], schedule: str = "dfs", seed: int = 0,
         order = sorted(executed)
         if schedule == "random":
             random.Random(seed).shuffle(order)
-    return Plan(order, members, root, ends, sum(len(prompts[i]) for i in executed), unique)
+    return Plan(order, members, root, ends, sum(len(prompts[i]) for i in executed), unique, dfs_order, lcps)
 
 
-def plan_requests(requests: Sequence[ScoreRequest | GenerateRequest], schedule: str = "dfs", seed: int = 0) -> Plan:
-    """The plan `Engine.run` executes: scored requests with equal prompts run once."""
+def plan_requests(requests: Sequence[ScoreRequest | GenerateRequest], schedule: str = "dfs", seed: int = 0,
+                  presorted: Sequence[int] | None = None) -> Plan:
+    """The plan `Engine.run` executes: scored requests with equal prompts run once (`presorted`: as
+    `make_plan`)."""
     prompts = [r.prompt for r in requests]
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"request {i} has an empty prompt")
-    return make_plan(prompts, schedule, seed, mergeable=[isinstance(r, ScoreRequest) for r in requests])
+    return make_plan(prompts, schedule, seed, mergeable=[isinstance(r, ScoreRequest) for r in requests],
+                     presorted=presorted)
 
 
 def posthoc_unique(prompts: list[list[int]], generated: list[tuple[list[int], int]]) -> int:
@@ -287,6 +310,8 @@ def plan_to_arrays(plan: Plan) -> dict[str, Any]:
         "member_of": np.asarray([j for j, ms in members for _ in ms], dtype=np.int64),
         "members": np.asarray([m for _, ms in members for m in ms], dtype=np.int64),
         "tokens": np.asarray([plan.prompt_tokens, plan.unique_tokens], dtype=np.int64),
+        "dfs": np.asarray(plan.dfs, dtype=np.int64),
+        "lcps": np.asarray(plan.lcps, dtype=np.int64),
     }
 
 
@@ -303,4 +328,4 @@ def plan_from_arrays(a: dict[str, Any]) -> Plan:
         members.setdefault(j, []).append(m)
     prompt_tokens, unique_tokens = a["tokens"].tolist()
     return Plan(a["order"].tolist(), members, nodes[0], [nodes[k] for k in a["ends"].tolist()], prompt_tokens,
-                unique_tokens)
+                unique_tokens, a["dfs"].tolist(), a["lcps"])

@@ -1,6 +1,6 @@
 """What an engine is built from, declared once (`EngineSpec`: `lmbatch run`, the lm-eval backend and
 each data-parallel worker build theirs from one), how what a user left open is fitted to the device
-and the model (`fit`), and `make_engine`.
+and the model (`fit`), and `build_engine` (one engine in this process).
 
 Defaults, and why: on CPU float32 (bfloat16 matmuls are ~100x slower on most CPUs), a KV pool of
 4 GiB and batches of 4096 tokens; on CUDA bfloat16, a pool of half the free memory (at most 1,048,576
@@ -23,8 +23,9 @@ from lmbatch.errors import UserError
 from lmbatch.timing import Phases
 
 if TYPE_CHECKING:
-    from lmbatch.engine.protocol import BatchEngine
+    from lmbatch.engine.engine import Engine
     from lmbatch.model.config import ModelConfig
+    from lmbatch.model.tensor_parallel import TensorParallel
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -84,32 +85,6 @@ def default_batch_tokens(cfg: ModelConfig, device: str, dtype: str) -> int:
     return budget
 
 
-def check_data_parallel(wanted: int | str) -> None:
-    wanted = str(wanted)
-    if wanted != "auto" and not (wanted.isdigit() and int(wanted) >= 1):
-        raise UserError(f"--data-parallel {wanted}: use a number of workers (at least 1) or auto")
-
-
-def data_parallel_size(wanted: int | str, device: str, tp: int = 1, ray_address: str | None = None) -> int:
-    """Workers of --data-parallel: auto is every visible GPU (of the Ray cluster, with `ray_address`)
-    over --tensor-parallel (1 on CPU); on CUDA each worker needs its own `tp` GPUs."""
-    wanted = str(wanted)
-    check_data_parallel(wanted)
-    if device != "cuda":
-        return 1 if wanted == "auto" else int(wanted)
-    if ray_address is not None:
-        from lmbatch.engine.cluster import cluster_gpus
-        visible = cluster_gpus(ray_address)
-    else:
-        import torch
-        visible = torch.cuda.device_count()
-    n = max(1, visible // tp) if wanted == "auto" else int(wanted)
-    if n * tp > visible:
-        what = f"--data-parallel {wanted}" + (f" x --tensor-parallel {tp}" if tp > 1 else "")
-        raise UserError(f"{what}: {n * tp} GPUs needed, {visible} visible")
-    return n
-
-
 def pick_attention(wanted: str, device: str, dtype: str, cfg: ModelConfig) -> Attention:
     """The attention backend and why: see the module's docstring."""
     from lmbatch.attention.gpu import flashinfer_built
@@ -147,17 +122,15 @@ def pick_attention(wanted: str, device: str, dtype: str, cfg: ModelConfig) -> At
 
 
 def fit(spec: EngineSpec, cfg: ModelConfig) -> tuple[EngineSpec, Attention]:
-    """The spec with every open value decided, and the attention backend's reason."""
+    """The spec with every open value of one engine decided (device, dtype, sizes, attention backend: its
+    data- and tensor-parallel sizes are decided before, engine/devices.py), and the backend's reason."""
     device, dtype = pick_device(spec.device, spec.dtype)
     o = spec.options
     attention = pick_attention(o.attention or "auto", device, dtype, cfg)
     kv = o.kv_cache_tokens if o.kv_cache_tokens is not None else default_kv_tokens(cfg, device, dtype)
     batch = o.max_tokens_per_batch if o.max_tokens_per_batch is not None else default_batch_tokens(cfg, device, dtype)
-    if spec.tensor_parallel < 1:
-        raise UserError("--tensor-parallel must be at least 1")
-    workers = data_parallel_size(spec.data_parallel, device, spec.tensor_parallel, spec.ray_address)
     options = replace(o, kv_cache_tokens=kv, max_tokens_per_batch=batch, attention=attention.name)
-    return replace(spec, device=device, dtype=dtype, options=options, data_parallel=workers), attention
+    return replace(spec, device=device, dtype=dtype, options=options), attention
 
 
 def fit_pool(spec: EngineSpec, longest: int, user_set: bool) -> EngineSpec:
@@ -181,27 +154,21 @@ def gpus(n: int) -> list[str]:
     return names[:n]
 
 
-def make_engine(spec: EngineSpec, tokenizer: object = None, clock: Phases | None = None) -> BatchEngine:
-    """A fitted spec's engine: in this process, or `spec.workers` engines of `spec.tensor_parallel`
-    processes each (ParallelEngine), on this machine or placed by a Ray cluster; warmed up. `clock`
-    times its steps: weights, compile (the first batch's kernels), graphs (or workers)."""
+def several(spec: EngineSpec) -> bool:
+    """Whether the spec's engine is processes of their own (workers, a split model, a Ray cluster)."""
+    return int(spec.data_parallel) > 1 or int(spec.tensor_parallel) > 1 or spec.ray_address is not None
+
+
+def build_engine(spec: EngineSpec, tokenizer: object, clock: Phases, tp: TensorParallel | None = None) -> Engine:
+    """One fitted spec's engine in this process (`tp`: this process's rank of a split model), warmed up."""
     import torch
 
     from lmbatch.engine.engine import Engine
 
-    clock = clock or Phases(since_start=False)
-    if spec.workers > 1 or spec.tensor_parallel > 1 or spec.ray_address is not None:
-        from lmbatch.engine.parallel import ParallelEngine
-        from lmbatch.model.config import ModelConfig
-
-        procs = spec.workers * spec.tensor_parallel
-        with clock("workers"):
-            return ParallelEngine(spec, ModelConfig.from_dir(spec.model_dir),
-                                  gpus(procs) if spec.device == "cuda" and not spec.ray_address else None)
     assert spec.dtype is not None, "fit the spec first"
     with clock("weights"):
         engine = Engine.from_pretrained(spec.model_dir, spec.options, device=spec.device,
-                                        dtype=getattr(torch, spec.dtype), tokenizer=tokenizer,
+                                        dtype=getattr(torch, spec.dtype), tokenizer=tokenizer, tp=tp,
                                         load_format=spec.load_format)
     with clock("compile"):
         engine.warm_up(graphs=False)
@@ -209,3 +176,12 @@ def make_engine(spec: EngineSpec, tokenizer: object = None, clock: Phases | None
         with clock("graphs"):
             engine.model_runner.capture_graphs()
     return engine
+
+
+def start_cuda(device: str) -> None:
+    """CUDA's context, now (its start is a phase of its own, not the first allocation's)."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.init()
+        torch.empty(1, device="cuda")

@@ -66,7 +66,7 @@ class RayWorkers:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._remove = remove_placement_group
-        t, gpu = spec.tensor_parallel, 1 if spec.device == "cuda" else 0
+        t, gpu = spec.ranks, 1 if spec.device == "cuda" else 0
         self.gpu = gpu
         key = os.urandom(32)
         self.listener = Listener((ray.util.get_node_ip_address(), 0), authkey=key)

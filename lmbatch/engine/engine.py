@@ -109,6 +109,9 @@ class Engine:
     def optimal_unique_tokens(self) -> int | None:
         return None
 
+    def load_report(self) -> list[dict[str, float | int]]:
+        return []
+
     def close(self) -> None:
         """Nothing to end: the model and its pool go with the process."""
 

@@ -26,14 +26,15 @@ class EngineOptions:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """An engine to build. `fit` turns what a user left open (device "auto", dtype None, the options'
-    sizes None, attention "auto", data_parallel "auto") into values."""
+    """An engine to build. `devices.resolved` decides its data- and tensor-parallel sizes where they are
+    "auto"; `build.fit` turns the rest a user left open (device "auto", dtype None, the options' sizes
+    None, attention "auto") into values, for each engine where it runs."""
     model_dir: str
     device: str = "auto"                # auto (CUDA when a GPU is visible), cpu or cuda
     dtype: str | None = None            # None: float32 on CPU, bfloat16 on CUDA
     options: EngineOptions = EngineOptions()
-    data_parallel: int | str = 1        # engines, each in its own process ("auto": every visible GPU)
-    tensor_parallel: int = 1            # devices (processes) each engine's model is split over
+    data_parallel: int | str = 1        # engines, each in its own process ("auto": engine/devices.py)
+    tensor_parallel: int | str = 1      # devices (processes) each engine's model is split over (likewise)
     ray_address: str | None = None      # place the processes on this Ray cluster
     relay_s: float = 1.0                # a worker hands its finished results over at least this often
     load_format: str = "auto"           # "dummy": random weights (speed work)
@@ -43,3 +44,8 @@ class EngineSpec:
     @property
     def workers(self) -> int:
         return int(self.data_parallel)
+
+    @property
+    def ranks(self) -> int:
+        """Processes each engine is (its model split over them)."""
+        return int(self.tensor_parallel)

@@ -1,53 +1,96 @@
 """Data parallelism: one engine per device, each in its own worker process, behind `Engine`'s calls.
 
-`ParallelEngine.run` cuts each batch's radix tree into one part per worker along whole subtrees
-(`scheduler.partition`), so a shared prefix is computed once per part that needs it, not once per
-request as round-robin dispatch would; each worker plans and runs its part on its own engine, and
-the results come back in the order of the requests, as from one engine. Requests of one group (a
-multi-stage program's calls) go to one worker: its later calls find their prefix in that worker's
-cache.
+`ParallelEngine.stream` cuts each batch's radix tree into chunks along whole subtrees
+(`scheduler.partition`): each worker's share of the cost, in chunks of falling size. The cut takes the
+plan's own sorted order where a plan was made (nothing is sorted twice), and a chunk crosses as the
+tree's edges (`worker.chunk_message`), which its worker plans as they come. A worker runs its own chunks
+in order, one queued behind the one it runs; a worker with none left takes the last not yet started of
+the worker with the most left (`_Dispatch`), so workers end together. A shared prefix is computed once
+per worker that needs it, not once per request as round-robin dispatch would; requests of one group (a
+multi-stage program's calls) go to one worker, and its later calls to the worker that ran its earlier
+ones, whose cache holds their prefix. The results come back in the order of the requests, as from one
+engine.
 
-Workers (`engine/worker.py`) hand their finished results back every `EngineSpec.relay_s` seconds,
-so handovers to the caller (the run's result parts, and so a stop) and progress go on as with one
-engine. A worker that fails raises here, naming it. Workers ignore SIGINT: Ctrl-C in a terminal
-reaches the whole process group, and it is the parent that stops a run (`close` ends workers still
-running).
+Workers (`engine/worker.py`) start as the engine is made, each fitting its own engine to its device, and
+hand finished results back every `EngineSpec.relay_s` seconds, so handovers to the caller (the run's
+result parts, and so a stop) and progress go on as with one engine. A worker that fails raises here,
+naming it (`WorkerFailed`). Workers ignore SIGINT: Ctrl-C in a terminal reaches the whole process group,
+and it is the parent that stops a run (`close` ends workers still running).
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from collections import deque
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Sequence
 
 from lmbatch.engine.protocol import Handover, Progress, Request, Result, drain, remaining
-from lmbatch.engine.worker import Close, Done, Failed, Matched, MatchQuery, Part, Ready, RunBatch, counts, pack, serve
-from lmbatch.errors import UserError
-from lmbatch.requests import GenerateRequest, GenerateResult, RunStats, ScoreRequest, ScoreResult, TokenCounts
-from lmbatch.scheduler.partition import partition
+from lmbatch.engine.worker import (
+    Close,
+    Compressed,
+    Done,
+    Failed,
+    Matched,
+    MatchQuery,
+    Part,
+    Ready,
+    chunk_message,
+    counts,
+    serve,
+)
+from lmbatch.errors import UserError, WorkerFailed
+from lmbatch.requests import (
+    GenerateRequest,
+    GenerateResult,
+    RunStats,
+    ScoreRequest,
+    ScoreResult,
+    TokenCounts,
+    optimal_hit_rate,
+)
+from lmbatch.scheduler.partition import DECODE_COST, Batch, Chunk, Chunking, chunk_batch
 from lmbatch.scheduler.planner import posthoc_unique
 
 if TYPE_CHECKING:
     import torch
 
+    from lmbatch.engine.build import Attention
     from lmbatch.engine.options import EngineSpec
     from lmbatch.model.config import ModelConfig
     from lmbatch.scheduler.planner import Plan
 
+CHUNKS = 8          # chunks of each worker's share of a scoring batch (a generating one: 1, decode rows stay together)
+AHEAD = 2           # chunks a worker holds: the one it runs and the next, read and planned meanwhile
+
+
+@dataclass
+class WorkerLoad:
+    """One worker's work over the run: seconds running chunks and waiting, tokens computed, chunks run
+    and how many of them it took from another worker."""
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+    computed_tokens: int = 0
+    chunks: int = 0
+    taken: int = 0
+
 
 class ParallelEngine:
     """`spec.workers` engines in worker processes, used as one (a `BatchEngine`). Each engine is
-    `spec.tensor_parallel` processes (a tensor-parallel group, one device each)."""
+    `spec.ranks` processes (a tensor-parallel group, one device each)."""
 
     def __init__(self, spec: EngineSpec, cfg: ModelConfig, gpus: Sequence[str] | None = None):
         """`gpus`: the CUDA_VISIBLE_DEVICES entry of each process (worker k's rank r: k * tp + r);
         `spec.ray_address`: the processes are placed on that Ray cluster instead (engine/cluster.py)."""
         n = spec.workers
-        self.cfg, self.spec, self.data_parallel, self.tensor_parallel = cfg, spec, n, spec.tensor_parallel
+        self.cfg, self.data_parallel, self.tensor_parallel = cfg, n, spec.ranks
         self.group_worker: dict[Hashable, int] = {}     # group -> the worker that ran its earlier calls
         self.running = False
-        self._prompts: list[list[list[int]]] = [[] for _ in range(n)]     # each worker's executed prompts
-        self._generated: list[list[tuple[list[int], int]]] = [[] for _ in range(n)]  # and generations
+        self.loads = [WorkerLoad() for _ in range(n)]
+        self._executed: list[list[tuple[Request, Result]]] = [[] for _ in range(n)]  # each worker's, with results
+        self._first_wave: list[int] | None = None   # each worker's optimum, while one scoring batch has run
+        self._batches = 0
         self.procs: list[Any] = []                 # local processes (none on Ray)
         self.cluster: Any = None
         if spec.ray_address is not None:
@@ -66,12 +109,22 @@ class ParallelEngine:
                 if self.procs:
                     self.names[self.procs[k * len(g) + r].sentinel] = name
         try:
-            self.slots = [self._recv(c, Ready).kv_slots for c in self.conns]
+            self.ready: list[Ready] = [self._recv(c, Ready) for c in self.conns]
             for c in self.other_ranks:
                 self._recv(c, Ready)
         except BaseException:
             self.close()
             raise
+        self.spec = replace(self.ready[0].spec, data_parallel=n, tensor_parallel=spec.ranks)
+
+    @property
+    def attention(self) -> Attention:
+        return self.ready[0].attention
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """The slowest worker's start, by step."""
+        return max((r.seconds for r in self.ready), key=lambda s: sum(s.values()))
 
     @property
     def device(self) -> torch.device:
@@ -81,7 +134,7 @@ class ParallelEngine:
     @property
     def kv_slots(self) -> int:
         """Tokens the smallest worker's pool holds (what one request may take)."""
-        return min(self.slots)
+        return min(r.kv_slots for r in self.ready)
 
     def _recv(self, c: Connection, kind: type) -> Any:
         """The next message from `c`, which must be a `kind`; a worker's error or exit raises."""
@@ -96,20 +149,29 @@ class ParallelEngine:
     def _failed(self, who: Any, msg: Any) -> None:
         name = self.names[who]
         if isinstance(msg, Failed):
-            raise (UserError if msg.user_error else RuntimeError)(f"{name}: {msg.text}")
+            raise (UserError if msg.user_error else WorkerFailed)(f"{name}: {msg.text}")
         if msg is not None:
-            raise RuntimeError(f"{name} sent {type(msg).__name__} out of turn")
+            raise WorkerFailed(f"{name} sent {type(msg).__name__} out of turn")
         proc = next((p for p in self.procs if self.names[p.sentinel] == name), None)
         if proc is None:
-            raise RuntimeError(f"{name} closed its connection (it exited)")
+            raise WorkerFailed(f"{name} closed its connection (it exited)")
         proc.join(5)
-        raise RuntimeError(f"{name} exited (code {proc.exitcode})")
+        raise WorkerFailed(f"{name} exited (code {proc.exitcode})")
 
     def optimal_unique_tokens(self) -> int | None:
         """The fewest prompt tokens the workers had to compute, each over what it executed in every
         run so far (`planner.posthoc_unique` per worker: shared prefixes once per worker that needs
-        them, text a worker generated free): the data-parallel counterpart of the run's optimum."""
-        return sum(posthoc_unique(p, g) for p, g in zip(self._prompts, self._generated))
+        them, text a worker generated free; after one batch of scoring, from its cut): the data-parallel
+        counterpart of the run's optimum."""
+        if self._first_wave is not None:
+            return sum(self._first_wave)
+        total = 0
+        for executed in self._executed:
+            prompts = [q.prompt for q, _ in executed]
+            generated = [(p + r.token_ids[:-1], len(p)) for p, (_, r) in zip(prompts, executed)
+                         if isinstance(r, GenerateResult)]
+            total += posthoc_unique(prompts, generated)
+        return total
 
     def match_lens(self, seqs: list[list[int]]) -> list[int]:
         """Each sequence's longest cached prefix on any worker."""
@@ -125,25 +187,22 @@ class ParallelEngine:
     def stream(self, requests: Sequence[Request], *, schedule: str = "dfs", seed: int = 0, plan: Plan | None = None,
                progress: Progress | None = None, handover_due: Callable[[], bool] | None = None,
                groups: Sequence[Hashable] | None = None) -> Iterator[Handover]:
-        """As `Engine.stream`, over the workers (`plan` is not used: each worker plans its part)."""
+        """As `Engine.stream`, over the workers (`plan`: its sorted order is cut; each worker plans its
+        chunks from it)."""
         t0 = time.perf_counter()
-        pinned = {g: self.group_worker[g] for g in set(groups) if g in self.group_worker} if groups else None
-        part = partition([r.prompt for r in requests], len(self.conns), groups=groups, pinned=pinned,
-                         mergeable=[isinstance(r, ScoreRequest) for r in requests])
-        if groups is not None:
-            for k, idx in enumerate(part.parts):
-                self.group_worker.update((groups[i], k) for i in idx)
-        for k, idx in enumerate(part.parts):
-            if idx:
-                self.conns[k].send(RunBatch([pack(requests[i]) for i in idx], schedule, seed))
-        gather = _Gather(requests, part.parts, progress)
-        gather.stats.unique_tokens = sum(part.part_unique_tokens)
-        gather.stats.optimal_hit_rate = gather.stats.engine_optimal_hit_rate = part.hit_rate
+        cut = self._cut(requests, plan, groups)
+        dispatch = _Dispatch(cut.chunks, len(self.conns))
+        gather = _Gather(requests, cut, progress, len(self.conns))
+        gather.stats.unique_tokens = cut.unique_tokens          # the whole tree's: what one engine computes
+        gather.stats.optimal_hit_rate = gather.stats.engine_optimal_hit_rate = \
+            optimal_hit_rate(cut.unique_tokens, cut.prompt_tokens)
         t1 = time.perf_counter()
         self.running = True
         final: list[int] = []
         handed = bytearray(len(requests))
-        for got in self._reports(gather, {k for k, idx in enumerate(part.parts) if idx}):
+        for k, chunks in enumerate(dispatch.start()):
+            self._send(k, chunks, requests, cut, (schedule, seed))
+        for got in self._reports(gather, dispatch, requests, cut, (schedule, seed)):
             final += got
             if handover_due is not None and handover_due():
                 for i in final:
@@ -152,19 +211,44 @@ class ParallelEngine:
                 final = []
         self.running = False
         gather.stats.plan_s, gather.stats.execute_s = t1 - t0, time.perf_counter() - t1
-        for k, executed in enumerate(gather.executed):
-            for j in executed:
-                prompt, r = requests[j].prompt, gather.results[j]
-                self._prompts[k].append(prompt)
-                if isinstance(r, GenerateResult):
-                    self._generated[k].append((prompt + r.token_ids[:-1], len(prompt)))
+        self._account(requests, gather, cut, groups, dispatch.taken)
         yield Handover(remaining(gather.stats, handed), gather.results, gather.stats, True)
 
-    def _reports(self, gather: _Gather, busy: set[int]) -> Iterator[list[int]]:
-        """The requests each worker report makes final (a `Part`), until each busy worker is `Done`;
-        any worker's error or exit raises."""
+    def _cut(self, requests: Sequence[Request], plan: Plan | None, groups: Sequence[Hashable] | None) -> Chunking:
+        """The batch's chunks: by cost (a generation's most new tokens count too), along the plan's sorted
+        order where it has one, groups that ran before on the worker that ran them."""
+        pinned = {g: self.group_worker[g] for g in set(groups) if g in self.group_worker} if groups else None
+        generates = any(isinstance(r, GenerateRequest) for r in requests)
+        extra = [DECODE_COST * r.params.most_tokens if isinstance(r, GenerateRequest) else 0.0 for r in requests] \
+            if generates else None
+        presorted = (plan.dfs, plan.lcps) if plan is not None and len(plan.dfs) == len(requests) else None
+        mergeable = [isinstance(r, ScoreRequest) for r in requests]
+        batch = Batch([r.prompt_len for r in requests], groups, mergeable, extra, lengths=True) if presorted \
+            else Batch([r.prompt for r in requests], groups, mergeable, extra)
+        return chunk_batch(batch, len(self.conns), 1 if generates else CHUNKS, pinned=pinned, presorted=presorted)
+
+    def _send(self, k: int, chunks: list[int], requests: Sequence[Request], cut: Chunking,
+              how: tuple[str, int]) -> None:
+        """Chunks to worker k, run under `how` (schedule, seed)."""
+        schedule, seed = how
+        for c in chunks:
+            msg = chunk_message(requests, cut.chunks[c], c, schedule, seed)
+            try:
+                self.conns[k].send(Compressed.of(msg) if self.cluster is not None else msg)
+            except OSError:         # it exited: its last words, or its exit code
+                last = None
+                try:
+                    last = self.conns[k].recv() if self.conns[k].poll() else None
+                except (EOFError, OSError):
+                    pass
+                self._failed(self.conns[k], last)
+
+    def _reports(self, gather: _Gather, dispatch: _Dispatch, requests: Sequence[Request], cut: Chunking,
+                 how: tuple[str, int]) -> Iterator[list[int]]:
+        """The requests each worker report makes final (a `Part`), until every chunk is `Done`, each
+        worker given its next chunk as one ends; any worker's error or exit raises."""
         watch = list(self.other_ranks) + [p.sentinel for p in self.procs]
-        while busy:
+        while busy := dispatch.busy():
             ready = wait([self.conns[k] for k in busy] + watch)
             for k in [k for k in sorted(busy) if self.conns[k] in ready]:
                 try:
@@ -172,10 +256,11 @@ class ParallelEngine:
                 except (EOFError, OSError):
                     msg = None
                 if isinstance(msg, Part):
-                    yield gather.part(k, msg)
+                    yield gather.part(msg)
                 elif isinstance(msg, Done):
                     gather.done(k, msg)
-                    busy.discard(k)
+                    dispatch.done(k, msg.chunk)
+                    self._send(k, dispatch.take(k), requests, cut, how)
                 else:
                     self._failed(self.conns[k], msg)
             for who in [w for w in watch if w in ready]:
@@ -183,6 +268,32 @@ class ParallelEngine:
                     self._recv(who, type(None))       # only an error comes from there
                 elif not any(self.conns[k].poll() for k in busy):     # exited, its last words read
                     self._failed(who, None)
+
+    def _account(self, requests: Sequence[Request], gather: _Gather, cut: Chunking,
+                 groups: Sequence[Hashable] | None, taken: list[int]) -> None:
+        """After a batch: where each group ran, each worker's load, and what each executed (its optimum)."""
+        wall = gather.stats.execute_s
+        generated = False
+        for k, ran in enumerate(gather.ran):
+            load = self.loads[k]
+            load.busy_s += gather.busy[k]
+            load.idle_s += max(0.0, wall - gather.busy[k])
+            load.chunks += len(ran)
+            load.taken += taken[k]
+            load.computed_tokens += sum(gather.counts[c].computed_tokens for c in ran)
+            for c in ran:
+                self._executed[k] += [(requests[j], gather.results[j]) for j in gather.executed[c]]
+                generated = generated or any(isinstance(requests[j], GenerateRequest) for j in gather.executed[c])
+                if groups is not None:
+                    self.group_worker.update((groups[i], k) for i in cut.chunks[c].requests)
+        self._batches += 1
+        self._first_wave = [cut.unique_of(ran) for ran in gather.ran] \
+            if self._batches == 1 and not generated else None
+
+    def load_report(self) -> list[dict[str, float | int]]:
+        """Each worker's load over the run (summary.json `data_parallel.workers_load`)."""
+        return [{"busy_s": round(w.busy_s, 3), "idle_s": round(w.idle_s, 3), "computed_tokens": w.computed_tokens,
+                 "chunks": w.chunks, "chunks_taken": w.taken} for w in self.loads]
 
     def close(self) -> None:
         """End the workers: at once if a run was cut short (they are still working), else when they
@@ -202,9 +313,8 @@ class ParallelEngine:
 
 
 def _launch(spec: EngineSpec, n: int, gpus: Sequence[str] | None) -> tuple[list[list[Connection]], list[Any]]:
-    """`n` workers of `spec.tensor_parallel` local processes: each one's connections (rank 0 first),
-    and the processes."""
-    t = spec.tensor_parallel
+    """`n` workers of `spec.ranks` local processes: each one's connections (rank 0 first), and the processes."""
+    t = spec.ranks
     ctx = mp.get_context("spawn")              # CUDA cannot be forked; a fresh interpreter each
     groups: list[list[Connection]] = []
     procs = []
@@ -231,43 +341,90 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class _Gather:
-    """One run's results and counts as the workers report them, in the requests' own indices."""
+class _Dispatch:
+    """Which chunks each worker runs: its own in order, AHEAD at a time; with none of its own left, the
+    last chunk not yet started of the worker with the most cost left (not one pinned there)."""
 
-    def __init__(self, requests: Sequence[Request], parts: list[list[int]], progress: Progress | None):
-        self.parts, self.progress = parts, progress
+    def __init__(self, chunks: list[Chunk], n: int):
+        self.chunks = chunks
+        self.queues: list[deque[int]] = [deque() for _ in range(n)]
+        for c, ch in enumerate(chunks):         # a worker's pinned chunk comes before its share
+            self.queues[ch.home].append(c)
+        self.inflight: list[list[int]] = [[] for _ in range(n)]
+        self.taken = [0] * n
+
+    def start(self) -> list[list[int]]:
+        """Each worker's first chunks: its own first, then, all given theirs, any taken from another."""
+        first = [self.take(k, steal=False) for k in range(len(self.queues))]
+        return [got + self.take(k) for k, got in enumerate(first)]
+
+    def take(self, k: int, steal: bool = True) -> list[int]:
+        """The chunks worker k gets now (none: it has AHEAD already, or nothing is left to give)."""
+        out = []
+        while len(self.inflight[k]) < AHEAD:
+            c = self.queues[k].popleft() if self.queues[k] else self._steal(k) if steal else None
+            if c is None:
+                break
+            self.inflight[k].append(c)
+            out.append(c)
+        return out
+
+    def _steal(self, k: int) -> int | None:
+        left = [(sum(self.chunks[c].cost for c in q), v) for v, q in enumerate(self.queues)
+                if v != k and q and not self.chunks[q[-1]].pinned]
+        if not left:
+            return None
+        self.taken[k] += 1
+        return self.queues[max(left)[1]].pop()
+
+    def done(self, k: int, c: int) -> None:
+        self.inflight[k].remove(c)
+
+    def busy(self) -> list[int]:
+        """Workers running a chunk."""
+        return [k for k, f in enumerate(self.inflight) if f]
+
+
+class _Gather:
+    """One batch's results and counts as the workers report them, in the requests' own indices."""
+
+    def __init__(self, requests: Sequence[Request], cut: Chunking, progress: Progress | None, workers: int):
+        self.cut, self.progress = cut, progress
         self.results: list[Result] = [GenerateResult() if isinstance(r, GenerateRequest) else ScoreResult()
                                       for r in requests]
         self.stats = RunStats(requests=len(requests))
-        self.counts = [TokenCounts() for _ in parts]
-        self.merged = bytearray(len(requests))      # final results a worker sent in a Part
-        self.executed: list[list[int]] = [[] for _ in parts]     # each worker's executed requests
+        self.counts: dict[int, TokenCounts] = {}                  # each chunk's so far
+        self.merged = bytearray(len(requests))                    # final results a worker sent in a Part
+        self.executed: dict[int, list[int]] = {}                  # each chunk's executed requests
+        self.ran: list[list[int]] = [[] for _ in range(workers)]  # chunks each worker ran
+        self.busy = [0.0] * workers
 
-    def _merge(self, k: int, pairs: Sequence[tuple[int, Result]], members: dict[int, list[int]]) -> list[int]:
-        idx, final = self.parts[k], []
+    def _merge(self, c: int, pairs: Sequence[tuple[int, Result]], members: dict[int, list[int]]) -> list[int]:
+        idx, final = self.cut.chunks[c].requests, []
         for i, r in pairs:
             self.results[idx[i]] = r
             final.append(idx[i])
+        executed = self.executed.setdefault(c, [])
         for j, ms in members.items():
             self.stats.members[idx[j]] = [idx[m] for m in ms]
             self.stats.order.append(idx[j])
-            self.executed[k].append(idx[j])
+            executed.append(idx[j])
         return final
 
-    def _count(self, k: int, c: TokenCounts) -> None:
-        """Worker k's counts so far; the run's are every worker's added up."""
-        self.counts[k] = c
+    def _count(self, c: int, got: TokenCounts) -> None:
+        """Chunk c's counts so far; the batch's are every chunk's added up."""
+        self.counts[c] = got
         total = TokenCounts()
-        for c in self.counts:
-            total.add(c)
+        for x in self.counts.values():
+            total.add(x)
         s = self.stats
         s.prompt_tokens, s.cached_tokens = total.prompt_tokens, total.cached_tokens
         s.computed_tokens, s.decode_tokens = total.computed_tokens, total.decode_tokens
 
-    def part(self, k: int, msg: Part) -> list[int]:
-        """Worker k's results final since its last report."""
-        final = self._merge(k, msg.results, msg.members)
-        self._count(k, msg.counts)
+    def part(self, msg: Part) -> list[int]:
+        """A chunk's results final since its last report."""
+        final = self._merge(msg.chunk, msg.results, msg.members)
+        self._count(msg.chunk, msg.counts)
         for g in final:
             self.merged[g] = 1
         if self.progress is not None and final:
@@ -275,12 +432,15 @@ class _Gather:
         return final
 
     def done(self, k: int, msg: Done) -> None:
-        """Worker k's run ended: the rest of its results and its counters."""
-        idx, st = self.parts[k], msg.stats
+        """Worker k ran chunk `msg.chunk` to its end: the rest of its results and its counters."""
+        c, st = msg.chunk, msg.stats
+        idx = self.cut.chunks[c].requests
         pairs = [(i, msg.results[i]) for i in range(len(idx)) if not self.merged[idx[i]]]
         members = {j: st.members[j] for j in st.order if idx[j] not in self.stats.members}
-        self._merge(k, pairs, members)
-        self._count(k, counts(st))
+        self._merge(c, pairs, members)
+        self._count(c, counts(st))
         self.stats.add_engine_counts(st)
+        self.ran[k].append(c)
+        self.busy[k] += msg.busy_s
         if self.progress is not None and idx:
             self.progress(idx[-1], self.stats)

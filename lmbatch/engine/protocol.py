@@ -83,6 +83,10 @@ class BatchEngine(Protocol):
         each over what it executed (None for one engine: the run's own optimum is that)."""
         ...
 
+    def load_report(self) -> list[dict[str, float | int]]:
+        """Each engine's seconds busy and idle, tokens computed and chunks run (none for one engine)."""
+        ...
+
     def close(self) -> None:
         """End what the engine started (worker processes)."""
         ...

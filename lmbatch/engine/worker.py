@@ -1,43 +1,74 @@
-"""A data-parallel worker process (or one rank of its tensor-parallel group): it builds its own
-`Engine` from the run's `EngineSpec` and runs the batches its parent (`parallel.ParallelEngine`)
-sends, handing finished results back as it goes. Rank 0 of a group reads the parent's messages and
-broadcasts them to the other ranks, which run the same engine steps so that their collectives pair up.
+"""A data-parallel worker process (or one rank of its tensor-parallel group): it fits and builds its own
+`Engine` from the run's `EngineSpec` (its device, its free memory) and runs the chunks of each batch its
+parent (`parallel.ParallelEngine`) sends, handing finished results back as it goes. Rank 0 of a group
+reads the parent's messages and broadcasts them to the other ranks, which run the same engine steps so
+that their collectives pair up.
 
-The messages, one dataclass each: the parent sends `RunBatch`, `MatchQuery` and `Close`; a worker
-answers `Ready` once built, `Part`s and then `Done` for a batch, `Matched` for a query, and `Failed`
+A chunk crosses as its requests in sorted (DFS) order with each one's tokens past what it shares with
+the one before (`chunk_message`): the radix tree's edges, not every prompt whole, and the common prefixes
+that give the worker its plan without sorting or comparing anything. A worker alone on its model reads
+and plans its next chunk on a thread while it runs the one before.
+
+The messages, one dataclass each: the parent sends `RunChunk` (`Compressed` to a worker Ray placed),
+`MatchQuery` and `Close`; a worker
+answers `Ready` once built, `Part`s and then `Done` for a chunk, `Matched` for a query, and `Failed`
 for any error (a user's or not).
 """
 from __future__ import annotations
 
+import gc
 import os
+import pickle
+import queue
 import signal
 import threading
 import time
+import zlib
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, Sequence, Union, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence, Union, cast
 
 from lmbatch.engine.protocol import Request, Result
 from lmbatch.errors import UserError
-from lmbatch.requests import GenerateRequest, RunStats, TokenCounts
+from lmbatch.requests import GenerateRequest, RunStats, ScoreRequest, TokenCounts
 
 if TYPE_CHECKING:
+    from lmbatch.engine.build import Attention
     from lmbatch.engine.engine import Engine
     from lmbatch.engine.options import EngineSpec
+    from lmbatch.scheduler.partition import Chunk
+    from lmbatch.scheduler.planner import Plan
 
 RELAY_TICKS = 1024      # in a tensor-parallel group: hand over every this many prefill adds and decode steps
 
-# a request as it crosses to a worker, and the grammar it carries: (kind, source) and the steps its
-# matcher has accepted, or None (see `pack`)
-Packed = tuple[Request, Union[tuple[tuple[str, Any], list[Union[int, str]]], None]]
+# what a request is besides its tokens, as it crosses: a score request's continuation, or a generation's
+# sampling parameters and grammar, (kind, source) and the steps its matcher has accepted, or None
+Kind = Union[list[int], tuple[Any, Union[tuple[tuple[str, Any], list[Union[int, str]]], None]]]
 
 
 # ---- parent -> worker --------------------------------------------------------------------------
 @dataclass(frozen=True)
-class RunBatch:
-    requests: list[Packed]
+class RunChunk:
+    chunk: int                  # its number in the batch (the parent's)
+    shared: list[int]           # each request's context (a score's) or prompt: tokens shared with the one before's
+    tails: list[list[int]]      # and its tokens past those
+    kinds: list[Kind]
+    lcps: list[int]             # the prompts' adjacent common prefixes: they come in sorted order
     schedule: str
     seed: int
+
+
+@dataclass(frozen=True)
+class Compressed:
+    """A message pickled and compressed (to a worker placed by Ray, over the network)."""
+    data: bytes
+
+    @staticmethod
+    def of(msg: Any) -> Compressed:
+        return Compressed(zlib.compress(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), 1))
+
+    def open(self) -> Any:
+        return pickle.loads(zlib.decompress(self.data))
 
 
 @dataclass(frozen=True)
@@ -61,12 +92,16 @@ class Hello:
 @dataclass(frozen=True)
 class Ready:
     kv_slots: int
+    spec: EngineSpec            # as this worker fitted it: device, dtype, sizes, backend
+    attention: Attention
+    seconds: dict[str, float]   # its start by step: startup, imports, cuda_init, weights, compile, graphs
 
 
 @dataclass(frozen=True)
 class Part:
-    """Results final since the worker's last part: (index in the batch, result) pairs, the executed
-    requests among them with those each served, and the worker's counts so far."""
+    """Results of a chunk final since the worker's last part: (index in the chunk, result) pairs, the
+    executed requests among them with those each served, and the chunk's counts so far."""
+    chunk: int
     results: list[tuple[int, Result]]
     members: dict[int, list[int]]
     counts: TokenCounts
@@ -74,8 +109,10 @@ class Part:
 
 @dataclass(frozen=True)
 class Done:
+    chunk: int
     results: list[Result]
     stats: RunStats
+    busy_s: float               # from the chunk's start to its end on the worker
 
 
 @dataclass(frozen=True)
@@ -89,12 +126,28 @@ class Failed:
     text: str
 
 
-def pack(r: Request) -> Packed:
-    """A request as it crosses to a worker: a grammar goes as its source and the steps its matcher
-    has accepted (text jump-forward put in the prompt), compiled and replayed there."""
-    if isinstance(r, GenerateRequest) and r.constraint is not None:
-        return replace(r, constraint=None), (cast("tuple[str, Any]", r.constraint.spec), list(r.constraint.steps))
-    return r, None
+def chunk_message(requests: Sequence[Request], chunk: Chunk, number: int, schedule: str, seed: int) -> RunChunk:
+    """A chunk as it crosses: each request's context or prompt as the tokens past what it shares with
+    the one before's (at least the common prefix of their prompts, which both begin with), and the rest."""
+    shared, tails, kinds = [], [], []
+    prev: list[int] = []
+    for i, lcp in zip(chunk.requests, chunk.lcps):
+        r = requests[i]
+        base = r.context if isinstance(r, ScoreRequest) else r.prompt
+        c = min(lcp, len(base), len(prev))
+        shared.append(c)
+        tails.append(base[c:])
+        kinds.append(r.continuation if isinstance(r, ScoreRequest) else _generation(r))
+        prev = base
+    return RunChunk(number, shared, tails, kinds, list(chunk.lcps), schedule, seed)
+
+
+def _generation(r: GenerateRequest) -> Kind:
+    """A grammar goes as its source and the steps its matcher has accepted (text jump-forward put in the
+    prompt), compiled and replayed in the worker."""
+    if r.constraint is None:
+        return r.params, None
+    return r.params, (cast("tuple[str, Any]", r.constraint.spec), list(r.constraint.steps))
 
 
 def counts(stats: RunStats) -> TokenCounts:
@@ -121,6 +174,85 @@ class _Relay:
         return True
 
 
+class Job(NamedTuple):
+    """A chunk read and planned, ready to run."""
+    chunk: int
+    requests: list[Request]
+    plan: Plan
+    schedule: str
+    seed: int
+
+
+class _Prepare:
+    """A chunk's requests rebuilt (grammars compiled and replayed: the compiler made at the first that
+    has one) and planned: from its sorted order as it came, under the dfs schedule."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.grammars: Any = None
+
+    def __call__(self, msg: RunChunk) -> Job:
+        from lmbatch.scheduler.planner import plan_requests
+
+        requests: list[Request] = []
+        base: list[int] = []
+        for c, tail, kind in zip(msg.shared, msg.tails, msg.kinds):
+            base = base[:c] + tail
+            if isinstance(kind, list):
+                requests.append(ScoreRequest(base, kind))
+            else:
+                params, grammar = kind
+                requests.append(GenerateRequest(base, params, None if grammar is None else self._grammar(*grammar)))
+        plan = plan_requests(requests, msg.schedule, msg.seed, presorted=msg.lcps if msg.schedule == "dfs" else None)
+        return Job(msg.chunk, requests, plan, msg.schedule, msg.seed)
+
+    def _grammar(self, spec: tuple[str, Any], steps: Sequence[int | str]) -> Any:
+        """A constraint in the state its parent's was in."""
+        if self.grammars is None:
+            from lmbatch.grammar import GrammarCompiler
+            from lmbatch.model.tokenizer import real_tokenizer
+            self.grammars = GrammarCompiler(real_tokenizer(self.engine.tokenizer), self.engine.cfg.vocab_size)
+        c = self.grammars.constraint(**{spec[0]: spec[1]})
+        for step in steps:
+            ok = c.accept(step) if isinstance(step, int) else c.accept_string(step)
+            assert ok, f"replaying {step!r} of a {spec[0]} constraint"
+        return c
+
+
+class _Inbox:
+    """Rank 0's messages, read on a thread of their own; a chunk is prepared there too where `prepare`
+    is given (a worker alone on its model), so it is ready when the chunk before it ends."""
+
+    def __init__(self, conn: Connection, prepare: _Prepare | None):
+        self.conn, self.prepare = conn, prepare
+        self.box: queue.Queue[Any] = queue.Queue()
+        threading.Thread(target=self._read, name="lmbatch-worker-inbox", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+                if isinstance(msg, Compressed):
+                    msg = msg.open()
+                if isinstance(msg, RunChunk) and self.prepare is not None:
+                    msg = self.prepare(msg)
+            except (EOFError, OSError):
+                self.box.put(Close())       # the parent is gone
+                return
+            except BaseException as e:  # noqa: BLE001  raised on the worker's main thread
+                self.box.put(e)
+                return
+            self.box.put(msg)
+            if isinstance(msg, Close):
+                return
+
+    def get(self) -> Any:
+        msg = self.box.get()
+        if isinstance(msg, BaseException):
+            raise msg
+        return msg
+
+
 def serve(rank: int, spec: EngineSpec, conn: Connection, gpu: str | None, port: int) -> None:
     """A worker process (`rank` of its tensor-parallel group): build the engine, then run what the
     parent sends (rank 0 reads it and passes it to the other ranks) until it says close."""
@@ -129,11 +261,14 @@ def serve(rank: int, spec: EngineSpec, conn: Connection, gpu: str | None, port: 
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu          # before torch starts CUDA: this worker's device
     try:
-        engine, ctrl = _build(rank, spec, port)
-        conn.send(Ready(engine.kv_slots))
-        grammars: Any = None
+        engine, ctrl, ready = _build(rank, spec, port)
+        gc.freeze()         # the model's objects: never scanned again by the collector as chunks come and go
+        conn.send(ready)
+        prepare = _Prepare(engine)
+        inbox = _Inbox(conn, prepare if ctrl is None else None) if rank == 0 else None
+        relay_ticks = RELAY_TICKS if ctrl is not None else 0
         while True:
-            msg = conn.recv() if rank == 0 else None
+            msg = inbox.get() if inbox is not None else None
             if isinstance(msg, MatchQuery):       # each rank's cache is the same: rank 0 answers
                 conn.send(Matched(engine.match_lens(msg.seqs)))
                 continue
@@ -141,21 +276,9 @@ def serve(rank: int, spec: EngineSpec, conn: Connection, gpu: str | None, port: 
                 msg = _broadcast(msg, ctrl)
             if isinstance(msg, Close):
                 return
-            assert isinstance(msg, RunBatch), msg
-            if grammars is None and any(c is not None for _, c in msg.requests):
-                from lmbatch.grammar import GrammarCompiler
-                from lmbatch.model.tokenizer import real_tokenizer
-                grammars = GrammarCompiler(real_tokenizer(engine.tokenizer), engine.cfg.vocab_size)
-            requests = [r if c is None else replace(r, constraint=_rebuild(grammars, *c)) for r, c in msg.requests]
-            due = _Relay(spec.relay_s, RELAY_TICKS if ctrl is not None else 0)
-            for h in engine.stream(requests, schedule=msg.schedule, seed=msg.seed, handover_due=due):
-                if rank != 0:
-                    continue
-                if h.last:
-                    conn.send(Done(list(h.results), h.stats))
-                else:
-                    members = {j: h.stats.members[j] for j in h.final if j in h.stats.members}
-                    conn.send(Part([(i, h.results[i]) for i in h.final], members, counts(h.stats)))
+            job = prepare(msg) if isinstance(msg, RunChunk) else msg
+            assert isinstance(job, Job), msg
+            _run(engine, job, conn if rank == 0 else None, _Relay(spec.relay_s, relay_ticks))
     except BaseException as e:  # noqa: BLE001  the parent raises it, naming this worker
         try:
             conn.send(Failed(isinstance(e, UserError), f"{type(e).__name__}: {e}"))
@@ -163,32 +286,62 @@ def serve(rank: int, spec: EngineSpec, conn: Connection, gpu: str | None, port: 
             pass
 
 
-def _build(rank: int, spec: EngineSpec, port: int) -> tuple[Engine, Any]:
-    """(engine, the group's control channel or None) of one worker process."""
-    import torch
+def _run(engine: Engine, job: Job, conn: Connection | None, due: _Relay) -> None:
+    """One chunk on the engine; rank 0 (`conn`) hands its results over as they become final."""
+    t = time.perf_counter()
+    for h in engine.stream(job.requests, schedule=job.schedule, seed=job.seed, plan=job.plan, handover_due=due):
+        if conn is None:
+            continue
+        if h.last:
+            conn.send(Done(job.chunk, list(h.results), h.stats, time.perf_counter() - t))
+        else:
+            members = {j: h.stats.members[j] for j in h.final if j in h.stats.members}
+            conn.send(Part(job.chunk, [(i, h.results[i]) for i in h.final], members, counts(h.stats)))
 
-    from lmbatch.engine.engine import Engine
-    from lmbatch.model.tokenizer import LazyTokenizer
 
-    procs = spec.workers * spec.tensor_parallel
-    if spec.device == "cpu":
-        torch.set_num_threads(spec.threads or max(1, (os.cpu_count() or 1) // procs))
+def _build(rank: int, spec: EngineSpec, port: int) -> tuple[Engine, Any, Ready]:
+    """(engine, the group's control channel or None, what the worker tells its parent) of one process."""
+    from lmbatch.timing import Phases
+
+    clock = Phases()        # from the process's start: "startup" is the interpreter and lmbatch's modules
+    with clock("imports"):
+        import torch
+
+        from lmbatch.engine.build import build_engine, fit, start_cuda
+        from lmbatch.model.config import ModelConfig
+        from lmbatch.model.tokenizer import LazyTokenizer
+        cfg = ModelConfig.from_dir(spec.model_dir)
     tp, ctrl = None, None
-    if spec.tensor_parallel > 1:
-        import torch.distributed as dist
+    with clock("cuda_init"):
+        fitted, attention = fit(spec, cfg)
+        if fitted.device == "cpu":
+            torch.set_num_threads(spec.threads or max(1, (os.cpu_count() or 1) // (spec.workers * spec.ranks)))
+        start_cuda(fitted.device)
+        if spec.ranks > 1:
+            import torch.distributed as dist
 
-        from lmbatch.model.tensor_parallel import TensorParallel
+            from lmbatch.model.tensor_parallel import TensorParallel
 
-        backend = "nccl" if spec.device == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=spec.tensor_parallel)
-        ctrl = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
-        tp = TensorParallel(rank, spec.tensor_parallel)
-    assert spec.dtype is not None, "the parent fits the spec"
-    engine = Engine.from_pretrained(spec.model_dir, spec.options, device=spec.device, dtype=getattr(torch, spec.dtype),
-                                    tokenizer=LazyTokenizer.of(spec.model_dir), tp=tp, load_format=spec.load_format)
-    engine.warm_up(graphs=spec.graphs_ahead)
-    return engine, ctrl
+            backend = "nccl" if fitted.device == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=spec.ranks)
+            ctrl = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+            tp = TensorParallel(rank, spec.ranks)
+            fitted = _agree(fitted, ctrl)
+    engine = build_engine(fitted, LazyTokenizer.of(spec.model_dir), clock, tp=tp)
+    return engine, ctrl, Ready(engine.kv_slots, fitted, attention, dict(clock.seconds))
+
+
+def _agree(spec: EngineSpec, group: Any) -> EngineSpec:
+    """The sizes every rank of a tensor-parallel group can hold (the least each fitted): their batches
+    and evictions must fall at the same steps."""
+    import torch
+    import torch.distributed as dist
+
+    o = spec.options
+    assert o.kv_cache_tokens is not None and o.max_tokens_per_batch is not None, "fit the spec first"
+    sizes = torch.tensor([o.kv_cache_tokens, o.max_tokens_per_batch], dtype=torch.int64)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MIN, group=group)
+    return replace(spec, options=replace(o, kv_cache_tokens=int(sizes[0]), max_tokens_per_batch=int(sizes[1])))
 
 
 def _broadcast(msg: Any, group: Any) -> Any:
@@ -198,12 +351,3 @@ def _broadcast(msg: Any, group: Any) -> Any:
     box = [msg]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
-
-
-def _rebuild(grammars: Any, spec: tuple[str, Any], steps: Sequence[int | str]) -> Any:
-    """A constraint in the state its parent's was in."""
-    c = grammars.constraint(**{spec[0]: spec[1]})
-    for step in steps:
-        ok = c.accept(step) if isinstance(step, int) else c.accept_string(step)
-        assert ok, f"replaying {step!r} of a {spec[0]} constraint"
-    return c

@@ -181,7 +181,7 @@ class Interpreter:
         self.stats.execute_s = (time.perf_counter() - t0 - (self.stats.plan_s - planned)
                                 - (self.tokenize_s - tokenized))
         t1 = time.perf_counter()
-        self.tally.finish(one_engine=engine.data_parallel == 1)
+        self.tally.finish()
         self.stats.plan_s += time.perf_counter() - t1
 
     def _take_completed(self) -> list[ProgramRun]:

@@ -86,12 +86,13 @@ class Tally:
         self.stats.plan_s += st.plan_s
         self.waves.append(st.unique_tokens)
 
-    def finish(self, one_engine: bool) -> None:
+    def finish(self) -> None:
         """The post-hoc optimum: from the tree of every prompt actually executed, where tokens that
         generation already put in the cache count as free (their KV exists without any prefill). A run
-        of one wave on `one_engine` without generation has it already: its plan's tree is that tree."""
+        of one wave without generation has it already: its batch's tree is that tree (an engine reports
+        the whole batch's, however many workers ran it)."""
         s = self.stats
-        if one_engine and len(self.waves) == 1 and not self._generated:
+        if len(self.waves) == 1 and not self._generated:
             plain = self.waves[0]
         else:
             plain = summarize(self._prompts).unique_tokens     # the prompts' own tree (Theorem 3.1)

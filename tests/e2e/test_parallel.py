@@ -6,9 +6,12 @@ on one worker."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -34,13 +37,22 @@ CASES = {
     "mmlu": dict(task="mmlu", shots=5, limit=2, subjects=["anatomy", "virology", "astronomy"]),
     "program": dict(task="PROGRAM"),
     "json": dict(task="json", limit=3),         # grammar-constrained: each worker compiles the schemas
+    # seven waves of sampled generation and judging, each program's later calls on the worker of its earlier
+    "tot": dict(task="tot-gsm8k", limit=3, model="TINY"),
 }
 
 
-def _run(tmp_path, case: str, workers: int, program_path) -> tuple[list[dict], dict, list[dict]]:
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_with_tokenizer(tmp_path_factory.mktemp("tiny") / "m", 16384)
+
+
+def _run(tmp_path, case: str, workers: int, program_path, model=None) -> tuple[list[dict], dict, list[dict]]:
     kw = dict(CASES[case])
     if kw["task"] == "PROGRAM":
         kw["task"] = str(program_path)
+    if kw.get("model") == "TINY":
+        kw["model"] = str(model)
     d = run(RunOptions(**kw, out=tmp_path, run_id=f"{case}-{workers}", device="cpu", quiet=True,
                        data_parallel=str(workers), checkpoint_s=1e-6, max_tokens_per_batch=256))
     return (pq.read_table(d / "instances.parquet").to_pylist(), json.loads((d / "summary.json").read_text()),
@@ -55,9 +67,9 @@ def program_path(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_workers_give_one_process_results(case, tmp_path, program_path):
-    one, s1, _ = _run(tmp_path, case, 1, program_path)
-    two, s2, reqs = _run(tmp_path, case, 2, program_path)
+def test_two_workers_give_one_process_results(case, tmp_path, program_path, tiny_model):
+    one, s1, _ = _run(tmp_path, case, 1, program_path, tiny_model)
+    two, s2, reqs = _run(tmp_path, case, 2, program_path, tiny_model)
     assert [r["id"] for r in two] == [r["id"] for r in one]
     for a, b in zip(two, one):
         assert (a["prediction"], a["correct"], a["error"]) == (b["prediction"], b["correct"], b["error"]), a["id"]
@@ -65,10 +77,15 @@ def test_two_workers_give_one_process_results(case, tmp_path, program_path):
         assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4), a["id"]
         assert a["prompt_tokens"] == b["prompt_tokens"]
     assert s2["accuracy"] == s1["accuracy"] and s2["metrics"] == s1["metrics"]
-    assert s1["data_parallel"] == {"workers": 1, "tensor_parallel": 1, "duplicated_tokens": 0,
+    assert s1["data_parallel"] == {"workers": 1, "tensor_parallel": 1, "why": "--tensor-parallel auto: 1 on CPU",
+                                   "duplicated_tokens": 0,
                                    "optimal_hit_rate": s1["optimal_hit_rate"]}
     dp = s2["data_parallel"]
     assert dp["workers"] == 2 and dp["duplicated_tokens"] >= 0
+    # each worker's load: every computed token counted once, by the worker that computed it
+    load = dp["workers_load"]
+    assert len(load) == 2 and all(w["busy_s"] > 0 and w["idle_s"] >= 0 and w["chunks"] >= 1 for w in load)
+    assert sum(w["computed_tokens"] for w in load) == s2["tokens"]["computed"]
     assert s2["tokens"]["prompt"] == s1["tokens"]["prompt"]
     assert s2["tokens"]["computed"] + s2["tokens"]["cached"] == s2["tokens"]["prompt"]
     # each worker's optimum over what it executed: no run beats it, and two workers reach less than one
@@ -168,3 +185,76 @@ def test_no_ray_cluster_is_one_line(tmp_path):
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith(f"error: --ray-address 127.0.0.1:{port}: no Ray cluster"), \
         p.stderr
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def _workers(pid: int) -> list[int]:
+    """The data-parallel worker processes of the command `pid` (spawned interpreters)."""
+    found = []
+    for child in _children(pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"multiprocessing.spawn" in cmdline or b"spawn_main" in cmdline:
+            found.append(child)
+    return found
+
+
+def test_a_worker_killed_mid_run_is_one_line_and_the_run_resumes(tmp_path):
+    """A worker killed while the run executes: the command says so in one line (exit 1) and keeps what
+    finished; the same command resumes and the run ends with one engine's predictions."""
+    model = make_tiny_with_tokenizer(tmp_path / "tiny", 16384)
+    cmd = [sys.executable, "-c", "from lmbatch.cli import main; main()", "run", "mmlu", "--shots", "5", "--limit", "4",
+           "--model", str(model), "--out", str(tmp_path), "--device", "cpu", "--quiet", "--checkpoint-s", "1e-6",
+           "--max-tokens-per-batch", "16"]
+    one = run(RunOptions(task="mmlu", shots=5, limit=4, model=str(model), out=tmp_path, run_id="one", device="cpu",
+                         quiet=True, data_parallel="1", max_tokens_per_batch=256))
+    p = subprocess.Popen(cmd + ["--run-id", "two", "--data-parallel", "2"], stderr=subprocess.PIPE, text=True)
+    parts = tmp_path / "two" / "parts"
+    deadline = time.monotonic() + 300
+    while p.poll() is None and time.monotonic() < deadline and not list(parts.glob("*.instances.parquet")):
+        time.sleep(0.05)
+    workers = _workers(p.pid)
+    assert p.poll() is None and len(workers) == 2, "the run ended before a worker could be killed"
+    os.kill(workers[1], signal.SIGKILL)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: data-parallel worker ") and "exited (code -9)" in lines[0] \
+        and "the same command resumes" in lines[0], err
+    assert (tmp_path / "two" / "INCOMPLETE").exists() or list(parts.glob("*.instances.parquet"))
+    again = subprocess.run(cmd + ["--run-id", "two", "--data-parallel", "2"], capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0, again.stderr
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["counts"]["resumed_instances"] > 0 and summary["data_parallel"]["workers"] == 2
+    got = pq.read_table(tmp_path / "two" / "instances.parquet").to_pylist()
+    want = pq.read_table(one / "instances.parquet").to_pylist()
+    assert [(r["id"], r["prediction"]) for r in got] == [(r["id"], r["prediction"]) for r in want]
+    for a, b in zip(got, want):
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4)
+
+
+def test_auto_is_one_process_on_cpu(tmp_path):
+    """Left to auto (the default), a CPU run is one engine in the command's own process, and says why."""
+    d = run(RunOptions(task="mmlu", limit=1, subjects=["anatomy"], out=tmp_path, run_id="auto", device="cpu",
+                       quiet=True))
+    s = json.loads((d / "summary.json").read_text())
+    assert (s["options"]["data_parallel"], s["options"]["tensor_parallel"]) == ("auto", "auto")
+    assert s["data_parallel"]["workers"] == 1 and s["data_parallel"]["tensor_parallel"] == 1
+    assert s["data_parallel"]["why"] == "--data-parallel and --tensor-parallel auto: 1 on CPU"
+    assert "workers_load" not in s["data_parallel"]

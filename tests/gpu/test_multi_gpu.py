@@ -1,7 +1,7 @@
-"""Two GPUs (the nvidia-h200-x2 machine: `python -m pytest -m gpu2`; a one-GPU machine runs
+"""Two GPUs or more (a machine of 2 or 4: `python -m pytest -m gpu2`; a one-GPU machine runs
 `-m "gpu and not gpu2"`): data-parallel workers on their own GPUs and a tensor-parallel group over
 NCCL give what one GPU gives, in float32 (the torch attention backend) and in bf16 with FlashInfer /
-Triton and decode graphs (near-ties aside)."""
+Triton and decode graphs (near-ties aside); left to auto, a run takes every GPU."""
 import json
 import random
 
@@ -40,6 +40,26 @@ def test_data_parallel_run_on_two_gpus(tmp_path, dtype):
         assert summary["hit_rate"] == pytest.approx(summary["data_parallel"]["optimal_hit_rate"], abs=1e-12)
     same = sum(a["prediction"] == b["prediction"] for a, b in zip(rows["1"], rows["2"]))
     assert same >= len(rows["1"]) - (0 if dtype == "float32" else len(rows["1"]) // 50)
+
+
+def test_auto_takes_every_gpu(tmp_path):
+    """The default (`--data-parallel auto`) on a machine of several GPUs: a worker on each, every one given
+    chunks, and the predictions of one engine (float32)."""
+    n = torch.cuda.device_count()
+    model = make_tiny_with_tokenizer(tmp_path / "tiny", 2048)
+    kw = dict(task="mmlu", shots=2, limit=2, model=str(model), out=tmp_path, device="cuda", dtype="float32",
+              quiet=True)
+    one = run(RunOptions(**kw, run_id="one", data_parallel="1"))
+    auto = run(RunOptions(**kw, run_id="auto"))
+    s = json.loads((auto / "summary.json").read_text())
+    dp = s["data_parallel"]
+    assert (s["options"]["data_parallel"], dp["workers"], dp["tensor_parallel"]) == ("auto", n, 1)
+    assert dp["why"].startswith("the model fits one GPU (") and dp["why"].endswith(f"; {n} workers: {n} GPUs visible")
+    assert len(dp["workers_load"]) == n and all(w["chunks"] >= 1 and w["computed_tokens"] > 0
+                                                for w in dp["workers_load"])
+    rows = [pq.read_table(d / "instances.parquet").to_pylist() for d in (one, auto)]
+    assert [(r["id"], r["prediction"]) for r in rows[1]] == [(r["id"], r["prediction"]) for r in rows[0]]
+    assert s["hit_rate"] == pytest.approx(dp["optimal_hit_rate"], abs=1e-12)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma2"])

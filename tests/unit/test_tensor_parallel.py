@@ -13,6 +13,7 @@ from conftest import make_tiny_hf, random_requests
 from lmbatch.engine import Engine, EngineOptions
 from lmbatch.engine.options import EngineSpec
 from lmbatch.engine.parallel import ParallelEngine
+from lmbatch.errors import WorkerFailed
 from lmbatch.model.config import ModelConfig
 from lmbatch.model.tensor_parallel import shard_config
 from lmbatch.requests import GenerateRequest, SamplingParams
@@ -89,7 +90,7 @@ def test_a_worker_that_fails_is_named(tmp_path):
                                           (tmp_path / "src"))
     spec = EngineSpec(str(tmp_path), "cpu", "float32", EngineOptions(kv_cache_tokens=512, max_tokens_per_batch=64),
                       threads=1, tensor_parallel=2)
-    with pytest.raises(RuntimeError, match=r"data-parallel worker 0 \(tensor-parallel rank [01]\): .*safetensors"):
+    with pytest.raises(WorkerFailed, match=r"data-parallel worker 0 \(tensor-parallel rank [01]\): .*safetensors"):
         ParallelEngine(spec, ModelConfig.from_dir(tmp_path))
 
 

@@ -1,0 +1,147 @@
+"""How many devices a run uses, decided before torch is imported (so data-parallel workers start at
+once): the GPUs this process may use and their memory, read from NVML (or the driver's /proc
+entries), and `--data-parallel auto` / `--tensor-parallel auto` from them and the model's size.
+
+- tensor parallel, auto: 1 where the model's weights fit one GPU with room for its KV cache, else the
+  fewest GPUs (a power of two dividing its heads) whose share fits;
+- data parallel, auto: every visible GPU over that (on a Ray cluster, every GPU of the cluster); on
+  CPU 1. A batch too small to fill them runs on fewer (engine/parallel.py).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+from lmbatch.errors import UserError
+
+if TYPE_CHECKING:
+    from lmbatch.engine.options import EngineSpec
+    from lmbatch.model.config import ModelConfig
+
+FIT_SHARE = 0.6     # the weights may take this share of a GPU's memory: the rest holds KV cache and activations
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class GPUs(NamedTuple):
+    visible: int                # GPUs this process may use
+    memory: int | None          # bytes of the smallest (None: not known without CUDA)
+
+
+class Layout(NamedTuple):
+    data_parallel: int
+    tensor_parallel: int
+    why: str                    # what decided them, for the summary
+
+
+def visible_gpus() -> GPUs:
+    """The GPUs CUDA would show this process (CUDA_VISIBLE_DEVICES applied), without starting CUDA."""
+    total, memory = _nvml()
+    if total is None:
+        folder = Path("/proc/driver/nvidia/gpus")
+        total = len(list(folder.iterdir())) if folder.is_dir() else 0
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if seen is not None:
+        names = []
+        for name in seen.split(","):
+            name = name.strip()
+            if not name or name.startswith("-"):      # CUDA stops at the first entry it cannot use
+                break
+            names.append(name)
+        total = min(total, len(names))
+    return GPUs(total, memory if total else None)
+
+
+def _nvml() -> tuple[int | None, int | None]:
+    """(GPUs, the smallest one's memory) from NVML, or (None, None) where it is missing."""
+    try:
+        import pynvml
+    except ImportError:
+        return None, None
+    try:
+        pynvml.nvmlInit()
+        try:
+            n = pynvml.nvmlDeviceGetCount()
+            mem = [int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(k)).total) for k in range(n)]
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001  pynvml's own error types (no driver, no GPU): as if it were missing
+        return None, None
+    return n, min(mem) if mem else None
+
+
+def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
+    """The model's weights in memory: every linear layer (every expert), embeddings and LM head."""
+    h = cfg.hidden_size
+    attention = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim * h
+    sparse = sum(cfg.sparse_layers)
+    mlp = (cfg.num_layers - sparse) * 3 * h * cfg.intermediate_size + \
+        sparse * (cfg.num_experts * 3 * h * cfg.moe_intermediate_size + h * cfg.num_experts)
+    embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    return (cfg.num_layers * attention + mlp + embeddings) * DTYPE_BYTES.get(dtype, 2)
+
+
+def check_count(flag: str, wanted: int | str) -> None:
+    """A --data-parallel / --tensor-parallel value: a whole number, at least 1, or auto."""
+    wanted = str(wanted)
+    if wanted != "auto" and not (wanted.isdigit() and int(wanted) >= 1):
+        what = "a number of workers" if flag == "--data-parallel" else "a number of devices"
+        raise UserError(f"{flag} {wanted}: use {what} (at least 1) or auto")
+
+
+def layout(spec: EngineSpec, cfg: ModelConfig, gpus: GPUs | None = None) -> Layout:
+    """The run's data- and tensor-parallel sizes (`spec`'s, with auto decided) and why."""
+    dp, tp = str(spec.data_parallel), str(spec.tensor_parallel)
+    check_count("--data-parallel", dp)
+    check_count("--tensor-parallel", tp)
+    gpus = gpus if gpus is not None else visible_gpus()
+    cuda = spec.device == "cuda" or (spec.device == "auto" and gpus.visible > 0)
+    if not cuda:
+        auto = [flag for flag, v in (("--data-parallel", dp), ("--tensor-parallel", tp)) if v == "auto"]
+        return Layout(1 if dp == "auto" else int(dp), 1 if tp == "auto" else int(tp),
+                      f"{' and '.join(auto)} auto: 1 on CPU" if auto else "asked for")
+    if spec.ray_address is not None:
+        from lmbatch.engine.cluster import cluster_gpus
+        gpus = GPUs(cluster_gpus(spec.ray_address), None)
+    why = []
+    if tp == "auto":
+        t, why_tp = _tensor_parallel(cfg, spec.dtype or "bfloat16", gpus)
+        why.append(why_tp)
+    else:
+        t = int(tp)
+    if dp == "auto":
+        n = max(1, gpus.visible // t)
+        why.append(f"{n} worker{'s' if n > 1 else ''}: {gpus.visible} GPU{'s' if gpus.visible != 1 else ''} visible"
+                   + (f", {t} a model" if t > 1 else ""))
+    else:
+        n = int(dp)
+        if n * t > gpus.visible:
+            what = f"--data-parallel {dp}" + (f" x --tensor-parallel {t}" if t > 1 else "")
+            raise UserError(f"{what}: {n * t} GPUs needed, {gpus.visible} visible")
+    return Layout(n, t, "; ".join(why) or "asked for")
+
+
+def _tensor_parallel(cfg: ModelConfig, dtype: str, gpus: GPUs) -> tuple[int, str]:
+    """The fewest GPUs a model's weights fit (each its share of FIT_SHARE of a GPU), and why."""
+    size = weight_bytes(cfg, dtype)
+    gib = f"{size / 2**30:.1f} GiB of weights"
+    if gpus.memory is None or size <= FIT_SHARE * gpus.memory:
+        return 1, f"the model fits one GPU ({gib})" if gpus.memory else "one GPU a model"
+    t = 2
+    while t <= gpus.visible:
+        if cfg.num_heads % t == 0 and cfg.num_kv_heads % t == 0 and size / t <= FIT_SHARE * gpus.memory:
+            return t, f"{gib} split over {t} GPUs"
+        t *= 2
+    raise UserError(f"the model ({gib}) does not fit the {gpus.visible} visible GPUs of {gpus.memory / 2**30:.0f} GiB "
+                    "(--tensor-parallel N splits it; --dtype, a smaller model)")
+
+
+def resolved(spec: EngineSpec, cfg: ModelConfig) -> tuple[EngineSpec, str]:
+    """`spec` with its data- and tensor-parallel sizes decided (and, for several GPUs, the device
+    named), and why."""
+    lay = layout(spec, cfg)
+    device = spec.device
+    if device == "auto" and lay.data_parallel * lay.tensor_parallel > 1 and visible_gpus().visible:
+        device = "cuda"
+    return replace(spec, device=device, data_parallel=lay.data_parallel, tensor_parallel=lay.tensor_parallel), lay.why

@@ -1,0 +1,76 @@
+"""How many devices a run uses (engine/devices.py), decided without torch: the GPUs CUDA would show
+(CUDA_VISIBLE_DEVICES applied), the model's weights against their memory, and auto's choices."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmbatch.engine import devices
+from lmbatch.engine.devices import GPUs, layout, visible_gpus, weight_bytes
+from lmbatch.engine.options import EngineSpec
+from lmbatch.errors import UserError
+from lmbatch.model.config import ModelConfig
+
+PRESETS = Path(__file__).resolve().parents[2] / "presets"
+GIB = 1 << 30
+
+
+def _cfg(preset: str) -> ModelConfig:
+    return ModelConfig.from_dir(PRESETS / preset)
+
+
+def test_weights_are_the_models_parameters():
+    """Qwen2.5-1.5B has 1.54B parameters (tied embeddings), Llama-3.1-8B 8.03B, Llama-3.1-70B 70.6B."""
+    for preset, params in (("qwen2.5-1.5b", 1.54e9), ("llama-3.1-8b", 8.03e9), ("llama-3.1-70b", 70.6e9)):
+        assert weight_bytes(_cfg(preset), "bfloat16") == pytest.approx(2 * params, rel=0.01), preset
+    assert weight_bytes(_cfg("qwen2.5-1.5b"), "float32") == 2 * weight_bytes(_cfg("qwen2.5-1.5b"), "bfloat16")
+
+
+@pytest.mark.parametrize("preset, gpus, want", [
+    ("qwen3-8b", GPUs(4, 80 * GIB), (4, 1)),            # fits one GPU: a worker on each
+    ("qwen3-8b", GPUs(1, 80 * GIB), (1, 1)),
+    ("llama-3.1-70b", GPUs(4, 80 * GIB), (1, 4)),       # 141 GB of weights: four H100s hold one copy
+    ("llama-3.1-70b", GPUs(4, 141 * GIB), (2, 2)),      # two H200s hold one: two workers
+    ("llama-3.1-70b", GPUs(8, 80 * GIB), (2, 4)),
+    ("qwen3-8b", GPUs(4, None), (4, 1)),                # memory not known: one GPU a model
+])
+def test_auto_takes_every_gpu_and_splits_what_does_not_fit(preset, gpus, want):
+    spec = EngineSpec(str(PRESETS / preset), "auto", data_parallel="auto", tensor_parallel="auto")
+    got = layout(spec, _cfg(preset), gpus)
+    assert (got.data_parallel, got.tensor_parallel) == want
+    assert got.why.endswith(f"{gpus.visible} GPUs visible" + (f", {want[1]} a model" if want[1] > 1 else "")) \
+        or got.why.endswith(f"{gpus.visible} GPU visible")
+
+
+def test_auto_on_cpu_and_what_is_asked_for():
+    cfg = _cfg("qwen3-8b")
+    spec = EngineSpec("m", "auto", data_parallel="auto", tensor_parallel="auto")
+    assert layout(spec, cfg, GPUs(0, None)) == (1, 1, "--data-parallel and --tensor-parallel auto: 1 on CPU")
+    assert layout(EngineSpec("m", "cpu", data_parallel=2, tensor_parallel=2), cfg, GPUs(4, 80 * GIB)) == \
+        (2, 2, "asked for")
+    assert layout(EngineSpec("m", "cuda", data_parallel="2", tensor_parallel=2), cfg, GPUs(4, 80 * GIB))[:2] == (2, 2)
+    assert layout(EngineSpec("m", "cuda", data_parallel="auto", tensor_parallel=2), cfg, GPUs(4, 80 * GIB))[:2] == \
+        (2, 2)
+
+
+def test_what_cannot_be_placed_is_one_line():
+    cfg = _cfg("qwen3-8b")
+    with pytest.raises(UserError, match=r"^--data-parallel 4 x --tensor-parallel 2: 8 GPUs needed, 4 visible$"):
+        layout(EngineSpec("m", "cuda", data_parallel=4, tensor_parallel=2), cfg, GPUs(4, 80 * GIB))
+    with pytest.raises(UserError, match=r"^the model \(131\.\d GiB of weights\) does not fit the 2 visible GPUs "):
+        layout(EngineSpec("m", "cuda", data_parallel="auto", tensor_parallel="auto"), _cfg("llama-3.1-70b"),
+               GPUs(2, 40 * GIB))
+    for flag, value in (("--data-parallel", "0"), ("--tensor-parallel", "many"), ("--data-parallel", "-1")):
+        with pytest.raises(UserError, match=f"^{flag} {value}: use a number of "):
+            devices.check_count(flag, value)
+
+
+def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
+    monkeypatch.setattr(devices, "_nvml", lambda: (4, 80 * GIB))
+    for seen, want in (("1,3", 2), ("", 0), ("0,-1,2", 1), ("0,1,2,3,4,5", 4), (None, 4)):
+        if seen is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", seen)
+        assert visible_gpus() == GPUs(want, 80 * GIB if want else None), seen
