@@ -3,16 +3,17 @@ with one engine and with 2 or 4 data-parallel workers, each run a fresh process 
 from spawn to exit, side by side in one call, with the run's own phases (`summary.json` `time_s`) and
 each worker's busy and idle seconds (`data_parallel.workers_load`).
 
-    python benchmarks/bench_multi_gpu.py --tokenizer TOK --out $OUT --jobs mmlu-8b,mmlu-1.5b --workers 1,2,4
+    python benchmarks/bench_multi_gpu.py --tokenizer TOK --out $OUT --jobs mmlu-8b,mmlu-1.5b,olmes-1.5b:1/4
     # TOK: a tokenizer folder (the embedded SmolLM2's files); random bf16 weights of presets/qwen2.5-1.5b
     # (1.5b) and qwen3-8b (8b) written by bench_fixed_costs.write_random_checkpoint; writes $OUT/multi.jsonl,
     # a line per run as it ends (a call cut short keeps what it measured)
 
 Jobs: mmlu (full, 5-shot), olmes (the suite), tot (tot-gsm8k, all 1,319), small (mmlu --limit 5: what a
 job too small for several GPUs pays), lmeval (lm-eval's gsm8k through `lmbatch lm-eval`, generate_until,
-needs lm-eval), each as JOB-SIZE. Before a job's runs, a run of one MMLU question compiles the kernels for
-the model's shape, and the job's workload is put into the workload cache (a dry run), as a repeated
-evaluation finds both; then `--repeat` rounds of every worker count, alternating.
+needs lm-eval), each as JOB-SIZE[:W/W...] (its worker counts, else --workers). Before a job's runs, a run
+of one MMLU question compiles the kernels for the model's shape, and the job's workload is put into the
+workload cache (a dry run), as a repeated evaluation finds both; then `--repeat` rounds of every worker
+count, alternating.
 """
 from __future__ import annotations
 
@@ -88,7 +89,10 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for job in args.jobs.split(","):
+    counts: dict[str, list[str]] = {}
+    for spec in args.jobs.split(","):
+        job, _, given = spec.partition(":")
+        counts[job] = given.split("/") if given else args.workers.split(",")
         size = job.split("-")[1]
         model = write_random_checkpoint(PRESETS[size], Path(args.models) / PRESETS[size], Path(args.tokenizer))
         # kernels compiled for the model's shape (Triton's cache), as a machine that ran it before has them
@@ -99,16 +103,16 @@ def main() -> None:
             dry = lmbatch(name, model, out / "runs", f"{job}-dry", [*extra, "--dry-run"], shots)
             timed(dry, out / f"{job}-dry.log")
         for k in range(args.repeat):
-            for workers in args.workers.split(","):
+            for workers in counts[job]:
                 try:
                     rows.append((run_lm_eval if job.startswith("lmeval") else run_job)(args, job, model, workers, k))
-                except SystemExit as e:         # a failed run: say so, go on with the others
+                except (SystemExit, Exception) as e:    # a failed run: say so, go on with the others
                     print(f"FAILED {job} dp{workers}: {str(e)[-2000:]}", flush=True)
     print("\n| job | workers | wall s (median) | execute s | wall / one engine's | busy |")
     print("|---|---|---:|---:|---:|---|")
     for job in dict.fromkeys(r["job"] for r in rows):
         base = None
-        for workers in args.workers.split(","):
+        for workers in counts[job]:
             mine = [r for r in rows if r["job"] == job and r["workers"] == workers]
             if not mine:
                 continue

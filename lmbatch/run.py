@@ -27,6 +27,8 @@ from lmbatch.progress import TokenProgress
 from lmbatch.rundir import RunDir, for_run
 from lmbatch.timing import Phases
 
+PARALLEL_PART_S = 2.0       # seconds between parts at most, where workers run the model
+
 
 def run(o: RunOptions) -> Path | dict[str, Any]:
     """Run a task; returns its run directory, or with `dry_run` the plan's figures."""
@@ -130,9 +132,12 @@ def execute(o: RunOptions, w: Workload, interp: Any, engine: Any, rundir: RunDir
     work, and at once when a stop is asked for (then the run raises Interrupted)."""
     parts = PartWriter(w, rundir, interp.tally, o.save_token_ids)
     progress = TokenProgress("execute", disable=o.quiet)
+    # workers' results come to this process as they finish: a part written meanwhile costs their GPUs nothing,
+    # and what is left to write when the last ends is small
+    every = o.checkpoint_s if engine.data_parallel == 1 else min(o.checkpoint_s, PARALLEL_PART_S)
     stop.executing = True
     try:
-        for finished in interp.stream(engine, handover_due=Every(o.checkpoint_s, stop), progress=progress):
+        for finished in interp.stream(engine, handover_due=Every(every, stop), progress=progress):
             parts.write(finished)
             if stop.asked:
                 raise Interrupted(stop.kept())

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from lmbatch.options import RunOptions
     from lmbatch.rundir import Merged
 
-MODEL_SIDE = ("imports", "cuda_init", "weights", "compile", "graphs", "tokenizer", "workers")
+MODEL_SIDE = ("spawn", "imports", "cuda_init", "weights", "compile", "graphs", "tokenizer", "workers")
 
 
 def _git_commit() -> str | None:

@@ -30,7 +30,7 @@ from typing import Hashable, Iterable, NamedTuple, Sequence
 import numpy as np
 
 from lmbatch.requests import optimal_hit_rate
-from lmbatch.scheduler.planner import sorted_lcps, summarize_sorted
+from lmbatch.scheduler.planner import sorted_lcps, sub_lcps, summarize_sorted
 
 WINDOW = 1.0        # a cut may move up to this share of a part's target to find a shallower boundary
 FALLING = 0.75      # each chunk of a worker's share is this much the size of the one before it
@@ -61,7 +61,7 @@ class Chunking:
         if not picked:
             return 0
         ranks = np.sort(np.concatenate(picked))
-        return int((self.lens[ranks] - _sub_lcps(self.lcps, ranks)).sum())
+        return int((self.lens[ranks] - sub_lcps(self.lcps, ranks)).sum())
 
 
 class Partition(NamedTuple):
@@ -186,21 +186,12 @@ def _chunks(shares: list[tuple[int, list[int], bool]], members: list[list[int]],
         if not us:
             continue
         r = np.sort(rank[np.asarray([i for u in us for i in members[u]], dtype=np.int64)])
-        chunks.append(Chunk(order_a[r].tolist(), _sub_lcps(lcps, r).tolist(), sum(cost[u] for u in us), worker,
+        chunks.append(Chunk(order_a[r].tolist(), sub_lcps(lcps, r).tolist(), sum(cost[u] for u in us), worker,
                             pinned))
         ranks.append(r)
     whole = summarize_sorted(batch.prompts, order, lcps, batch.mergeable, lengths=batch.lengths)
     return Chunking(chunks, whole.unique_tokens, whole.prompt_tokens, ranks, batch.lens(order),
                     np.asarray(lcps, dtype=np.int64))
-
-
-def _sub_lcps(lcps: np.ndarray, ranks: np.ndarray) -> np.ndarray:
-    """Adjacent common prefixes of the sorted prompts at `ranks` (ascending) of the whole sorted
-    order: two sorted prompts share the least of the adjacent common prefixes between them."""
-    out = np.zeros(len(ranks), dtype=np.int64)
-    if len(ranks) > 1:
-        out[1:] = np.minimum.reduceat(lcps[:ranks[-1] + 1], ranks[:-1] + 1)
-    return out
 
 
 def _cuts(cost: list[float], boundary: list[int], base: list[float]) -> list[tuple[int, int]]:

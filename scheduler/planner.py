@@ -90,6 +90,16 @@ def sorted_lcps(prompts: Sequence[Sequence[int]]) -> tuple[list[int], np.ndarray
     return order, lcps
 
 
+def sub_lcps(lcps: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """Adjacent common prefixes of the sorted prompts at `ranks` (ascending) of a whole sorted order
+    whose adjacent common prefixes are `lcps`: two sorted prompts share the least of the adjacent
+    common prefixes between them (the first at `ranks` gets 0)."""
+    out = np.zeros(len(ranks), dtype=np.int64)
+    if len(ranks) > 1:
+        out[1:] = np.minimum.reduceat(lcps[:ranks[-1] + 1], ranks[:-1] + 1)
+    return out
+
+
 def _adjacent_lcps(seqs: list[Sequence[int]]) -> np.ndarray:
     """For each sequence, its longest common prefix with the one before it (0 for the first)."""
     n = len(seqs)

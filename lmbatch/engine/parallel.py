@@ -123,8 +123,9 @@ class ParallelEngine:
 
     @property
     def seconds(self) -> dict[str, float]:
-        """The slowest worker's start, by step."""
-        return max((r.seconds for r in self.ready), key=lambda s: sum(s.values()))
+        """The slowest worker's start, by step ("spawn": its interpreter and lmbatch's modules)."""
+        slowest = max((r.seconds for r in self.ready), key=lambda s: sum(s.values()))
+        return {("spawn" if k == "startup" else k): v for k, v in slowest.items()}
 
     @property
     def device(self) -> torch.device:
@@ -203,11 +204,12 @@ class ParallelEngine:
         for k, chunks in enumerate(dispatch.start()):
             self._send(k, chunks, requests, cut, (schedule, seed))
         for got in self._reports(gather, dispatch, requests, cut, (schedule, seed)):
-            final += got
-            if handover_due is not None and handover_due():
+            final += got        # handed over as they come (the caller works while the workers do)
+            due = handover_due is not None and handover_due()
+            if final or due:
                 for i in final:
                     handed[i] = 1
-                yield Handover(final, gather.results, gather.stats, False)
+                yield Handover(final, gather.results, gather.stats, False, due)
                 final = []
         self.running = False
         gather.stats.plan_s, gather.stats.execute_s = t1 - t0, time.perf_counter() - t1
@@ -245,8 +247,8 @@ class ParallelEngine:
 
     def _reports(self, gather: _Gather, dispatch: _Dispatch, requests: Sequence[Request], cut: Chunking,
                  how: tuple[str, int]) -> Iterator[list[int]]:
-        """The requests each worker report makes final (a `Part`), until every chunk is `Done`, each
-        worker given its next chunk as one ends; any worker's error or exit raises."""
+        """The requests each worker report makes final (a `Part`, a `Done`), until every chunk is done,
+        each worker given its next chunk as one ends; any worker's error or exit raises."""
         watch = list(self.other_ranks) + [p.sentinel for p in self.procs]
         while busy := dispatch.busy():
             ready = wait([self.conns[k] for k in busy] + watch)
@@ -258,9 +260,9 @@ class ParallelEngine:
                 if isinstance(msg, Part):
                     yield gather.part(msg)
                 elif isinstance(msg, Done):
-                    gather.done(k, msg)
                     dispatch.done(k, msg.chunk)
-                    self._send(k, dispatch.take(k), requests, cut, how)
+                    self._send(k, dispatch.take(k), requests, cut, how)     # its next, before this one's results
+                    yield gather.done(k, msg)
                 else:
                     self._failed(self.conns[k], msg)
             for who in [w for w in watch if w in ready]:
@@ -431,16 +433,19 @@ class _Gather:
             self.progress(final[-1], self.stats)
         return final
 
-    def done(self, k: int, msg: Done) -> None:
-        """Worker k ran chunk `msg.chunk` to its end: the rest of its results and its counters."""
+    def done(self, k: int, msg: Done) -> list[int]:
+        """Worker k ran chunk `msg.chunk` to its end: the rest of its results (final now) and its counters."""
         c, st = msg.chunk, msg.stats
         idx = self.cut.chunks[c].requests
         pairs = [(i, msg.results[i]) for i in range(len(idx)) if not self.merged[idx[i]]]
         members = {j: st.members[j] for j in st.order if idx[j] not in self.stats.members}
-        self._merge(c, pairs, members)
+        final = self._merge(c, pairs, members)
+        for g in final:
+            self.merged[g] = 1
         self._count(c, counts(st))
         self.stats.add_engine_counts(st)
         self.ran[k].append(c)
         self.busy[k] += msg.busy_s
         if self.progress is not None and idx:
             self.progress(idx[-1], self.stats)
+        return final

@@ -3,8 +3,9 @@ process) or `ParallelEngine` (engines in worker processes). Both implement `Batc
 
 A batch's results stream back as `Handover`s the caller pulls from `stream`: whenever the caller's
 `handover_due()` says so (between prefill batches and between decode steps) the engine runs what it
-has queued and hands over the requests whose results became final since the last handover; the
-last handover holds the rest. `run` is `stream` drained, for callers that want everything at once.
+has queued and hands over the requests whose results became final since the last handover (an engine
+of worker processes hands them over as they arrive, marking the ones that were due); the last
+handover holds the rest. `run` is `stream` drained, for callers that want everything at once.
 """
 from __future__ import annotations
 
@@ -26,11 +27,15 @@ Progress = Callable[[int, RunStats], None]     # (request index, the run's count
 class Handover(NamedTuple):
     """Requests whose results became final since the last handover (each handed over once), every
     result so far (indexed like the requests) and the run's counts so far. The `last` handover holds
-    the requests not handed over before, in execution order, and the run's final counts and timings."""
+    the requests not handed over before, in execution order, and the run's final counts and timings.
+    A handover the caller's `handover_due()` did not ask for (`due` False) comes from an engine to which
+    handing over costs nothing (its workers' results arrive as they finish): the caller may take the
+    results then, and keeps its own pace for what it does at the due ones."""
     final: list[int]
     results: Sequence[Result]
     stats: RunStats
     last: bool
+    due: bool = True
 
 
 def drain(handovers: Iterator[Handover]) -> tuple[list[Result], RunStats]:

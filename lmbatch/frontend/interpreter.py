@@ -9,8 +9,9 @@ tokens of a wave's generation calls capped so that what they leave in the cache 
 their programs' next calls arrive. Score calls (select) always join: they leave nothing behind.
 
 `stream` yields the programs that complete as results come back: the engine hands results over
-whenever the caller's `handover_due()` says so and at the end of every wave; the calls whose results
-are all there are resolved, their programs resumed, and those that completed are yielded.
+whenever the caller's `handover_due()` says so and at the end of every wave (an engine of workers as
+they arrive, too); the calls whose results are all there are resolved, their programs resumed, and
+those that completed are yielded at each handover that was due.
 """
 from __future__ import annotations
 
@@ -263,19 +264,22 @@ class Interpreter:
         for p in wave:
             rank.setdefault(p.owner.index, len(rank))
         self._wave = _Wave(requests, owner, first, waiting, rank, bytearray(len(requests)))
-        self.tally.start_wave(owner)
+        self.tally.start_wave(owner, None if plan is None or len(plan.dfs) != len(requests) else
+                              (plan.dfs, plan.lcps, [r.prompt_len for r in requests]))
         for h in engine.stream(requests, schedule=self.schedule, seed=self.seed + self.waves, plan=plan,
                                progress=progress, handover_due=handover_due,
                                groups=[p.owner.index for p in owner]):
             if h.last:
                 self.tally.end_wave(h.stats)
-            yield self._receive(h)
+            self._receive(h)
+            if h.due or h.last:     # a handover not due: its programs wait for the next that is
+                yield self._take_completed()
         self._wave = None
         self.waves += 1
 
-    def _receive(self, h: Handover) -> list[ProgramRun]:
+    def _receive(self, h: Handover) -> None:
         """Engine requests `h.final` of the running wave have their results: resolve the calls whose
-        requests all have, resume their programs; the programs that completed."""
+        requests all have, resume their programs (those that complete wait in `_completed`)."""
         w = cast(_Wave, self._wave)
         self.tally.account(w.requests, w.owner, h.results, [k for k in h.final if k in h.stats.members],
                            h.stats.members, self.waves)
@@ -291,4 +295,3 @@ class Interpreter:
         for index in sorted(touched, key=w.rank.__getitem__):
             self._resume(touched[index])
             self._if_complete(touched[index])
-        return self._take_completed()

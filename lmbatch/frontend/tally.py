@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from lmbatch.frontend.calls import EngineRequest
 from lmbatch.frontend.dsl import Gen, Pending, Select
 from lmbatch.requests import GenerateResult, RunStats, ScoreResult, TokenCounts, optimal_hit_rate
-from lmbatch.scheduler.planner import posthoc_unique, summarize
+from lmbatch.scheduler.planner import posthoc_unique, sub_lcps, summarize
 
 
 @dataclass
@@ -40,9 +42,16 @@ class Tally:
         self.task_unique: dict[str, int] = {}
         self._prompt_tasks: list[str] = []                 # the task of each of _prompts
         self._generated_tasks: list[str] = []
+        # the first wave's requests in sorted order with their common prefixes, lengths and tasks, where
+        # its plan was made: each task's tree from them, not from its prompts sorted again
+        self._tree: tuple[Sequence[int], np.ndarray, list[int], list[str]] | None = None
 
-    def start_wave(self, owner: list[Pending]) -> None:
-        """Count a wave's calls (`owner[j]` is the call of its engine request j)."""
+    def start_wave(self, owner: list[Pending],
+                   tree: tuple[Sequence[int], np.ndarray, list[int]] | None = None) -> None:
+        """Count a wave's calls (`owner[j]` is the call of its engine request j). `tree`: the first wave's
+        requests' sorted order and common prefixes (its plan's) and their prompts' lengths."""
+        if tree is not None and not self.waves:
+            self._tree = (*tree, [p.owner.instance.task for p in owner])
         for p in dict.fromkeys(owner):
             self.stages.setdefault(p.stage, StageCounts()).calls += 1
         self._first = {}
@@ -108,8 +117,22 @@ class Tally:
         if len(self.tasks) == 1:
             self.task_unique = {task: self.stats.unique_tokens for task in self.tasks}
             return
+        if len(self.waves) == 1 and not self._generated and self._tree is not None:
+            self._tasks_from_tree(*self._tree)
+            return
         for task in self.tasks:
             prompts = [q for q, t in zip(self._prompts, self._prompt_tasks) if t == task]
             generated = [g for g, t in zip(self._generated, self._generated_tasks) if t == task]
             self.task_unique[task] = posthoc_unique(prompts, generated) if generated else \
                 summarize(prompts).unique_tokens
+
+    def _tasks_from_tree(self, order: Sequence[int], lcps: np.ndarray, lens: list[int], tasks: list[str]) -> None:
+        """Each task's tree, from the one wave's sorted order: its requests' places in it and the least
+        common prefix between each two of them (nothing sorted again)."""
+        names = sorted(set(tasks))
+        at = np.asarray(order, dtype=np.int64)
+        code = np.searchsorted(np.asarray(names, dtype=object), np.asarray(tasks, dtype=object))[at]
+        length = np.asarray(lens, dtype=np.int64)[at]
+        for k, task in enumerate(names):
+            ranks = np.flatnonzero(code == k)
+            self.task_unique[task] = int((length[ranks] - sub_lcps(lcps, ranks)).sum())

@@ -29,7 +29,7 @@ def two_gpus():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_data_parallel_run_on_two_gpus(tmp_path, dtype):
-    model = make_tiny_with_tokenizer(tmp_path / "tiny", 2048)
+    model = make_tiny_with_tokenizer(tmp_path / "tiny", 16384)
     rows = {}
     for dp in ("1", "2"):
         d = run(RunOptions(task="mmlu", shots=2, limit=3, model=str(model), out=tmp_path, run_id=f"dp{dp}",
@@ -46,7 +46,7 @@ def test_auto_takes_every_gpu(tmp_path):
     """The default (`--data-parallel auto`) on a machine of several GPUs: a worker on each, every one given
     chunks, and the predictions of one engine (float32)."""
     n = torch.cuda.device_count()
-    model = make_tiny_with_tokenizer(tmp_path / "tiny", 2048)
+    model = make_tiny_with_tokenizer(tmp_path / "tiny", 16384)
     kw = dict(task="mmlu", shots=2, limit=2, model=str(model), out=tmp_path, device="cuda", dtype="float32",
               quiet=True)
     one = run(RunOptions(**kw, run_id="one", data_parallel="1"))
