@@ -35,10 +35,11 @@ class ModelLoader:
     its pool grown (the engine built again) if the longest request needs more; leaving the `with`
     block ends the engine (data-parallel workers end with the run)."""
 
-    def __init__(self, spec: EngineSpec, tokenizer: Any, user_pool: bool):
+    def __init__(self, spec: EngineSpec, tokenizer: Any, user_pool: bool, work: float | None = None):
         """`tokenizer`: the engine's (a LazyTokenizer: made only if it decodes); `user_pool`: the user set
-        the pool's size (too small is an error, not grown)."""
-        self.spec, self.tokenizer, self.user_pool = spec, tokenizer, user_pool
+        the pool's size (too small is an error, not grown); `work`: the job's model FLOPs where known
+        (`devices.layout`: a small job runs on one engine)."""
+        self.spec, self.tokenizer, self.user_pool, self.work = spec, tokenizer, user_pool, work
         self.loaded: Loaded | None = None
         self.error: BaseException | None = None
         # set once torch and the model's code are imported: the step that most needs the interpreter lock
@@ -113,7 +114,7 @@ class ModelLoader:
 
         clock = Phases(since_start=False)
         cfg = ModelConfig.from_dir(self.spec.model_dir)
-        spec, layout = resolved(self.spec, cfg)
+        spec, layout = resolved(self.spec, cfg, self.work)
         if several(spec):
             self.imported.set()         # this process imports no torch: its workers do
             workers = make_parallel(spec, clock)

@@ -116,7 +116,9 @@ def cache_options(o: RunOptions, w: Workload, model: ModelFiles) -> dict[str, An
 
 class Preparation:
     """Where this run's workload comes from (see the module's docstring). Start it before any thread
-    (a forked child must not inherit one); `close` ends a child still at work."""
+    (a forked child must not inherit one); `close` ends a child still at work. A cached workload is read
+    when first asked for (`snapshot`), so that the model's loading can start first; its dry-run figures
+    are in the entry's header (`figures`)."""
 
     def __init__(self, o: RunOptions, w: Workload, model: ModelFiles, clock: Phases, fork: bool):
         self.o, self.w, self.model, self.clock = o, w, model, clock
@@ -129,11 +131,16 @@ class Preparation:
             with clock("data"):
                 self.path = workload_cache.path_of(workload_cache.key(cache_options(o, w, model), w.data_files(),
                                                                       model.dir))
-                self.snap = workload_cache.load(self.path)
-            self.source = "cache" if self.snap is not None else "here"
-        if self.snap is None and fork and w.data_files is not None and hasattr(os, "fork"):
+            if self.path.is_file():
+                self.source = "cache"
+        if self.source != "cache" and fork and w.data_files is not None and hasattr(os, "fork"):
             self.child = _Child(self._in_child)
             self.source = "child"
+
+    def figures(self) -> dict[str, Any] | None:
+        """The workload's dry-run figures where the cache holds it (from its entry's header), else None."""
+        note = workload_cache.read_note(self.path) if self.source == "cache" and self.path is not None else None
+        return note.get("figures") if isinstance(note, dict) else None
 
     def _in_child(self) -> dict[str, Any]:
         clock = Phases()
@@ -148,7 +155,12 @@ class Preparation:
         return {"phases": {k: clock.seconds.get(k, 0.0) for k in ("data", "tokenize", "plan")}, "path": str(dest)}
 
     def snapshot(self) -> Snapshot:
-        """The workload, once prepared (waiting for the child, if one prepares it)."""
+        """The workload, once prepared (read from the cache, or waited for from the child preparing it)."""
+        if self.snap is None and self.source == "cache" and self.path is not None:
+            with self.clock("data"):
+                self.snap = workload_cache.load(self.path)
+            if self.snap is None:       # gone, or unreadable (said): prepared here
+                self.source = "here"
         if self.snap is None and self.child is not None:
             child, self.child = self.child, None
             self.snap = child.result(self.path, self.clock)

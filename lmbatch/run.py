@@ -61,7 +61,7 @@ def run_in(o: RunOptions, w: Workload, model: ModelFiles, rundir: RunDir, stop: 
     prep = Preparation(o, w, model, clock, fork=True)       # before the model's thread: it may fork
     spec = engine_spec(o, model.dir, w.generates)
     try:
-        with ModelLoader(spec, model.encoder.hf_source, o.kv_cache_tokens is not None) as loader:
+        with ModelLoader(spec, model.encoder.hf_source, o.kv_cache_tokens is not None, model_work(w, prep)) as loader:
             say(f"{w.name}: " + ("reading the cached workload" if prep.source == "cache" else
                                  "loading, tokenizing and planning the instances") + ", the model loading meanwhile")
             if prep.source == "cache":      # seconds of imports on the model's thread go first: with this
@@ -91,6 +91,16 @@ def run_in(o: RunOptions, w: Workload, model: ModelFiles, rundir: RunDir, stop: 
     if not o.quiet:
         print(f"{summary.closing_line(result)}  -> {rundir.path}", file=sys.stderr)
     return rundir.path
+
+
+def model_work(w: Workload, prep: Preparation) -> float | None:
+    """FLOPs of the model's work where they are known before it starts: a cached workload that only scores
+    (its first stage is all of it). None otherwise."""
+    figures = prep.figures()
+    if figures is None or w.generates:
+        return None
+    return summary.estimate_flops(prep.model.shape, figures["unique_tokens"], figures["attended_keys"],
+                                  figures["logit_rows"])
 
 
 def open_model(o: RunOptions) -> ModelFiles:

@@ -141,7 +141,7 @@ def store(path: Path, snap: Snapshot, temporary: bool = False) -> bool:
     """Write the entry (to a temporary name, then renamed: a reader sees a whole file or none); keep the
     KEEP most recent. A cache that cannot be written is said and left alone: False. A `temporary` file
     (not in the cache) is only written."""
-    return write_entry(path, _encode(snap), temporary)
+    return write_entry(path, _encode(snap), temporary, note={"figures": snap.figures})
 
 
 def load(path: Path) -> Snapshot | None:
@@ -187,13 +187,14 @@ def load_scores(path: Path) -> tuple[list[ScoreRequest], Plan | None] | None:
 
 
 def write_entry(path: Path, obj: dict[str, Any], temporary: bool = False, keep: int = KEEP,
-                cache: str = "workload", keeps: str = "prepared workloads") -> bool:
-    """`obj` pickled under a header (format, payload size and SHA-256), to a temporary name, then renamed: a
-    reader sees a whole file or none. The `keep` most recent entries of its folder stay. A folder that
-    cannot be written is said (naming the `cache` and what it `keeps`) and left alone: False. A `temporary` file (not in
-    a cache) is only written."""
+                cache: str = "workload", keeps: str = "prepared workloads", note: Any = None) -> bool:
+    """`obj` pickled under a header (format, payload size and SHA-256, and `note`: what `read_note` gives
+    without reading the rest), to a temporary name, then renamed: a reader sees a whole file or none. The
+    `keep` most recent entries of its folder stay. A folder that cannot be written is said (naming the
+    `cache` and what it `keeps`) and left alone: False. A `temporary` file (not in a cache) is only written."""
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    header = json.dumps({"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+    header = json.dumps({"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
+                         "note": note}).encode()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -215,6 +216,18 @@ def write_entry(path: Path, obj: dict[str, Any], temporary: bool = False, keep: 
             print(f"lmbatch: the {cache} cache {path.parent} is not writable ({e.strerror or e}); set "
                   f"LMBATCH_CACHE to a writable folder to keep {keeps}", file=sys.stderr)
         return False
+
+
+def read_note(path: Path) -> Any:
+    """The note an entry's header holds (None: no entry, or none there), its payload not read or checked."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(12)
+            if head[:8] != FORMAT:
+                return None
+            return json.loads(fh.read(int.from_bytes(head[8:12], "little"))).get("note")
+    except (OSError, ValueError):
+        return None
 
 
 def read_entry(path: Path, what: str = "cached workload", again: str = "preparing it again") -> Any:

@@ -4,8 +4,8 @@ entries), and `--data-parallel auto` / `--tensor-parallel auto` from them and th
 
 - tensor parallel, auto: 1 where the model's weights fit one GPU with room for its KV cache, else the
   fewest GPUs (a power of two dividing its heads) whose share fits;
-- data parallel, auto: every visible GPU over that (on a Ray cluster, every GPU of the cluster); on
-  CPU 1. A batch too small to fill them runs on fewer (engine/parallel.py).
+- data parallel, auto: every visible GPU over that (on a Ray cluster, every GPU of the cluster), but one
+  engine for a job whose model work is known to be small (a cached scoring workload's figures); on CPU 1.
 """
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from lmbatch.model.config import ModelConfig
 
 FIT_SHARE = 0.6     # the weights may take this share of a GPU's memory: the rest holds KV cache and activations
+# a job of less model work than this (about 3 s of one GPU at 400 TFLOP/s) runs on one engine: its workers
+# would start later than one engine does here (~1.3 s on 4 H100s, 2026-11-27) for less than they could save
+SMALL_JOB_FLOPS = 1.2e15
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -90,8 +93,9 @@ def check_count(flag: str, wanted: int | str) -> None:
         raise UserError(f"{flag} {wanted}: use {what} (at least 1) or auto")
 
 
-def layout(spec: EngineSpec, cfg: ModelConfig, gpus: GPUs | None = None) -> Layout:
-    """The run's data- and tensor-parallel sizes (`spec`'s, with auto decided) and why."""
+def layout(spec: EngineSpec, cfg: ModelConfig, gpus: GPUs | None = None, work: float | None = None) -> Layout:
+    """The run's data- and tensor-parallel sizes (`spec`'s, with auto decided) and why (`work`: the job's
+    model FLOPs, where known)."""
     dp, tp = str(spec.data_parallel), str(spec.tensor_parallel)
     check_count("--data-parallel", dp)
     check_count("--tensor-parallel", tp)
@@ -110,7 +114,10 @@ def layout(spec: EngineSpec, cfg: ModelConfig, gpus: GPUs | None = None) -> Layo
         why.append(why_tp)
     else:
         t = int(tp)
-    if dp == "auto":
+    if dp == "auto" and work is not None and work < SMALL_JOB_FLOPS and gpus.visible // t > 1:
+        n = 1
+        why.append(f"1 worker: a small job ({work / 1e12:.0f} TFLOP of model work)")
+    elif dp == "auto":
         n = max(1, gpus.visible // t)
         why.append(f"{n} worker{'s' if n > 1 else ''}: {gpus.visible} GPU{'s' if gpus.visible != 1 else ''} visible"
                    + (f", {t} a model" if t > 1 else ""))
@@ -137,10 +144,10 @@ def _tensor_parallel(cfg: ModelConfig, dtype: str, gpus: GPUs) -> tuple[int, str
                     "(--tensor-parallel N splits it; --dtype, a smaller model)")
 
 
-def resolved(spec: EngineSpec, cfg: ModelConfig) -> tuple[EngineSpec, str]:
+def resolved(spec: EngineSpec, cfg: ModelConfig, work: float | None = None) -> tuple[EngineSpec, str]:
     """`spec` with its data- and tensor-parallel sizes decided (and, for several GPUs, the device
-    named), and why."""
-    lay = layout(spec, cfg)
+    named), and why (`work`: as `layout`)."""
+    lay = layout(spec, cfg, work=work)
     device = spec.device
     if device == "auto" and lay.data_parallel * lay.tensor_parallel > 1 and visible_gpus().visible:
         device = "cuda"

@@ -20,6 +20,8 @@ and it is the parent that stops a run (`close` ends workers still running).
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -201,9 +203,14 @@ class ParallelEngine:
         self.running = True
         final: list[int] = []
         handed = bytearray(len(requests))
-        for k, chunks in enumerate(dispatch.start()):
-            self._send(k, chunks, requests, cut, (schedule, seed))
-        for got in self._reports(gather, dispatch, requests, cut, (schedule, seed)):
+        reports: queue.Queue[Any] = queue.Queue()
+        threading.Thread(target=self._feed, args=(dispatch, requests, cut, (schedule, seed), reports),
+                         name="lmbatch-dispatch", daemon=True).start()
+        while (report := reports.get()) is not None:
+            if isinstance(report, BaseException):
+                raise report
+            k, msg = report
+            got = gather.part(msg) if isinstance(msg, Part) else gather.done(k, msg)
             final += got        # handed over as they come (the caller works while the workers do)
             due = handover_due is not None and handover_due()
             if final or due:
@@ -245,31 +252,36 @@ class ParallelEngine:
                     pass
                 self._failed(self.conns[k], last)
 
-    def _reports(self, gather: _Gather, dispatch: _Dispatch, requests: Sequence[Request], cut: Chunking,
-                 how: tuple[str, int]) -> Iterator[list[int]]:
-        """The requests each worker report makes final (a `Part`, a `Done`), until every chunk is done,
-        each worker given its next chunk as one ends; any worker's error or exit raises."""
-        watch = list(self.other_ranks) + [p.sentinel for p in self.procs]
-        while busy := dispatch.busy():
-            ready = wait([self.conns[k] for k in busy] + watch)
-            for k in [k for k in sorted(busy) if self.conns[k] in ready]:
-                try:
-                    msg = self.conns[k].recv()
-                except (EOFError, OSError):
-                    msg = None
-                if isinstance(msg, Part):
-                    yield gather.part(msg)
-                elif isinstance(msg, Done):
-                    dispatch.done(k, msg.chunk)
-                    self._send(k, dispatch.take(k), requests, cut, how)     # its next, before this one's results
-                    yield gather.done(k, msg)
-                else:
-                    self._failed(self.conns[k], msg)
-            for who in [w for w in watch if w in ready]:
-                if isinstance(who, Connection):
-                    self._recv(who, type(None))       # only an error comes from there
-                elif not any(self.conns[k].poll() for k in busy):     # exited, its last words read
-                    self._failed(who, None)
+    def _feed(self, dispatch: _Dispatch, requests: Sequence[Request], cut: Chunking, how: tuple[str, int],
+              out: queue.Queue[Any]) -> None:
+        """On a thread of its own, so that no worker waits on what the caller does with results: give each
+        worker its chunks, the next as one ends, and put every (worker, `Part` or `Done`) in `out` as it
+        comes; then None. A worker's error or exit goes in `out` as the exception it raises."""
+        try:
+            for k, chunks in enumerate(dispatch.start()):
+                self._send(k, chunks, requests, cut, how)
+            watch = list(self.other_ranks) + [p.sentinel for p in self.procs]
+            while busy := dispatch.busy():
+                ready = wait([self.conns[k] for k in busy] + watch)
+                for k in [k for k in busy if self.conns[k] in ready]:
+                    try:
+                        msg = self.conns[k].recv()
+                    except (EOFError, OSError):
+                        msg = None
+                    if isinstance(msg, Done):
+                        dispatch.done(k, msg.chunk)
+                        self._send(k, dispatch.take(k), requests, cut, how)
+                    elif not isinstance(msg, Part):
+                        self._failed(self.conns[k], msg)
+                    out.put((k, msg))
+                for who in [w for w in watch if w in ready]:
+                    if isinstance(who, Connection):
+                        self._recv(who, type(None))       # only an error comes from there
+                    elif not any(self.conns[k].poll() for k in busy):     # exited, its last words read
+                        self._failed(who, None)
+            out.put(None)
+        except BaseException as e:  # noqa: BLE001  raised on the caller's thread
+            out.put(e)
 
     def _account(self, requests: Sequence[Request], gather: _Gather, cut: Chunking,
                  groups: Sequence[Hashable] | None, taken: list[int]) -> None:

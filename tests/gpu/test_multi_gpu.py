@@ -42,15 +42,19 @@ def test_data_parallel_run_on_two_gpus(tmp_path, dtype):
     assert same >= len(rows["1"]) - (0 if dtype == "float32" else len(rows["1"]) // 50)
 
 
-def test_auto_takes_every_gpu(tmp_path):
+def test_auto_takes_every_gpu(tmp_path, monkeypatch):
     """The default (`--data-parallel auto`) on a machine of several GPUs: a worker on each, every one given
-    chunks, and the predictions of one engine (float32)."""
+    chunks, and the predictions of one engine (float32); a job known to be small (its cached workload's
+    figures) on one engine."""
+    monkeypatch.setenv("LMBATCH_CACHE", str(tmp_path / "cache"))
     n = torch.cuda.device_count()
     model = make_tiny_with_tokenizer(tmp_path / "tiny", 16384)
     kw = dict(task="mmlu", shots=2, limit=2, model=str(model), out=tmp_path, device="cuda", dtype="float32",
               quiet=True)
+    auto = run(RunOptions(**kw, run_id="auto"))          # nothing cached: the job's size is not known
     one = run(RunOptions(**kw, run_id="one", data_parallel="1"))
-    auto = run(RunOptions(**kw, run_id="auto"))
+    small = json.loads((run(RunOptions(**kw, run_id="small")) / "summary.json").read_text())["data_parallel"]
+    assert small["workers"] == 1 and small["why"].endswith("1 worker: a small job (0 TFLOP of model work)")
     s = json.loads((auto / "summary.json").read_text())
     dp = s["data_parallel"]
     assert (s["options"]["data_parallel"], dp["workers"], dp["tensor_parallel"]) == ("auto", n, 1)

@@ -74,3 +74,15 @@ def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
         else:
             monkeypatch.setenv("CUDA_VISIBLE_DEVICES", seen)
         assert visible_gpus() == GPUs(want, 80 * GIB if want else None), seen
+
+
+def test_a_small_job_runs_on_one_engine():
+    """auto with the job's model work known (a cached scoring workload): one engine under SMALL_JOB_FLOPS,
+    every GPU over it; tensor parallel as the model needs either way."""
+    spec = EngineSpec("m", "auto", data_parallel="auto", tensor_parallel="auto")
+    cfg = _cfg("qwen3-8b")
+    assert layout(spec, cfg, GPUs(4, 80 * GIB), work=1e14) == (1, 1, "the model fits one GPU (15.3 GiB of weights); "
+                                                               "1 worker: a small job (100 TFLOP of model work)")
+    assert layout(spec, cfg, GPUs(4, 80 * GIB), work=devices.SMALL_JOB_FLOPS)[:2] == (4, 1)
+    assert layout(EngineSpec("m", "cuda", data_parallel=4), cfg, GPUs(4, 80 * GIB), work=1e14)[:2] == (4, 1)
+    assert layout(spec, _cfg("llama-3.1-70b"), GPUs(4, 141 * GIB), work=1e14)[:2] == (1, 2)
