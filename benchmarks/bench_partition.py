@@ -18,9 +18,10 @@ import resource
 import time
 import tracemalloc
 
-from lmbatch.engine.parallel import _Gather
+from lmbatch.engine.parallel import CHUNKS, _Gather
+from lmbatch.engine.worker import Part
 from lmbatch.requests import ScoreRequest, ScoreResult, TokenCounts
-from lmbatch.scheduler.partition import partition
+from lmbatch.scheduler.partition import Batch, chunk_batch, partition
 
 
 def workload(programs: int, subjects: int, head: int, seed: int = 0):
@@ -62,12 +63,13 @@ def main() -> None:
         tracemalloc.stop()
         per = [u for u, p in zip(part.part_unique_tokens, part.parts) if p]
         slow = max(per) / (sum(per) / n)
-        # merge: each worker reports its results (here: in one message, as a run's end does)
+        # merge: each chunk's results reported (here: in one message each, as a chunk's end does)
         requests = [ScoreRequest(prompts[i], [1]) for i in range(len(prompts))]
-        gather = _Gather(requests, part.parts, None, None)
+        chunks = chunk_batch(Batch(prompts, groups, flags), n, CHUNKS)
+        gather = _Gather(requests, chunks, None, n)
         t = time.perf_counter()
-        for k, idx in enumerate(part.parts):
-            gather.part(k, [(i, ScoreResult()) for i in range(len(idx))], {}, TokenCounts())
+        for c, ch in enumerate(chunks.chunks):
+            gather.part(Part(c, [(i, ScoreResult()) for i in range(len(ch.requests))], {}, TokenCounts()))
         merge = time.perf_counter() - t
         print(f"| {n} | {cut:.2f} | {peak:.0f} | {slow:.3f} | {part.duplicated_tokens:,} | "
               f"{part.hit_rate:.5f} / {part.optimal_hit_rate:.5f} | {merge:.2f} |", flush=True)

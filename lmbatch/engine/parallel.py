@@ -5,7 +5,9 @@
 plan's own sorted order where a plan was made (nothing is sorted twice), and a chunk crosses as the
 tree's edges (`worker.chunk_message`), which its worker plans as they come. A worker runs its own chunks
 in order, one queued behind the one it runs; a worker with none left takes the last not yet started of
-the worker with the most left (`_Dispatch`), so workers end together. A shared prefix is computed once
+the worker with the most left (`_Dispatch`), so workers end together. Chunks are handed out on a thread
+of their own (`_feed`), and results handed over as they arrive (`Handover.due` False), so that neither
+waits on what the caller does with results. A shared prefix is computed once
 per worker that needs it, not once per request as round-robin dispatch would; requests of one group (a
 multi-stage program's calls) go to one worker, and its later calls to the worker that ran its earlier
 ones, whose cache holds their prefix. The results come back in the order of the requests, as from one
