@@ -113,12 +113,16 @@ def timed(cmd: list[str], log: Path) -> float:
     return wall
 
 
+def cli() -> list[str]:
+    """The `lmbatch` command: its console script beside this Python, else the module."""
+    exe = Path(sys.executable).parent / "lmbatch"
+    return [str(exe)] if exe.is_file() else [sys.executable, "-c", "from lmbatch.cli import main; main()"]
+
+
 def lmbatch(task: str, model: Path, out: Path, run_id: str, extra: list[str], shots: int | None = 5) -> list[str]:
     """The `lmbatch run` command line (`shots` None: no --shots, for tasks whose shots are their own)."""
-    exe = Path(sys.executable).parent / "lmbatch"
-    cli = [str(exe)] if exe.is_file() else [sys.executable, "-c", "from lmbatch.cli import main; main()"]
     given = [] if shots is None else ["--shots", str(shots)]
-    return cli + ["run", task, *given, "--model", str(model), "--out", str(out), "--run-id", run_id,
+    return cli() + ["run", task, *given, "--model", str(model), "--out", str(out), "--run-id", run_id,
                   "--overwrite", "--quiet", *extra]
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_fixed_costs import lmbatch, record, timed, write_random_checkpoint  # noqa: E402
+from bench_fixed_costs import cli, lmbatch, record, timed, write_random_checkpoint  # noqa: E402
 
 PRESETS = {"1.5b": "qwen2.5-1.5b", "8b": "qwen3-8b"}
 TASKS = {"mmlu": ("mmlu", 5, []), "olmes": ("olmes", None, []), "tot": ("tot-gsm8k", None, []),
@@ -62,11 +62,9 @@ def run_lm_eval(args: argparse.Namespace, job: str, model: Path, workers: str, k
     if not tasks.is_dir():
         write_offline_tasks(tasks)
     out = Path(args.out) / "runs" / f"{job}-dp{workers}-{k}"
-    exe = Path(sys.executable).parent / "lmbatch"
-    cli = [str(exe)] if exe.is_file() else [sys.executable, "-c", "from lmbatch.cli import main; main()"]
-    cmd = cli + ["lm-eval", "--model_args", f"pretrained={model},dtype=bfloat16,data_parallel={workers}",
-                 "--tasks", "gsm8k_offline", "--include_path", str(tasks), "--num_fewshot", "5",
-                 "--output_path", str(out)]
+    cmd = cli() + ["lm-eval", "--model_args", f"pretrained={model},dtype=bfloat16,data_parallel={workers}",
+                   "--tasks", "gsm8k_offline", "--include_path", str(tasks), "--num_fewshot", "5",
+                   "--output_path", str(out)]
     wall = timed(cmd, Path(args.out) / f"{job}-dp{workers}-{k}.log")
     report = json.loads(next(out.rglob("lmbatch_*.json")).read_text())
     row = {"job": job, "workers": workers, "wall_s": round(wall, 2), "dp": report["data_parallel"],
