@@ -147,8 +147,9 @@ def _tensor_parallel(cfg: ModelConfig, dtype: str, gpus: GPUs) -> tuple[int, str
 def resolved(spec: EngineSpec, cfg: ModelConfig, work: float | None = None) -> tuple[EngineSpec, str]:
     """`spec` with its data- and tensor-parallel sizes decided (and, for several GPUs, the device
     named), and why (`work`: as `layout`)."""
-    lay = layout(spec, cfg, work=work)
+    gpus = visible_gpus()
+    lay = layout(spec, cfg, gpus, work)
     device = spec.device
-    if device == "auto" and lay.data_parallel * lay.tensor_parallel > 1 and visible_gpus().visible:
+    if device == "auto" and lay.data_parallel * lay.tensor_parallel > 1 and gpus.visible:
         device = "cuda"
     return replace(spec, device=device, data_parallel=lay.data_parallel, tensor_parallel=lay.tensor_parallel), lay.why
