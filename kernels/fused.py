@@ -10,12 +10,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _add_rmsnorm_kernel(X, R, W, Y, N, eps,  # type: ignore[no-untyped-def]
+def _add_rmsnorm_kernel(X, R, W, Y, N, stride_x, eps,  # type: ignore[no-untyped-def]
                         HAS_RES: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
-    x = tl.load(X + row * N + cols, mask=ok, other=0.0)
+    x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
     if HAS_RES:  # residual += x, rounded to the activation dtype, then normalized
         x = (x.to(tl.float32) + tl.load(R + row * N + cols, mask=ok, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
         tl.store(R + row * N + cols, x, mask=ok)
@@ -31,10 +31,14 @@ def _add_rmsnorm_kernel(X, R, W, Y, N, eps,  # type: ignore[no-untyped-def]
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
             offset: float = 0.0) -> torch.Tensor:
-    """RMSNorm of x (or, with residual, of residual += x, updated in place). x: [T, N] contiguous."""
+    """RMSNorm of x (or, with residual, of residual += x, updated in place). x: [T, N], its rows at
+    any stride (one KV head's slice of the fused q|k|v projection, as reshape leaves it); residual
+    contiguous. Returns a contiguous [T, N]."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     T, N = x.shape
-    y = torch.empty_like(x)
-    _add_rmsnorm_kernel[(T,)](x, residual if residual is not None else x, weight, y, N, eps,
+    y = torch.empty((T, N), dtype=x.dtype, device=x.device)
+    _add_rmsnorm_kernel[(T,)](x, residual if residual is not None else x, weight, y, N, x.stride(0), eps,
                               HAS_RES=residual is not None, OFFSET=float(offset), BLOCK=triton.next_power_of_2(N),
                               num_warps=8)
     return y

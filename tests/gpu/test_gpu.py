@@ -91,15 +91,18 @@ def test_split_decode_kernel_matches_reference(shape, window, softcap, splits):
 
 
 # every native architecture; the windowed ones (mistral, gemma2, gemma3_text: 12 tokens) on prompts of
-# up to ~60 tokens
-ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral", "phi3", "olmo2", "gemma2", "gemma3_text"]
+# up to ~60 tokens; per-head q/k norms over a single KV head (Gemma 3 1B's shape, and any GQA model's
+# tensor-parallel rank holding one KV head): that head's k is a strided slice of the fused projection
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral", "phi3", "olmo2", "gemma2", "gemma3_text",
+         "gemma3_text:1kv"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
 def tiny(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
+    kind, _, kv = request.param.partition(":")
+    path = tmp_path_factory.mktemp(kind)
     # head_dim 64: FlashInfer compiles head dims 64, 128 and 256 only
-    make_tiny_hf(request.param, path, hidden_size=256, head_dim=64)
+    make_tiny_hf(kind, path, hidden_size=256, head_dim=64, **({"num_key_value_heads": 1} if kv else {}))
     return path
 
 
@@ -200,6 +203,12 @@ def test_fused_ops_match_torch_path():
     torch.testing.assert_close(fused.act_mul(gu, "gelu_tanh"), F.gelu(gate, approximate="tanh") * up)
     gemma = (s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w.float())).to(s.dtype)
     torch.testing.assert_close(fused.rmsnorm(s, w, 1e-6, offset=1.0), gemma)
+    head = s[:, 512:640]                         # rows 1536 apart: one head of a fused projection
+    w128 = w[:128]
+    want = w128 * (head.float() * torch.rsqrt(head.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(s.dtype)
+    torch.testing.assert_close(fused.rmsnorm(head, w128, 1e-6), want)
+    torch.testing.assert_close(fused.rmsnorm(s.t().contiguous().t()[:, :128], w128, 1e-6),
+                               fused.rmsnorm(s[:, :128].contiguous(), w128, 1e-6))
     qkv = torch.randn(300, (12 + 4) * 128, generator=g, **bf)
     q, k = qkv[:, :12 * 128].view(300, 12, 128), qkv[:, 12 * 128:14 * 128].view(300, 2, 128)
     ang = torch.rand(300, 64, generator=g, device="cuda") * 6
