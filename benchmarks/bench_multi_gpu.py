@@ -10,7 +10,8 @@ each worker's busy and idle seconds (`data_parallel.workers_load`).
 
 Jobs: mmlu (full, 5-shot), olmes (the suite), tot (tot-gsm8k, all 1,319), small (mmlu --limit 5: what a
 job too small for several GPUs pays), lmeval (lm-eval's gsm8k through `lmbatch lm-eval`, generate_until,
-needs lm-eval), each as JOB-SIZE[:W/W...] (its worker counts, else --workers). Before a job's runs, a run
+needs lm-eval), each as JOB-SIZE[:W/W...][@R] (its worker counts, else --workers; its rounds, else
+--repeat). Before a job's runs, a run
 of one MMLU question compiles the kernels for the model's shape, and the job's workload is put into the
 workload cache (a dry run), as a repeated evaluation finds both; then `--repeat` rounds of every worker
 count, alternating.
@@ -89,6 +90,7 @@ def main() -> None:
     rows = []
     counts: dict[str, list[str]] = {}
     for spec in args.jobs.split(","):
+        spec, _, rounds = spec.partition("@")
         job, _, given = spec.partition(":")
         counts[job] = given.split("/") if given else args.workers.split(",")
         size = job.split("-")[1]
@@ -100,7 +102,7 @@ def main() -> None:
             name, shots, extra = TASKS[job.split("-")[0]]
             dry = lmbatch(name, model, out / "runs", f"{job}-dry", [*extra, "--dry-run"], shots)
             timed(dry, out / f"{job}-dry.log")
-        for k in range(args.repeat):
+        for k in range(int(rounds or args.repeat)):
             for workers in counts[job]:
                 try:
                     rows.append((run_lm_eval if job.startswith("lmeval") else run_job)(args, job, model, workers, k))
