@@ -28,14 +28,13 @@ import pyarrow.parquet as pq
 
 from lmbatch.errors import UserError, first_line
 from lmbatch.frontend.workload import Instance, Workload
+from lmbatch.model.identity import model_identity
 from lmbatch.options import RunOptions
 from lmbatch.outputs import INSTANCE_SCHEMA, clean_stale, file_record, request_schema, sha256
 from lmbatch.runplace import MARKER, RunLock, clear, found, move_aside, refuse_foreign, run_path
 
 MARKER_TEXT = ("This run is incomplete: its finished instances are in parts/. Re-run the same lmbatch run command "
                "with --run-id {name} to resume it.\n")
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
-SAMPLE = 1 << 20        # bytes hashed at each end of a weight file
 
 # a hook for tests: called with the name of each file operation of a part and of the final write,
 # before it (a test raises there to leave the directory as a kill at that moment would)
@@ -79,22 +78,6 @@ def _write_json(path: Path, data: dict) -> None:
     _write_atomic(path, write)
 
 
-def model_identity(model_dir: Path) -> dict[str, Any]:
-    """What identifies a model folder's results: every small file (config, tokenizer) by its checksum,
-    each weight file by its size and the checksum of its first and last MiB (a safetensors header
-    names every tensor's dtype, shape and offsets)."""
-    out: dict[str, Any] = {}
-    for f in sorted(model_dir.iterdir()):
-        if not f.is_file() or f.name.startswith("."):
-            continue
-        size = f.stat().st_size
-        if f.name.endswith(WEIGHT_SUFFIXES):
-            out[f.name] = [size, sha256(f, [(0, SAMPLE), (max(size - SAMPLE, 0), SAMPLE)])]
-        elif size <= 64 << 20:
-            out[f.name] = sha256(f)
-    return out
-
-
 INSTANCE_PART_SCHEMA = INSTANCE_SCHEMA.append(pa.field("attempt", pa.int32())).append(pa.field("number", pa.int64()))
 
 
@@ -116,7 +99,8 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 def fingerprint(o: RunOptions, w: Workload, model_dir: Path) -> dict[str, Any]:
     """What decides a run's results (a resumed run must have the same): the task and its options,
-    the model's files, lmbatch's version. The dtype is checked once the device is known."""
+    the model's files (each by its content: model/identity.py), lmbatch's version. The dtype is checked
+    once the device is known."""
     import lmbatch
 
     fp: dict[str, Any] = {"task": w.name, "shots": o.shots, "limit": o.limit, "subjects": o.subjects, "seed": o.seed,

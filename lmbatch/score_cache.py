@@ -1,9 +1,11 @@
 """The scores of an `lmbatch lm-eval` loglikelihood call, kept so that a repeat of the same command on the
 same model computes nothing: the same requests (the workload cache's key: their text, the backend's
 tokenization options, the model folder's small files, lmbatch's source) scored by the same weights
-(each file of the model folder by name, size and modification time, as make and Python's bytecode
-cache tell a file changed) on the same numerics (device and dtype, the engine's options, the GPU or
-CPU model and thread count, driver, torch, Triton, FlashInfer, lmbatch's kernels). A whole call is one
+(each file of the model folder by name and content hash, as a resumed run checks them:
+model/identity.py; the hash is kept under the file's size, modification and change times, so weights
+rewritten in place are hashed again even with their modification time put back) on the same numerics
+(device and dtype, the engine's options, the GPU or CPU model and thread count, driver, torch, Triton,
+FlashInfer, lmbatch's kernels). A whole call is one
 entry: the engine's batching of a call decides a score's last bits, so only the same call's scores are
 the same scores.
 
@@ -26,6 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from lmbatch.cache import cache_dir
+from lmbatch.model.identity import model_identity
 from lmbatch.workload_cache import hash_source, read_entry, write_entry
 
 KEEP = 64       # entries kept (a few kB each); the least recently written go
@@ -65,17 +68,11 @@ def machine(device: str) -> dict[str, Any]:
     return {"cpu": cpu, "threads": torch.get_num_threads()}
 
 
-def weights(model_dir: Path) -> list[tuple[str, int, int]]:
-    """Each file of the model folder (links followed): name, size, modification time."""
-    return [(f.name, st.st_size, st.st_mtime_ns) for f in sorted(model_dir.iterdir()) if f.is_file()
-            for st in (f.stat(),)]
-
-
 def key(requests_key: str, model_dir: Path, device: str, dtype: str, engine: dict[str, Any]) -> str:
     """The entry's name: the requests' key (the workload cache's), the model's files and the numerics."""
     import torch
 
-    what = {"requests": requests_key, "weights": weights(model_dir), "device": device, "dtype": dtype,
+    what = {"requests": requests_key, "weights": model_identity(model_dir), "device": device, "dtype": dtype,
             "engine": engine, "machine": machine(device), "torch": torch.__version__, "kernels": _kernels_source()}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:40]
 

@@ -128,6 +128,49 @@ def make_tiny_with_tokenizer(path, max_positions: int = 2048, seed: int = 0):
     return path
 
 
+def wide_tiny(tiny, path, intermediate_size: int = 2048):
+    """`tiny`'s tokenizer with a Llama of wider MLPs: weights of a few MiB, so that a tensor lies wholly
+    past the first and before the last MiB of model.safetensors."""
+    import shutil
+
+    shutil.copytree(tiny, path)
+    cfg = LlamaConfig.from_pretrained(path)
+    cfg.intermediate_size = intermediate_size
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+def scale_in_place(weights, factor: float = 1.5, restore_mtime: bool = False) -> str:
+    """Scales one float32 tensor of a safetensors file in place (same file, same size): the one whose data
+    lies furthest from both ends of the file. Optionally puts the modification time back. Returns its name."""
+    import json
+    import os
+
+    import numpy as np
+
+    st = os.stat(weights)
+    with open(weights, "r+b") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = {k: v for k, v in json.loads(fh.read(n)).items() if k != "__metadata__"}
+        size = st.st_size
+
+        def margin(item):
+            start, end = item[1]["data_offsets"]
+            return min(8 + n + start, size - 8 - n - end)
+        name, entry = max(header.items(), key=margin)
+        assert entry["dtype"] == "F32"
+        start, end = entry["data_offsets"]
+        fh.seek(8 + n + start)
+        data = np.frombuffer(fh.read(end - start), np.float32) * np.float32(factor)
+        fh.seek(8 + n + start)
+        fh.write(data.tobytes())
+    assert os.stat(weights).st_size == size
+    if restore_mtime:
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return name
+
+
 @pytest.fixture(scope="session")
 def tiny_tok(tmp_path_factory):
     return make_tiny_with_tokenizer(tmp_path_factory.mktemp("tiny_tok"))

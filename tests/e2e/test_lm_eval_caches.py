@@ -139,6 +139,29 @@ def test_other_weights_or_numerics_compute_again(tiny, cache, monkeypatch, tmp_p
     assert len(runs) == 5 and len(list((cache / "scores").glob("*.pkl"))) == 5
 
 
+@pytest.mark.parametrize("restore_mtime", [False, True])
+def test_weights_changed_in_place_never_read_stale_scores(tiny, cache, monkeypatch, tmp_path, restore_mtime):
+    """Issue 47: one tensor scaled in place (same size; the modification time put back or not) is another
+    model: its scores are computed, never the old model's read; the old bytes back read the old entry."""
+    import shutil
+
+    from conftest import scale_in_place
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny, model)
+    weights = model / "model.safetensors"
+    original = weights.read_bytes()
+    runs = _engine_runs(monkeypatch)
+    first, _ = _scores(model)
+    scale_in_place(weights, restore_mtime=restore_mtime)
+    changed, report = _scores(model)
+    assert len(runs) == 2 and report["scores_from_cache"] == 0 and changed != first
+    with open(weights, "r+b") as fh:
+        fh.write(original)
+    again, report = _scores(model)
+    assert again == first and len(runs) == 2 and report["scores_from_cache"] == len(PAIRS)
+
+
 def test_damaged_scores_are_computed_again(tiny, cache, monkeypatch, capsys):
     first, _ = _scores(tiny, PAIRS[:3])
     entry = next((cache / "scores").glob("*.pkl"))

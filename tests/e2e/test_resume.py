@@ -15,7 +15,7 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import make_tiny_with_tokenizer
+from conftest import make_tiny_with_tokenizer, scale_in_place, wide_tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -249,6 +249,27 @@ def test_other_settings_are_refused_and_touch_nothing(tiny, tmp_path, change, ne
     # --overwrite starts it over (settings differ); the same settings resume even with --overwrite
     d2 = run(_options("mmlu", model, tmp_path, "x", overwrite=True, **change))
     assert json.loads((d2 / "summary.json").read_text())["counts"]["resumed_instances"] == 0
+
+
+@pytest.mark.parametrize("restore_mtime", [False, True])
+def test_weights_changed_in_place_refuse_a_resume(tiny, tmp_path, restore_mtime):
+    """Issue 47: one tensor scaled in place (same size, in the middle of the file, so that neither end's
+    MiB changes; with the modification time put back or not) after 2 parts: the resume is refused in one
+    line naming the weight file, and touches nothing; a resume of the unchanged model is still accepted."""
+    model = wide_tiny(tiny, tmp_path / "model")
+    weights = model / "model.safetensors"
+    assert weights.stat().st_size > 3 << 20
+    d = _incomplete(model, tmp_path)
+    before, original = _listing(d), weights.read_bytes()
+    scale_in_place(weights, restore_mtime=restore_mtime)
+    with pytest.raises(UserError, match="other settings") as e:
+        run(_options("mmlu", model, tmp_path, "x"))
+    assert "model.model.safetensors" in str(e.value) and "\n" not in str(e.value)
+    assert _listing(d) == before
+    with open(weights, "r+b") as fh:        # the same bytes again, in place: resumes
+        fh.write(original)
+    d = run(_options("mmlu", model, tmp_path, "x"))
+    assert json.loads((d / "summary.json").read_text())["counts"]["resumed_instances"] > 0
 
 
 def test_overwrite_with_the_same_settings_resumes(tiny, tmp_path):
