@@ -2,7 +2,7 @@
 
 `mean_stderr` is lm-eval's standard error of a mean (`lm_eval.api.metrics.mean_stderr`); `paired_test`
 tells whether two runs over the same instances differ by more than noise (McNemar's mid-p test when every
-score is 0 or 1, as acc is; a paired z-test on the differences otherwise); `holm` adjusts the p values of
+score is 0 or 1, as acc is; a paired t-test on the differences otherwise); `holm` adjusts the p values of
 several such tests (a suite's tasks) made together."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-MCNEMAR, PAIRED_Z = "McNemar mid-p", "paired z"
+MCNEMAR, PAIRED_T = "McNemar mid-p", "paired t"
 
 
 def mean(values: Sequence[float]) -> float | None:
@@ -55,13 +55,50 @@ def mcnemar_midp(b: int, c: int) -> float:
     return min(1.0, (2 * cumulative - at_k) / 2 ** n)
 
 
-def paired_z(differences: Sequence[float]) -> float:
-    """Two-sided p value that the mean of paired differences is 0 (normal approximation: the mean over
-    its standard error, `mean_stderr`). No variation: 1.0 when every difference is 0, else 0.0."""
+def _beta_fraction(a: float, b: float, x: float) -> float:
+    """The continued fraction of the incomplete beta function (modified Lentz; Numerical Recipes' betacf)."""
+    tiny = 1e-300
+
+    def nonzero(v: float) -> float:
+        return v if abs(v) > tiny else tiny
+
+    c, d = 1.0, 1.0 / nonzero(1.0 - (a + b) * x / (a + 1.0))
+    h = d
+    for m in range(1, 1000):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 / nonzero(1.0 + numerator * d)
+            c = nonzero(1.0 + numerator / c)
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+def betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b), for a, b > 0 and 0 <= x <= 1."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _beta_fraction(a, b, x) / a
+    return 1.0 - front * _beta_fraction(b, a, 1.0 - x) / b
+
+
+def paired_t(differences: Sequence[float]) -> float:
+    """Two-sided p value of the paired t-test that the mean of paired differences is 0: t = mean / its
+    standard error (`mean_stderr`), Student's t with n - 1 degrees of freedom, p = I_{df/(df+t^2)}(df/2, 1/2).
+    Fewer than two differences: 1.0 (nothing to test). No variation: 1.0 when every difference is 0, else 0.0."""
     mu, se = mean(differences), mean_stderr(differences)
-    if mu is None or se is None or se == 0:
+    if mu is None or se is None:
+        return 1.0
+    if se == 0:
         return 1.0 if not mu else 0.0
-    return math.erfc(abs(mu / se) / math.sqrt(2))
+    df = len(differences) - 1
+    t = mu / se
+    return min(1.0, betainc(df / 2.0, 0.5, df / (df + t * t)))
 
 
 def holm(pvalues: Sequence[float]) -> list[float]:
@@ -83,7 +120,7 @@ class Paired:
     base: float | None      # the means over those
     cand: float | None
     p: float                # two-sided p value of no difference
-    test: str               # MCNEMAR or PAIRED_Z
+    test: str               # MCNEMAR or PAIRED_T
     worse: int              # instances whose score dropped (McNemar's b)
     better: int             # instances whose score rose (McNemar's c)
     delta_stderr: float | None = None   # the standard error of the mean difference (`mean_stderr`)
@@ -96,7 +133,8 @@ class Paired:
 
 def paired_test(base: Sequence[float], cand: Sequence[float]) -> Paired:
     """Compare per-instance scores of the same instances (base[i] and cand[i] are one instance's):
-    McNemar's mid-p test when every score is 0 or 1, a paired z-test on the differences otherwise."""
+    McNemar's mid-p test when every score is 0 or 1 (a binary metric), a paired t-test on the differences
+    otherwise (a continuous one)."""
     if len(base) != len(cand):
         raise ValueError(f"paired scores of {len(base)} and {len(cand)} instances")
     worse = sum(b > c for b, c in zip(base, cand))
@@ -105,5 +143,5 @@ def paired_test(base: Sequence[float], cand: Sequence[float]) -> Paired:
     if all(v in (0.0, 1.0) for v in (*base, *cand)):
         p, test = mcnemar_midp(worse, better), MCNEMAR
     else:
-        p, test = paired_z(differences), PAIRED_Z
+        p, test = paired_t(differences), PAIRED_T
     return Paired(len(base), mean(base), mean(cand), p, test, worse, better, mean_stderr(differences))

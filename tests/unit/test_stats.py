@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from lmbatch.stats import MCNEMAR, PAIRED_Z, mcnemar_midp, mean_stderr, paired_test, paired_z
+from lmbatch.stats import MCNEMAR, PAIRED_T, mcnemar_midp, mean_stderr, paired_t, paired_test
 
 
 def test_mean_stderr_by_hand():
@@ -54,12 +54,27 @@ def test_paired_test_picks_mcnemar_for_right_or_wrong():
 
 
 def test_paired_test_of_scores_that_are_not_zero_or_one():
+    """A continuous metric (an f1) gets the paired t-test: Student's t with n - 1 degrees of freedom, as
+    scipy.stats.ttest_rel computes it (t = -2.6112, 3 df)."""
     base, cand = [0.2, 0.4, 0.9, 0.5], [0.1, 0.4, 0.7, 0.3]
     p = paired_test(base, cand)
     d = [-0.1, 0.0, -0.2, -0.2]
-    z = (sum(d) / 4) / mean_stderr(d)
-    assert p.test == PAIRED_Z and p.p == pytest.approx(math.erfc(abs(z) / math.sqrt(2)))
-    assert paired_z([0.0, 0.0]) == 1.0 and paired_z([0.1, 0.1]) == 0.0
+    t = (sum(d) / 4) / mean_stderr(d)
+    assert t == pytest.approx(-2.6111648, rel=1e-6)
+    # two-sided p of t with 3 df, I_{3/(3+t^2)}(3/2, 1/2): scipy.stats.t.sf(2.6111648, 3) * 2 = 0.0796050
+    assert p.test == PAIRED_T and p.p == pytest.approx(0.0796050, rel=1e-5)
+    assert paired_t([0.0, 0.0]) == 1.0 and paired_t([0.1, 0.1]) == 0.0 and paired_t([0.5]) == 1.0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_paired_t_matches_scipy(seed):
+    stats = pytest.importorskip("scipy.stats")
+    rng = random.Random(seed)
+    n = rng.choice([3, 10, 57, 400])
+    base = [rng.random() for _ in range(n)]
+    cand = [b - 0.05 + rng.gauss(0, 0.2) for b in base]
+    want = stats.ttest_rel(cand, base).pvalue
+    assert paired_test(base, cand).p == pytest.approx(want, rel=1e-9, abs=1e-300)
     with pytest.raises(ValueError):
         paired_test([1.0], [1.0, 0.0])
 
