@@ -144,8 +144,9 @@ def report(
                              metavar="table|markdown|json"),
     compare: Optional[Tuple[Path, Path]] = typer.Option(None, "--compare", metavar="BASE CAND",
                                                         help="Check CAND against BASE; exit 1 on regression."),
-    max_slowdown: float = typer.Option(0.05, help="Allowed slowdown of CAND: base programs/s / cand programs/s - 1.",
-                                      metavar="X"),
+    max_slowdown: Optional[float] = typer.Option(
+        None, help="Check speed: allowed slowdown of CAND's execute phase, base programs/s / cand programs/s - 1 "
+                   "(runs on the same device) [default: speed not checked].", metavar="X"),
     min_hit_ratio: float = typer.Option(0.99, help="Least achieved/optimal hit rate for CAND.", metavar="X"),
     alpha: float = typer.Option(0.05, "--alpha", metavar="P",
                                 help="A task whose score drops with a paired test's p below P is a regression "
@@ -161,7 +162,9 @@ def report(
     from lmbatch import report as rep
 
     try:
-        html_path = _html_path(html)
+        html_path = _html_path(html, list(compare or run_dirs or []))
+        if fmt not in rep.FORMATS:
+            raise UserError(f"unknown format {fmt!r} (choose from {', '.join(rep.FORMATS)})")
         if compare:
             if run_dirs:
                 raise UserError(f"--compare BASE CAND takes no other run directory ({run_dirs[0]} was given too): "
@@ -172,12 +175,10 @@ def report(
             found = rep.compare_runs(base, cand, max_slowdown=max_slowdown, min_hit_ratio=min_hit_ratio,
                                      max_acc_drop=max_acc_drop, alpha=alpha)
             _write_html(html_path, [base, cand], found)
-            typer.echo("\n".join(found.lines))
+            typer.echo(rep.render_comparison(found, base, cand, fmt))
             raise typer.Exit(0 if found.ok else 1)
         if not run_dirs:
             raise UserError("give one or more run directories, or --compare BASE CAND")
-        if fmt not in rep.FORMATS:
-            raise UserError(f"unknown format {fmt!r} (choose from {', '.join(rep.FORMATS)})")
         runs = [rep.load_run(p) for p in run_dirs]
         _write_html(html_path, runs, None)
         typer.echo(rep.render(rep.report_rows(runs), fmt))
@@ -185,8 +186,9 @@ def report(
         _fail(e)
 
 
-def _html_path(html: Optional[str]) -> Optional[Path]:
-    """--html FILE, checked before any run is read: a file name in a folder that exists."""
+def _html_path(html: Optional[str], runs: list[Path]) -> Optional[Path]:
+    """--html FILE, checked before any run is read: a file name in a folder that exists, not a file of a run
+    read (`runs`) nor another existing file that is not HTML (`report_html.check_target`)."""
     if html is None:
         return None
     path = Path(html)
@@ -194,6 +196,9 @@ def _html_path(html: Optional[str]) -> Optional[Path]:
         raise UserError(f"--html {html!r}: name a file to write (it is replaced if it exists)")
     if not path.absolute().parent.is_dir():
         raise UserError(f"--html {html}: the folder {path.absolute().parent} does not exist")
+    from lmbatch.report_html import check_target
+
+    check_target(path, runs)
     return path
 
 

@@ -46,9 +46,17 @@ WORKLOAD = ("task", "model", "dtype", "counts.instances", "options.shots", "opti
             "options.fewshot_as_multiturn", "options.think_budget", "options.think_end", "options.truncate_left")
 
 
+def run_dir_of(path: Path) -> Path:
+    """The run directory a path names: the folder itself, or the folder of a summary.json given as the run."""
+    path = Path(path)
+    return path.parent if path.name == "summary.json" and path.is_file() else path
+
+
 def load_summary(run_dir: Path) -> dict:
-    """The parsed summary.json of a run directory; UserError if absent or unreadable."""
-    path = Path(run_dir) / "summary.json"
+    """The parsed summary.json of a run directory (or of its summary.json's path); UserError if absent or
+    unreadable."""
+    run_dir = run_dir_of(run_dir)
+    path = run_dir / "summary.json"
     try:
         text = path.read_text(encoding="utf-8")
     except OSError:
@@ -200,7 +208,7 @@ class TaskResult:
     name: str
     n: int                              # its instances
     failed: int | None                  # of them, those whose program or score failed (None: not recorded)
-    primary_metric: str | None          # the metric that decides a comparison (None: every metric does)
+    primary_metric: str | None          # the task's main metric (None: not recorded)
     metrics: dict[str, float | None]    # each metric's mean over the instances scored
     stderr: dict[str, float | None]     # their standard errors (`stats.mean_stderr`), where known
     prompt_tokens: int | None = None
@@ -208,10 +216,22 @@ class TaskResult:
     computed_tokens: int | None = None
     hit_rate: float | None = None
     optimal_hit_rate: float | None = None
+    compared: list[str] | None = None   # the metrics a comparison tests (the tasks block's compared_metrics)
 
     def decisive(self) -> list[str]:
-        """The metrics that decide a comparison and are plotted: the primary one, else every one."""
-        return [self.primary_metric] if self.primary_metric else sorted(self.metrics)
+        """The metrics that decide a comparison and are plotted: those the tasks block names, else the primary
+        one where the instances carry it (or none was scored), else every one (a task with its own metrics,
+        such as json or a program file's, that an older lmbatch recorded as having acc)."""
+        if self.compared:
+            return list(self.compared)
+        if self.primary_metric and (self.primary_metric in self.metrics or not self.metrics):
+            return [self.primary_metric]
+        return sorted(self.metrics)
+
+    def primary_value(self) -> tuple[float | None, float | None]:
+        """The primary metric's score and standard error (acc where none is recorded)."""
+        name = self.primary_metric or "acc"
+        return self.metrics.get(name), self.stderr.get(name)
 
 
 @dataclass
@@ -339,8 +359,12 @@ def tasks_from_block(s: dict) -> dict[str, TaskResult] | None:
     for name, t in block.items():
         f = {key: _task_field(t, key, f"{where}: task {name!r}") for key in TASK_FIELDS}
         metrics, errors = split_stderr(f["metrics"])
+        compared = t.get("compared_metrics")
+        if compared is not None and not (isinstance(compared, list) and all(isinstance(m, str) for m in compared)):
+            raise UserError(f"{where}: task {name!r}: field 'compared_metrics' is {compared!r:.40}, not a list of "
+                            "metric names: not a summary lmbatch wrote")
         out[str(name)] = TaskResult(name=str(name), n=f["n"], failed=f["failed"], primary_metric=f["primary_metric"],
-                                    metrics=metrics, stderr=errors,
+                                    metrics=metrics, stderr=errors, compared=compared,
                                     **{k: f[k] for k in ("prompt_tokens", "cached_tokens", "computed_tokens",
                                                          "hit_rate", "optimal_hit_rate")})
     return out
@@ -382,7 +406,7 @@ class Run:
 
 def load_run(run_dir: Path) -> Run:
     """A run directory, its summary checked (`load_summary`)."""
-    return Run(load_summary(run_dir), Path(run_dir))
+    return Run(load_summary(run_dir), run_dir_of(run_dir))
 
 
 def as_run(run: Run | dict) -> Run:
@@ -439,14 +463,15 @@ def _run_row(run: Run) -> dict[str, Any]:
 
 
 def _task_row(run_row: dict[str, Any], t: TaskResult) -> dict[str, Any]:
-    """A row of one task of a suite run: its metrics, counts and hit rates; its run's speed is the whole run's
-    (one batch over one tree), so the speed columns are empty."""
+    """A row of one task of a suite run: its primary metric as its accuracy, its metrics, counts and hit rates;
+    its run's speed is the whole run's (one batch over one tree), so the speed columns are empty."""
     metrics = {f"metric:{k}" if k in COLUMNS else k: v for k, v in sorted(t.metrics.items()) if k != "acc"}
     ratio = None if t.hit_rate is None or t.optimal_hit_rate is None else \
         1.0 if not t.optimal_hit_rate else t.hit_rate / t.optimal_hit_rate
+    value, stderr = t.primary_value()       # an OLMES task's acc_raw or acc_per_char, json's valid
     return {**{k: run_row[k] for k in ("run_id", "model", "shots", "dtype", "device")}, "task": t.name,
-            "instances": t.n, "failed": t.failed, "accuracy": t.metrics.get("acc"),
-            "accuracy_stderr": t.stderr.get("acc"), **_with_stderr(metrics, t.stderr),
+            "instances": t.n, "failed": t.failed, "accuracy": value,
+            "accuracy_stderr": stderr, **_with_stderr(metrics, t.stderr),
             "hit_rate": t.hit_rate, "optimal_hit_rate": t.optimal_hit_rate, "hit_ratio": ratio,
             **{k: None for k in ("execute_s", "programs_per_s", "prompt_tokens_per_s", "computed_tokens_per_s")}}
 
@@ -527,9 +552,9 @@ def render(rows: list[dict], fmt: str) -> str:
 LEGACY_MAX_ACC_DROP = 0.005
 
 
-def check_thresholds(max_slowdown: float, min_hit_ratio: float, max_acc_drop: float | None,
+def check_thresholds(max_slowdown: float | None, min_hit_ratio: float, max_acc_drop: float | None,
                      alpha: float = 0.05) -> None:
-    """--max-slowdown is at least 0 (inf: speed unchecked); --min-hit-ratio, --max-acc-drop (None: not given)
+    """--max-slowdown (None: speed unchecked) is at least 0; --min-hit-ratio, --max-acc-drop (None: not given)
     and --alpha are fractions, 0 to 1. NaN is none of them."""
     for flag, value, top in (("--max-slowdown", max_slowdown, math.inf), ("--min-hit-ratio", min_hit_ratio, 1.0),
                              ("--max-acc-drop", max_acc_drop, 1.0), ("--alpha", alpha, 1.0)):
@@ -548,11 +573,11 @@ def _workload(summary: dict, dotted: str) -> Any:
     return value
 
 
-def workload_differences(base: dict, cand: dict) -> list[str]:
-    """The WORKLOAD fields in which the two runs differ, each as 'name base vs candidate' (a field one of
+def workload_differences(base: dict, cand: dict, fields: Iterable[str] = WORKLOAD) -> list[str]:
+    """The fields (WORKLOAD's) in which the two runs differ, each as 'name base vs candidate' (a field one of
     them lacks, written by an older lmbatch, is not compared)."""
     out = []
-    for dotted in WORKLOAD:
+    for dotted in fields:
         b, c = _workload(base, dotted), _workload(cand, dotted)
         if b is not _ABSENT and c is not _ABSENT and b != c:
             out.append(f"{dotted.removeprefix('options.').replace('counts.', '')} {b!r} vs {c!r}")
@@ -576,7 +601,8 @@ def instance_differences(base: dict[str, TaskInstances], cand: dict[str, TaskIns
 
 @dataclass
 class TaskDelta:
-    """One task's metric in two runs over the instances both scored: the paired test, and its verdict."""
+    """One task's metric in two runs over the instances either scored (one that failed in one run counts there
+    as the metric's worst score): the paired test, and its verdict."""
     task: str
     metric: str
     paired: Paired
@@ -586,6 +612,9 @@ class TaskDelta:
     tests: int = 1                      # how many the comparison made (tasks x decisive metrics scored)
     regression: bool = False
     why: str = ""                       # what makes it a regression ('' when it is none)
+    failed_base: int = 0                # paired instances that failed in base (scored `worst` there)
+    failed_cand: int = 0                # ... in the candidate
+    worst: float = 0.0                  # the score a failed instance counts as
 
 
 @dataclass
@@ -599,16 +628,63 @@ class Comparison:
         return not any(line.startswith("REGRESSION") for line in self.lines)
 
 
+def comparison_json(found: Comparison, base: Run, cand: Run) -> str:
+    """The comparison as one JSON document (`--compare --format json`): the verdict, every check's line, and
+    each task's metric with its paired test."""
+    tasks = [{"task": d.task, "metric": d.metric, "test": d.paired.test, "instances": d.paired.n,
+              "base": d.paired.base, "candidate": d.paired.cand, "delta": d.paired.delta,
+              "delta_stderr": d.paired.delta_stderr, "base_stderr": d.base_stderr, "candidate_stderr": d.cand_stderr,
+              "worse": d.paired.worse, "better": d.paired.better, "p": d.paired.p, "p_holm": d.p_holm,
+              "failed_base": d.failed_base, "failed_candidate": d.failed_cand, "failed_scored_as": d.worst,
+              "regression": d.regression, "why": d.why} for d in found.deltas]
+    return json.dumps({"ok": found.ok, "base": base.run_id, "candidate": cand.run_id,
+                       "lines": found.lines, "regressions": [x for x in found.lines if x.startswith("REGRESSION")],
+                       "tasks": tasks}, indent=2)
+
+
+def render_comparison(found: Comparison, base: Run, cand: Run, fmt: str) -> str:
+    """The comparison as --format says: its lines ('table'), a Markdown list ('markdown') or one JSON document
+    (`comparison_json`)."""
+    if fmt == "json":
+        return comparison_json(found, base, cand)
+    if fmt == "markdown":
+        return "\n".join(f"- **{x}**" if x.startswith("REGRESSION") else f"- {x}" for x in found.lines)
+    return "\n".join(found.lines)
+
+
 def _pm(value: float | None, stderr: float | None) -> str:
     return "-" if value is None else f"{value:.4f}" + (f" ± {stderr:.4f}" if stderr is not None else "")
 
 
+_BOTH_FAILED = object()
+
+
+def _pair(metric: str, b: dict[str, float] | None, c: dict[str, float] | None, worst: float) -> Any:
+    """One instance's (base, candidate) score of `metric`: a failed run's is `worst`; None where a run scored the
+    instance without the metric, or both failed (left out)."""
+    if b is None and c is None:
+        return None
+    if (b is not None and metric not in b) or (c is not None and metric not in c):
+        return None
+    return (worst if b is None else b[metric], worst if c is None else c[metric])
+
+
 def task_delta(task: str, metric: str, base: TaskInstances, cand: TaskInstances) -> TaskDelta:
-    """The paired test of one metric of a task over the instances that both runs scored with it."""
-    pairs = [(m[metric], other[metric]) for i, m in base.scores.items()
-             if m and metric in m and (other := cand.scores.get(i)) and metric in other]
+    """The paired test of one metric of a task over its instances: an instance that failed in one run (its program
+    or score raised, its scores were NaN) counts as that metric's worst score there (0, or the lowest either run
+    scored), so failures weigh against the run that has them; one that failed in both is left out."""
+    values = [m[metric] for inst in (base, cand) for m in inst.scores.values() if m and metric in m]
+    worst = min([0.0, *values])
+    pairs, failed = [], [0, 0]
+    for i, m in base.scores.items():
+        pair = _pair(metric, m, cand.scores[i], worst) if i in cand.scores else None
+        if pair is not None:
+            pairs.append(pair)
+            failed[0] += m is None
+            failed[1] += cand.scores[i] is None
     b, c = [x for x, _ in pairs], [y for _, y in pairs]
-    return TaskDelta(task, metric, paired_test(b, c), mean_stderr(b), mean_stderr(c))
+    return TaskDelta(task, metric, paired_test(b, c), mean_stderr(b), mean_stderr(c), failed_base=failed[0],
+                     failed_cand=failed[1], worst=worst)
 
 
 def judge(deltas: list[TaskDelta], max_acc_drop: float | None, alpha: float) -> None:
@@ -628,88 +704,125 @@ def judge(deltas: list[TaskDelta], max_acc_drop: float | None, alpha: float) -> 
         d.regression, d.why = bool(why), " and ".join(why)
 
 
-def delta_line(d: TaskDelta, base: TaskResult, cand: TaskResult) -> str:
+def delta_line(d: TaskDelta) -> str:
     """'mmlu acc: candidate 0.3040 ± 0.0193 vs base 0.3100 ± 0.0194 (-0.0060 over 570 instances: 9 worse,
     6 better; McNemar mid-p p=0.61) ok', or REGRESSION ... and why."""
     p = d.paired
     if p.n == 0:
         return f"{d.task} {d.metric}: no instance scored in both runs, skipped"
     changed = f"{p.worse} worse, {p.better} better" if p.test == MCNEMAR else f"{p.worse} lower, {p.better} higher"
-    failed = f"; failed: candidate {cand.failed}, base {base.failed}" if base.failed != cand.failed else ""
+    failed = f"; failed, each scored {d.worst:g}: candidate {d.failed_cand}, base {d.failed_base}" \
+        if d.failed_base or d.failed_cand else ""
     holm_p = f", Holm {d.p_holm:.3g}" if d.tests > 1 else ""
     desc = (f"candidate {_pm(p.cand, d.cand_stderr)} vs base {_pm(p.base, d.base_stderr)} ({p.delta:+.4f} over "
             f"{p.n} instances: {changed}; {p.test} p={p.p:.3g}{holm_p}{failed})")
     return f"REGRESSION {d.task} {d.metric}: {desc} {d.why}" if d.regression else f"{d.task} {d.metric}: {desc} ok"
 
 
+def failures_line(task: str, n: int, base_failed: int, cand_failed: int) -> str | None:
+    """A task's failed instances in both runs: more in the candidate is a regression of its own (whatever the
+    scores say); None when neither run has any."""
+    if not base_failed and not cand_failed:
+        return None
+    desc = f"candidate {cand_failed} of {n} instances failed, base {base_failed}"
+    if cand_failed > base_failed:
+        return f"REGRESSION {task} failed: {desc}: more instances failed (see instances.parquet's error column)"
+    return f"{task} failed: {desc} ok"
+
+
+def _compared_metrics(base: Run, cand: Run, task: str) -> list[str]:
+    """The metrics a task is compared on (`TaskResult.decisive`): a tasks block's decide over those derived for
+    a run without one; the base's, else the candidate's (a run that scored nothing has none)."""
+    bt, ct = base.tasks.get(task), cand.tasks.get(task)
+    if bt is None or ct is None:
+        raise UserError(f"cannot compare: task {task!r} of the instances is not in the summary of "
+                        f"{'base' if bt is None else 'candidate'}: not a run lmbatch wrote")
+    declared = [t for r, t in ((base, bt), (cand, ct)) if "tasks" in r.summary and t.decisive()]
+    return (declared[0] if declared else bt).decisive() or ct.decisive()
+
+
 def _task_deltas(base: Run, cand: Run, max_acc_drop: float | None, alpha: float) -> tuple[list[TaskDelta], list[str]]:
-    """Each task's decisive metrics (`TaskResult.decisive`) compared instance by instance."""
+    """Each task's decisive metrics compared instance by instance, and its failures."""
     assert base.instances is not None and cand.instances is not None
     diff = instance_differences(base.instances, cand.instances)
     if diff:
         raise UserError(f"cannot compare: base and candidate ran different instances ({'; '.join(diff[:3])}"
                         f"{'; ...' if len(diff) > 3 else ''})")
-    deltas, skipped = [], []
+    deltas, skipped, failures = [], [], []
     for task, b_inst in base.instances.items():
-        bt, ct = base.tasks.get(task), cand.tasks.get(task)
-        if bt is None or ct is None:
-            raise UserError(f"cannot compare: task {task!r} of the instances is not in the summary of "
-                            f"{'base' if bt is None else 'candidate'}: not a run lmbatch wrote")
-        # a primary metric a tasks block declares decides over the one derived for a run without a block
-        declared = [t for r, t in ((base, bt), (cand, ct)) if "tasks" in r.summary and t.primary_metric]
-        metrics = (declared[0] if declared else bt).decisive() or ct.decisive()
+        c_inst = cand.instances[task]
+        metrics = _compared_metrics(base, cand, task)
         if not metrics:
             skipped.append(f"{task}: no metric recorded, skipped")
-        deltas += [task_delta(task, metric, b_inst, cand.instances[task]) for metric in metrics]
+        deltas += [task_delta(task, metric, b_inst, c_inst) for metric in metrics]
+        failures.append(failures_line(task, len(b_inst.scores), sum(m is None for m in b_inst.scores.values()),
+                                      sum(m is None for m in c_inst.scores.values())))
     judge(deltas, max_acc_drop, alpha)
-    return deltas, [delta_line(d, base.tasks[d.task], cand.tasks[d.task]) for d in deltas] + skipped
+    return deltas, [delta_line(d) for d in deltas] + [x for x in failures if x] + skipped
 
 
-def _legacy_accuracy(base: dict, cand: dict, max_acc_drop: float | None) -> str:
-    """The accuracy check of runs without per-instance results: an absolute drop of the summaries' accuracy."""
+def _legacy_accuracy(base: dict, cand: dict, max_acc_drop: float | None) -> list[str]:
+    """The accuracy check of runs without per-instance results: an absolute drop of the summaries' accuracy, and
+    their failed instances."""
     limit = LEGACY_MAX_ACC_DROP if max_acc_drop is None else max_acc_drop
     b_acc, c_acc = _get(base, "accuracy"), _get(cand, "accuracy")
+    failed = failures_line(_get(cand, "task"), _get(cand, "counts.instances"),
+                           _optional(base, "counts.failed_instances") or 0,
+                           _optional(cand, "counts.failed_instances") or 0)
+    extra = [failed] if failed else []
     if b_acc is None or c_acc is None:
-        return "accuracy: not recorded in both runs, skipped"
+        return ["accuracy: not recorded in both runs, skipped", *extra]
     drop = b_acc - c_acc
     desc = f"candidate {c_acc:.4f} vs base {b_acc:.4f} ({-drop:+.4f})"
     if drop > limit + _EPS:
-        return f"REGRESSION accuracy: {desc} dropped by more than the {limit:.4f} allowed"
-    return f"accuracy: {desc} ok"
+        return [f"REGRESSION accuracy: {desc} dropped by more than the {limit:.4f} allowed", *extra]
+    return [f"accuracy: {desc} ok", *extra]
 
 
-def _speed_and_cache(base: dict, cand: dict, max_slowdown: float, min_hit_ratio: float) -> list[str]:
-    lines: list[str] = []
+# what must be the same for two runs' speeds to be compared: the device and how many of them ran
+DEVICE = ("device", "data_parallel.workers", "data_parallel.tensor_parallel")
 
-    def check(bad: bool, name: str, desc: str, why: str) -> None:
-        lines.append(f"REGRESSION {name}: {desc} {why}" if bad else f"{name}: {desc} ok")
 
+def _speed(base: dict, cand: dict, max_slowdown: float | None) -> str:
+    """The execute phase's programs/s (summary.json's throughput: model work, not loading or start-up) of both
+    runs; checked against `max_slowdown` only when given, and then only on the same device."""
     b_speed, c_speed = _get(base, "throughput.programs_per_s"), _get(cand, "throughput.programs_per_s")
     # one measure, both ways: how much slower the candidate is (base/cand - 1), or how much faster
     slowdown = b_speed / c_speed - 1 if c_speed > 0 else (0.0 if b_speed <= 0 else float("inf"))
     rel = f"{slowdown:.1%} slower" if slowdown > 0 else f"{c_speed / b_speed - 1 if b_speed > 0 else 0.0:.1%} faster"
-    check(slowdown > max_slowdown + _EPS, "speed",
-          f"candidate {c_speed:.3g} programs/s vs base {b_speed:.3g}: {rel}",
-          f"(more than the {max_slowdown:.1%} allowed)")
+    desc = f"candidate {c_speed:.3g} programs/s vs base {b_speed:.3g} (execute phase): {rel}"
+    if max_slowdown is None:
+        return f"speed: {desc}, not checked (--max-slowdown not given)"
+    other = workload_differences(base, cand, DEVICE)
+    if other:
+        raise UserError(f"cannot check speed (--max-slowdown): base and candidate ran on other devices (base vs "
+                        f"candidate: {'; '.join(other)}); compare speed between runs on the same device")
+    if slowdown > max_slowdown + _EPS:
+        return f"REGRESSION speed: {desc} (more than the {max_slowdown:.1%} allowed)"
+    return f"speed: {desc} ok"
 
+
+def _hit_rate(base: dict, cand: dict, min_hit_ratio: float) -> str:
     ratio = hit_ratio(cand)
-    check(ratio < min_hit_ratio - _EPS, "hit rate",
-          f"candidate {_get(cand, 'hit_rate'):.4f} of optimal {_get(cand, 'optimal_hit_rate'):.4f} "
-          f"(ratio {ratio:.4f}, base {hit_ratio(base):.4f})",
-          f"is below the {min_hit_ratio:.4f} required")
-    return lines
+    desc = (f"candidate {_get(cand, 'hit_rate'):.4f} of optimal {_get(cand, 'optimal_hit_rate'):.4f} "
+            f"(ratio {ratio:.4f}, base {hit_ratio(base):.4f})")
+    if ratio < min_hit_ratio - _EPS:
+        return f"REGRESSION hit rate: {desc} is below the {min_hit_ratio:.4f} required"
+    return f"hit rate: {desc} ok"
 
 
-def compare_runs(base: Run | dict, cand: Run | dict, max_slowdown: float = 0.05, min_hit_ratio: float = 0.99,
+def compare_runs(base: Run | dict, cand: Run | dict, max_slowdown: float | None = None, min_hit_ratio: float = 0.99,
                  max_acc_drop: float | None = None, alpha: float = 0.05) -> Comparison:
-    """Check candidate against base for speed, cache-hit and accuracy regressions.
+    """Check candidate against base for accuracy, failure, cache-hit and (when asked) speed regressions.
 
-    Speed and hit rate are the whole runs'. Accuracy is each task's, on the instances both runs scored: a
-    paired test (`stats.paired_test`) of the task's primary metric (every metric where it has none) flags a
-    drop significant at `alpha`, or one larger than `max_acc_drop` when given. Runs without per-instance
-    results (summaries alone) compare their accuracy against `max_acc_drop` (LEGACY_MAX_ACC_DROP if None).
-    Limits are inclusive (exactly at a threshold passes). UserError if the thresholds are out of range or the
-    runs are not comparable: other workloads (`workload_differences`), other instances (`instance_differences`).
+    Hit rate is the whole run's; speed (only with `max_slowdown`, and on the same device) the execute phase's.
+    Scores are each task's, on its instances: a paired test (`stats.paired_test`) of each metric it is compared
+    on (`TaskResult.decisive`), an instance that failed in one run counting as the worst score there, flags a
+    drop significant at `alpha`, or one larger than `max_acc_drop` when given; more failed instances in the
+    candidate is a regression of its own. Runs without per-instance results (summaries alone) compare their
+    accuracy against `max_acc_drop` (LEGACY_MAX_ACC_DROP if None). Limits are inclusive (exactly at a threshold
+    passes). UserError if the thresholds are out of range or the runs are not comparable: other workloads
+    (`workload_differences`), other instances (`instance_differences`).
     """
     check_thresholds(max_slowdown, min_hit_ratio, max_acc_drop, alpha)
     b, c = as_run(base), as_run(cand)
@@ -719,14 +832,14 @@ def compare_runs(base: Run | dict, cand: Run | dict, max_slowdown: float = 0.05,
     if diff:
         raise UserError(f"cannot compare: base and candidate ran different workloads (base vs candidate: "
                         f"{'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''})")
-    lines = _speed_and_cache(b.summary, c.summary, max_slowdown, min_hit_ratio)
+    lines = [_speed(b.summary, c.summary, max_slowdown), _hit_rate(b.summary, c.summary, min_hit_ratio)]
     if b.instances is None or c.instances is None:
-        return Comparison(lines + [_legacy_accuracy(b.summary, c.summary, max_acc_drop)], [])
+        return Comparison(lines + _legacy_accuracy(b.summary, c.summary, max_acc_drop), [])
     deltas, task_lines = _task_deltas(b, c, max_acc_drop, alpha)
     return Comparison(lines + task_lines, deltas)
 
 
-def compare(base: Run | dict, cand: Run | dict, max_slowdown: float = 0.05, min_hit_ratio: float = 0.99,
+def compare(base: Run | dict, cand: Run | dict, max_slowdown: float | None = None, min_hit_ratio: float = 0.99,
             max_acc_drop: float | None = None, alpha: float = 0.05) -> tuple[bool, list[str]]:
     """`compare_runs` as (ok, lines)."""
     found = compare_runs(base, cand, max_slowdown, min_hit_ratio, max_acc_drop, alpha)

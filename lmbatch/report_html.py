@@ -243,12 +243,17 @@ def delta_chart(deltas: Sequence[TaskDelta]) -> str:
     return svg.render()
 
 
+# Nothing wider than the window (1280 px and less): a wide table scrolls in its own box, the compare lines wrap,
+# plots shrink to the page's width.
 CSS = """body{font-family:sans-serif;margin:24px;color:#222;max-width:1200px}
-table{border-collapse:collapse;font-size:12px;margin:8px 0 20px}
+.scroll{max-width:100%;overflow-x:auto;margin:8px 0 20px}
+table{border-collapse:collapse;font-size:12px}
 th,td{border:1px solid #ddd;padding:3px 6px;text-align:right;white-space:nowrap}
 th{background:#f4f4f4}td.l,th.l{text-align:left}
-figure{margin:10px 0 26px}figcaption{font-size:13px;color:#444;margin-bottom:4px}
-pre{background:#f7f7f7;padding:8px;font-size:12px;overflow-x:auto}.bad{color:#d03c3c;font-weight:bold}"""
+figure{margin:10px 0 26px;max-width:100%;overflow-x:auto}figcaption{font-size:13px;color:#444;margin-bottom:4px}
+svg{max-width:100%;height:auto}
+pre{background:#f7f7f7;padding:8px;font-size:12px;white-space:pre-wrap;overflow-wrap:anywhere}
+.bad{color:#d03c3c;font-weight:bold}"""
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
@@ -256,7 +261,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) 
     def row(values: Sequence[str], tag: str) -> str:
         return "<tr>" + "".join(f'<{tag}{" class=l" if i < left else ""}>{esc(v)}</{tag}>'
                                 for i, v in enumerate(values)) + "</tr>"
-    return "<table>" + row(header, "th") + "".join(row(r, "td") for r in rows) + "</table>"
+    return '<div class="scroll"><table>' + row(header, "th") + "".join(row(r, "td") for r in rows) + "</table></div>"
 
 
 def _figure(caption: str, svg: str) -> str:
@@ -311,6 +316,33 @@ def render_html(runs: Sequence[Run], comparison: Comparison | None = None) -> st
                       "on its own thread overlaps data and tokenize)", time_chart(runs))]
     return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>lmbatch report</title>'
             f"<style>{CSS}</style></head><body>{''.join(parts)}</body></html>\n")
+
+
+def _is_html(path: Path) -> bool:
+    """Whether a file's first bytes are an HTML page's (`<!DOCTYPE html` or `<html`, after blanks and a BOM)."""
+    try:
+        with open(path, "rb") as f:
+            start = f.read(512)
+    except OSError:
+        return False
+    return start.lstrip(b"\xef\xbb\xbf \t\r\n").lower().startswith((b"<!doctype html", b"<html"))
+
+
+def check_target(path: Path, runs: Sequence[Path]) -> None:
+    """--html FILE may replace an earlier report, nothing else: not a file in a run directory it reads (a run's
+    summary.json, say), nor any existing file that is not an HTML page. UserError otherwise."""
+    if not path.exists():
+        return
+    target = path.resolve()
+    for run in runs:
+        folder = Path(run).resolve()
+        folder = folder.parent if folder.is_file() else folder      # a run given as its summary.json
+        if target.parent == folder:
+            raise UserError(f"--html {path}: it is a file of run {run} (which this report reads): it would be "
+                            "written over; name another file")
+    if not _is_html(path):
+        raise UserError(f"--html {path}: it exists and is not an HTML page: it would be written over; name "
+                        "another file (or remove it)")
 
 
 def write_html(path: Path, runs: Sequence[Run], comparison: Comparison | None = None) -> None:
