@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_GEN_TOKS = 256      # lm-eval's HF backend's default
-INSTANCES: list[LMBatch] = []   # backends made in this process (lm-eval makes its model itself)
+INSTANCES: list[LMBatch] = []   # the backend made last in this process (lm-eval makes its model itself); one
+# only: each holds its engine's weights and KV pool, and a process that evaluates again keeps the new one
 
 
 @register_model("lmbatch")
@@ -107,7 +108,7 @@ class LMBatch(TemplateLM):
         self.kept_scores = 0        # scores read from the score cache
         self.stats = RunStats()     # every call's counts, for the run's report
         self.seconds: dict[str, float] = {"setup": time.perf_counter() - start}
-        INSTANCES.append(self)
+        INSTANCES[:] = [self]
 
     @property
     def loaded(self) -> Loaded:
