@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 from lmbatch.cache import cache_dir
 from lmbatch.errors import UserError, first_line
 from lmbatch.model.config import ARCHITECTURES, ModelConfig, config_problem
+from lmbatch.model.names import name_problem
 from lmbatch.model.shapes import TensorHeader, shape_problem
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -41,15 +43,24 @@ def embedded_gguf() -> Path:
     return path
 
 
+EMBEDDED_BYTES = 542_000_000     # the converted folder (float32 safetensors 538 MB, tokenizer 3.5 MB)
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+CANNOT_WRITE = (*NO_ROOM, errno.EACCES, errno.EROFS, errno.EPERM)
+
+
 def embedded_model_dir() -> Path:
-    """HF folder of the embedded model, converted from its GGUF into the cache on first use."""
+    """HF folder of the embedded model, converted from its GGUF into the cache on first use: into a
+    temporary folder named by this process (`.NAME.PID@HOST.xxxx`; a killed conversion's is removed by the
+    next one), renamed into place when whole."""
     target = cache_dir() / "models" / EMBEDDED_NAME
+    _remove_dead_conversions(target.parent)
     if (target / "config.json").is_file():
         return target
     gguf_path = embedded_gguf()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_NAME}.", dir=target.parent))
+        _check_room(target.parent)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_NAME}.{os.getpid()}@{_host()}.", dir=target.parent))
     except OSError as e:       # a read-only cache, or a file where the folder should be
         raise UserError(f"cannot write the model cache {target.parent} ({e.strerror or e}): set LMBATCH_CACHE to a "
                         f"writable folder (the embedded model is converted into it once)") from None
@@ -62,14 +73,63 @@ def embedded_model_dir() -> Path:
         except OSError:
             if not (target / "config.json").is_file():  # nobody else won the race: a real failure
                 raise
-    except OSError as e:        # the disk filled up while converting
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM):
+    except Exception as e:      # the disk filled up while converting (safetensors' writer: its own error)
+        problem = _write_problem(e)
+        if problem is None:
             raise
-        raise UserError(f"cannot write the model cache {target.parent} ({e.strerror or e}): set LMBATCH_CACHE to a "
-                        "writable folder with room for the embedded model (about 520 MB)") from None
+        raise UserError(f"cannot write the model cache {target.parent} ({problem}): the embedded model needs about "
+                        f"{EMBEDDED_BYTES // 10**6} MB there; free space or set LMBATCH_CACHE to a writable folder "
+                        "with room") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "-"
+
+
+def _remove_dead_conversions(models: Path) -> None:
+    """The temporary folders of conversions on this host whose process is gone (SIGKILL, OOM: 200+ MB each).
+    A folder another host's conversion makes (a shared cache) is left to that host."""
+    pattern = re.compile(rf"\.{re.escape(EMBEDDED_NAME)}\.(\d+)@{re.escape(_host())}\.")
+    for leftover in models.glob(f".{EMBEDDED_NAME}.*"):
+        m = pattern.match(leftover.name)
+        if m and leftover.is_dir() and not _alive(int(m.group(1))):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:     # another user's
+        return True
+    return True
+
+
+def _check_room(folder: Path) -> None:
+    """Refuse before converting where the folder's disk has no room for the embedded model."""
+    free = shutil.disk_usage(folder).free
+    if free < EMBEDDED_BYTES:
+        raise UserError(f"cannot write the model cache {folder} (no space left: {free // 10**6} MB free): the "
+                        f"embedded model needs about {EMBEDDED_BYTES // 10**6} MB there; free space or set "
+                        "LMBATCH_CACHE to a writable folder with room")
+
+
+def _write_problem(e: Exception) -> str | None:
+    """What kept a conversion from writing its folder (a full disk, no permission), or None: another error.
+    safetensors' writer raises its own SafetensorError, naming the OS error in its text."""
+    if isinstance(e, OSError):
+        return (e.strerror or str(e)) if e.errno in CANNOT_WRITE else None
+    if type(e).__name__ == "SafetensorError":
+        text = str(e)
+        if "StorageFull" in text or "No space left on device" in text or "code: 28" in text:
+            return "No space left on device"
+        if "QuotaExceeded" in text or "code: 122" in text:
+            return "Disk quota exceeded"
+    return None
 
 
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
@@ -226,12 +286,13 @@ def _check_weights(path: Path, native: bool) -> tuple[dict[str, TensorHeader], s
 
 
 def _check_shapes(path: Path, config: dict, tensors: dict[str, TensorHeader], where: str) -> None:
-    """A native model's config agrees with its weights' shapes (shapes.py), else one line naming both."""
+    """A native model's config agrees with its weights' shapes (shapes.py) and names (names.py: every tensor
+    has its place in the model, every parameter its tensor), else one line naming both."""
     try:
         cfg = ModelConfig.from_json(config)
     except ValueError as e:     # a supported model_type with a variant we do not run (e.g. its RoPE)
         raise UserError(f"model at {path}: {first_line(e)}") from None
-    problem = shape_problem(cfg, config, tensors, where)
+    problem = shape_problem(cfg, config, tensors, where) or name_problem(cfg, list(tensors), where)
     if problem:
         raise UserError(f"model at {path}: {problem}")
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,34 +9,17 @@ import torch
 from safetensors import safe_open
 
 from lmbatch.model.config import ModelConfig
+from lmbatch.model.names import EXPERT, EXPERT_PART, FUSED, renamed
 from lmbatch.model.network import Transformer
 from lmbatch.model.tensor_parallel import shard_tensor
-
-# HF name suffix -> (our parameter suffix, index of the shard within a fused parameter, or None)
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
-
-
-# one expert's weight: Qwen3-MoE's names, then Mixtral's (w1 gate, w3 up, w2 down)
-_EXPERT = re.compile(r"(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
-_EXPERT_PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": None, "w2": None}
-_RENAMED = {"block_sparse_moe.gate.": "mlp.gate.",                  # Mixtral's router
-            "mlp.experts.gate_up_proj": "mlp.gate_up_proj",         # experts already stacked ([E, ...])
-            "mlp.experts.down_proj": "mlp.down_proj"}
 
 
 def _expert_slot(model: Transformer, name: str) -> tuple[str, int, slice] | None:
     """(our stacked parameter, expert, rows of it) for one expert's weight, else None."""
-    m = _EXPERT.fullmatch(name)
+    m = EXPERT.fullmatch(name)
     if m is None:
         return None
-    layer, expert, part = m.group(1), int(m.group(2)), _EXPERT_PART[m.group(3)]
+    layer, expert, part = m.group(1), int(m.group(2)), EXPERT_PART[m.group(3)]
     if part is None:
         return f"{layer}.mlp.down_proj", expert, slice(None)
     i = model.cfg.moe_intermediate_size
@@ -83,11 +65,9 @@ def load_weights(model: Transformer, source: str | Path | dict[str, torch.Tensor
     pending = set(params)
     tp = model.tp
     for name, whole in tensors:
-        ours = name.removeprefix("model.")
-        if "rotary_emb" in ours or (ours == "lm_head.weight" and model.lm_head is None):
+        ours = renamed(name, model.lm_head is None)
+        if ours is None:
             continue
-        for theirs, mine in _RENAMED.items():
-            ours = ours.replace(theirs, mine)
         if (slot := _expert_slot(model, ours)) is not None:
             key, expert, rows = slot
             tensor = whole if tp is None else shard_tensor(key, whole, full or model.cfg, tp)
@@ -95,7 +75,7 @@ def load_weights(model: Transformer, source: str | Path | dict[str, torch.Tensor
             pending.discard(key)
             continue
         module, kind = ours.rsplit(".", 1)
-        for hf_sfx, (our_sfx, shard) in _FUSED.items():
+        for hf_sfx, (our_sfx, shard) in FUSED.items():
             if module.endswith(hf_sfx):
                 key = module[: -len(hf_sfx)] + our_sfx + "." + kind
                 tensor = whole if tp is None else shard_tensor(key, whole, full or model.cfg, tp)

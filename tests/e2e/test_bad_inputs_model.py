@@ -181,6 +181,17 @@ def _tensors(edit_names):
     return edit
 
 
+def _extra_tensor(name):
+    """Rewrite model.safetensors with one more tensor, named `name`."""
+    def edit(d):
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(d / "model.safetensors"))
+        save_file({**tensors, name: torch.zeros(4)}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return edit
+
+
 def _index(weight_map):
     def edit(d):
         from safetensors import safe_open
@@ -239,6 +250,12 @@ FOLDER_CASES = {
     "intermediate-size": (_config(intermediate_size=256),
                           ": config.json intermediate_size is 256 but model.safetensors has 128 rows in "
                           "model.layers.0.mlp.gate_proj.weight"),
+    # issue 47: these failed as a KeyError's traceback once the weights were read (17 s into the run)
+    "tensor-with-no-place": (_extra_tensor("model.layers.0.mlp.extra.weight"),
+                             ": model.safetensors holds model.layers.0.mlp.extra.weight, which a llama model of this "
+                             "config.json has no place for"),
+    "norm-missing": (_tensors(lambda names: [n for n in names if n != "model.layers.1.input_layernorm.weight"]),
+                     ": model.safetensors has no tensor for the model's layers.1.input_layernorm.weight"),
     "untied-without-lm-head": (_config(tie_word_embeddings=False),
                                ": config.json tie_word_embeddings is false but there is no lm_head.weight in "
                                "model.safetensors"),
@@ -377,6 +394,26 @@ def test_every_tiny_family_passes_the_shape_check(families, kind):
     assert len(tensors) > 10 and where == "model.safetensors"
     assert shape_problem(ModelConfig.from_json(raw), raw, tensors, where) is None
     assert resolve_model(str(folder)) == folder.resolve()
+
+
+@pytest.mark.parametrize("kind", list(TINY_CONFIGS))
+def test_the_parameter_names_known_without_torch_are_the_networks(families, kind):
+    """names.py's parameters of a config are `Transformer(cfg)`'s, and every tensor of the family's
+    checkpoint has its place among them: the name check before loading refuses only what loading would."""
+    import torch
+
+    from lmbatch.model.checkpoint import _check_weights
+    from lmbatch.model.config import ModelConfig
+    from lmbatch.model.names import name_problem, parameter_names, target
+    from lmbatch.model.network import Transformer
+
+    cfg = ModelConfig.from_dir(families / kind)
+    with torch.device("meta"):
+        params = {name for name, _ in Transformer(cfg).named_parameters()}
+    assert parameter_names(cfg) == params
+    tensors, where = _check_weights(families / kind, native=True)
+    assert {target(n, cfg) for n in tensors} - {None} == params
+    assert name_problem(cfg, list(tensors), where) is None
 
 
 def test_the_embedded_model_passes_the_shape_check():

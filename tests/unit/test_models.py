@@ -265,6 +265,76 @@ def test_conversion_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert list((tmp_path / "models").iterdir()) == [target]
 
 
+@pytest.mark.parametrize("failure", ["safetensors", "oserror"])
+def test_a_full_disk_during_the_conversion_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      failure: str) -> None:
+    """Issue 47: a full cache disk while converting was a 54-line SafetensorError traceback (safetensors'
+    writer raises its own error, not OSError). Now one line naming the folder and the room needed, and
+    no temporary folder left."""
+    import errno
+
+    import safetensors.numpy
+
+    import lmbatch.model.gguf_convert as convert
+
+    monkeypatch.setenv("LMBATCH_CACHE", str(tmp_path))
+    if failure == "safetensors":
+        def full(*args: object, **kwargs: object) -> None:
+            raise safetensors.SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                                              'message: "No space left on device" })')
+        monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    else:
+        def full_tokenizer(meta: object, out: Path) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(convert, "write_tokenizer", full_tokenizer)
+    with pytest.raises(UserError) as e:
+        embedded_model_dir()
+    assert str(e.value).startswith(f"cannot write the model cache {tmp_path / 'models'} (No space left on device): "
+                                   "the embedded model needs about 542 MB there")
+    assert "\n" not in str(e.value) and list((tmp_path / "models").iterdir()) == []
+
+
+def test_no_room_for_the_conversion_is_refused_before_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+    from types import SimpleNamespace
+
+    import lmbatch.model.checkpoint as models
+
+    monkeypatch.setenv("LMBATCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=10**9, used=9 * 10**8, free=10**8))
+
+    def never(gguf_path: Path, out: Path) -> None:
+        raise AssertionError("converted without room")
+    monkeypatch.setattr(models, "_convert_gguf", never)
+    with pytest.raises(UserError, match=r"no space left: 100 MB free\): the embedded model needs about 542 MB"):
+        embedded_model_dir()
+
+
+def test_a_killed_conversions_temporary_folder_is_removed_by_the_next_run(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 47: a kill -9 while converting left a 213 MB hidden folder for good. Each conversion's folder
+    names its process and host; the next run removes those of this host whose process is gone, and
+    leaves a live conversion's and another host's."""
+    import subprocess
+    import sys
+
+    from lmbatch.model.checkpoint import _host
+
+    monkeypatch.setenv("LMBATCH_CACHE", str(tmp_path))
+    models = tmp_path / "models"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    folders = {name: models / f".{EMBEDDED_NAME}.{pid}@{host}.x1y2" for name, pid, host in
+               [("dead", int(dead.stdout), _host()), ("live", __import__("os").getpid(), _host()),
+                ("elsewhere", int(dead.stdout), "another-host")]}
+    for folder in folders.values():
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"half")
+    (models / EMBEDDED_NAME).mkdir()
+    (models / EMBEDDED_NAME / "config.json").write_text("{}")
+    assert embedded_model_dir() == models / EMBEDDED_NAME
+    assert not folders["dead"].exists() and folders["live"].exists() and folders["elsewhere"].exists()
+
+
 @pytest.mark.parametrize("preset,billions", [("qwen3-8b", 8.19), ("qwen3-30b-a3b", 3.35), ("qwen2.5-1.5b", 1.54)])
 def test_active_parameters_of_presets(preset: str, billions: float) -> None:
     """Linear weights a token runs through (MoE: the routed experts only) plus embeddings and LM head

@@ -1,0 +1,94 @@
+"""Which of our network's parameters a checkpoint tensor goes to, by name, and which parameters a config's
+network has (network.py's `Transformer(cfg).named_parameters()`, without torch): weights.py loads by these
+names, and checkpoint.py compares a native checkpoint's tensor names (from its safetensors headers) with
+them before any other work, so that a tensor the model has no place for, or a parameter no tensor fills,
+is one line at once rather than a KeyError once the weights are read."""
+from __future__ import annotations
+
+import re
+
+from lmbatch.model.config import ModelConfig
+
+# HF name suffix -> (our parameter suffix, index of the shard within a fused parameter)
+FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+# one expert's weight: Qwen3-MoE's names, then Mixtral's (w1 gate, w3 up, w2 down)
+EXPERT = re.compile(r"(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                    r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+EXPERT_PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": None, "w2": None}
+RENAMED = {"block_sparse_moe.gate.": "mlp.gate.",                  # Mixtral's router
+           "mlp.experts.gate_up_proj": "mlp.gate_up_proj",         # experts already stacked ([E, ...])
+           "mlp.experts.down_proj": "mlp.down_proj"}
+_NORMS = {"pre": ("input_layernorm", "post_attention_layernorm"),
+          "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+          "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                       "post_feedforward_layernorm")}
+
+
+def renamed(name: str, tie_word_embeddings: bool) -> str | None:
+    """A checkpoint tensor's name as ours (no "model." prefix, Mixtral's router renamed), or None for one
+    that is not loaded (RoPE's cached frequencies; the LM head of a model whose embedding is its head)."""
+    ours = name.removeprefix("model.")
+    if "rotary_emb" in ours or (ours == "lm_head.weight" and tie_word_embeddings):
+        return None
+    for theirs, mine in RENAMED.items():
+        ours = ours.replace(theirs, mine)
+    return ours
+
+
+def target(name: str, cfg: ModelConfig) -> str | None:
+    """The parameter the checkpoint tensor `name` is copied into (a fused or stacked one: a slice of it), or
+    None where it is not loaded. The parameter may not exist: `parameter_names` says."""
+    ours = renamed(name, cfg.tie_word_embeddings)
+    if ours is None:
+        return None
+    if m := EXPERT.fullmatch(ours):
+        return f"{m.group(1)}.mlp.{'down_proj' if EXPERT_PART[m.group(3)] is None else 'gate_up_proj'}"
+    module, _, kind = ours.rpartition(".")
+    for hf_sfx, (our_sfx, _) in FUSED.items():
+        if module.endswith(hf_sfx):
+            return f"{module[: -len(hf_sfx)]}{our_sfx}.{kind}"
+    return ours
+
+
+def parameter_names(cfg: ModelConfig) -> set[str]:
+    """The names of `Transformer(cfg)`'s parameters (tests/unit/test_models.py compares them)."""
+    names = {"embed_tokens.weight", "norm.weight"} | (set() if cfg.tie_word_embeddings else {"lm_head.weight"})
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        names |= {f"{p}{norm}.weight" for norm in _NORMS.get(cfg.norm_layout, _NORMS["pre"])}
+        names |= {p + "self_attn.qkv_proj.weight", p + "self_attn.o_proj.weight"}
+        if cfg.qkv_bias:
+            names.add(p + "self_attn.qkv_proj.bias")
+        if cfg.qk_norm:
+            names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
+        # network.py: only a pre-norm Block routes to experts
+        sparse = cfg.norm_layout not in ("post", "sandwich") and bool(cfg.sparse_layers) and cfg.sparse_layers[i]
+        names |= {p + "mlp.gate.weight", p + "mlp.gate_up_proj", p + "mlp.down_proj"} if sparse else \
+            {p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight"}
+    return names
+
+
+def name_problem(cfg: ModelConfig, tensors: list[str], where: str) -> str | None:
+    """The first checkpoint tensor the network has no place for, else the first parameter no tensor fills,
+    in one phrase; None where every tensor has its place and every parameter a tensor."""
+    params = parameter_names(cfg)
+    filled: set[str] = set()
+    for name in tensors:
+        key = target(name, cfg)
+        if key is None:
+            continue
+        if key not in params:
+            return (f"{where} holds {name}, which a {cfg.model_type} model of this config.json has no place for "
+                    "(a tensor of another architecture or layer count?)")
+        filled.add(key)
+    missing = sorted(params - filled)
+    if missing:
+        return f"{where} has no tensor for the model's {missing[0]}" + (
+            f" (and {len(missing) - 1} other parameters)" if len(missing) > 1 else "")
+    return None
