@@ -105,9 +105,12 @@ def _metrics(w: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _shots(o: RunOptions, w: Workload) -> int | None:
-    """The few-shot examples the prompts hold (a suite's tasks that differ: None)."""
-    return w.shots(o.shots) if w.tasks is None or w.fixed_shots is not None or \
-        all(t.fixed_shots is None for t in w.tasks.values()) else None
+    """The few-shot examples the prompts hold: a suite's, where every task ran with the same (OLMES's fixed
+    5 and `--shots 5`: 5); None where its tasks differ."""
+    if w.tasks is None or w.fixed_shots is not None:
+        return w.shots(o.shots)
+    each = {t.shots(o.shots) for t in w.tasks.values()}
+    return each.pop() if len(each) == 1 else None
 
 
 def build(o: RunOptions, w: Workload, run_id: str, loaded: Loaded, merged: Merged, interp: Interpreter,
