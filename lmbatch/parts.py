@@ -3,12 +3,15 @@ the run directory as parts (`PartWriter`), when (`Every`), and Ctrl-C / SIGTERM 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
+
+from lmbatch.task_results import NAN_ERROR
 
 if TYPE_CHECKING:
     from lmbatch.frontend.runs import ProgramRun
@@ -82,6 +85,17 @@ def _jsonable(v: Any) -> Any:
     return v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
 
 
+def _nan(metrics: dict[str, float], ans: dict[str, Any] | None, answer: str | None) -> str | None:
+    """The error of an instance whose answer's logprobs or metrics are NaN (a model with NaN weights), else None."""
+    if ans is not None and any(math.isnan(x) for x in ans["logprobs"]):
+        return (f"{NAN_ERROR}: the model's log-probabilities of select {answer!r}'s choices are NaN (its weights or "
+                "its numerics are broken), so no choice was picked")
+    bad = sorted(k for k, v in metrics.items() if math.isnan(v))
+    if bad:
+        return f"{NAN_ERROR}: metric {bad[0]!r} is NaN" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+    return None
+
+
 def instance_rows(w: Workload, runs: list[ProgramRun]) -> list[dict[str, Any]]:
     """instances.parquet's rows (docs/outputs.md) of finished programs, each scored by its task (a
     suite's instances by theirs)."""
@@ -97,8 +111,11 @@ def instance_rows(w: Workload, runs: list[ProgramRun]) -> list[dict[str, Any]]:
                 error = f"score: {type(e).__name__}: {e}"
         assert s is not None
         ans = s.meta(tw.answer) if tw.answer and tw.answer in s and run.error is None else None
+        nan = None if error is not None else _nan(metrics, ans, tw.answer)
+        if nan is not None:                 # a NaN score is no score: the instance failed, and the run warns
+            error, metrics = nan, {}
         t = run.tokens
-        primary = tw.primary_metric
+        primary = tw.primary_metric or "acc"
         rows.append(dict(task=tw.name, subject=inst.subject, id=inst.id,
                          prediction=None if ans is None else str(ans["index"]),     # comparable with gold
                          gold=None if inst.gold is None else str(inst.gold),

@@ -145,6 +145,7 @@ def build(o: RunOptions, w: Workload, run_id: str, loaded: Loaded, merged: Merge
                    "truncated_calls": interp.truncated,
                    "resumed_instances": sum(r["attempt"] < attempt for r in rows)},
         **_metrics(w, rows),
+        "warnings": task_results.warnings(rows),
         "tasks": task_results.tasks_block(w, rows, interp.tally.tasks, interp.tally.task_unique),
         "tokens": {"prompt": stats.prompt_tokens, "cached": stats.cached_tokens, "computed": stats.computed_tokens,
                    "unique": stats.unique_tokens, "decode": stats.decode_tokens,
@@ -199,7 +200,8 @@ def closing_line(summary: dict[str, Any]) -> str:
             + _scores(summary)
             + f"  hit rate {summary['hit_rate']:.4f} (optimum {summary['optimal_hit_rate']:.4f})  wall "
             f"{t['total']:.1f}s ({largest(t)}" + (f"; model side {side}" if side else "") + ")"
-            + _workers(summary["data_parallel"]) + f"  {runtime}")
+            + _workers(summary["data_parallel"]) + f"  {runtime}"
+            + "".join(f"  WARNING: {w}" for w in summary.get("warnings", [])))
 
 
 def _workers(dp: dict[str, Any]) -> str:

@@ -39,9 +39,36 @@ def metrics_block(rows: list[dict[str, Any]]) -> dict[str, float | None]:
     return out
 
 
-def primary_metric(w: Workload, task: str) -> str:
-    """The metric a task's `correct` and accuracy are (a suite's task: its own)."""
+# An instance whose scores are NaN (a model with NaN weights, say) failed: its error starts so, and the run warns.
+NAN_ERROR = "score: NaN"
+
+
+def declared_metric(w: Workload, task: str) -> str | None:
+    """The primary metric a task's workload declares (a suite's task: its own); None for a task with its own
+    metrics (json, a program file)."""
     return w.tasks[task].primary_metric if w.tasks is not None and task in w.tasks else w.primary_metric
+
+
+def carried(rows: list[dict[str, Any]], task: str) -> list[str]:
+    """The metrics a task's scored instances carry, by name."""
+    return sorted({k for r in rows if r["task"] == task and r["error"] is None for k in r["metrics"]})
+
+
+def primary_metric(w: Workload, task: str, rows: list[dict[str, Any]]) -> str | None:
+    """The metric a task's accuracy is: the one its workload declares (acc; an OLMES task's config's), else the
+    first (by name) its instances carry (json: complete; a program file's own); None if they carry none."""
+    declared = declared_metric(w, task)
+    if declared is not None:
+        return declared
+    names = carried(rows, task)
+    return names[0] if names else None
+
+
+def compared_metrics(w: Workload, task: str, rows: list[dict[str, Any]]) -> list[str]:
+    """The metrics `lmbatch report --compare` tests a task on: the declared primary one, else every one its
+    instances carry (json: complete and valid; a program file's: all of its own)."""
+    declared = declared_metric(w, task)
+    return [declared] if declared is not None else carried(rows, task)
 
 
 def task_names(w: Workload, rows: list[dict[str, Any]]) -> list[str]:
@@ -53,14 +80,15 @@ def task_names(w: Workload, rows: list[dict[str, Any]]) -> list[str]:
 def tasks_block(w: Workload, rows: list[dict[str, Any]], tokens: dict[str, TokenCounts],
                 unique: dict[str, int]) -> dict[str, dict[str, Any]]:
     """summary.json's `tasks`: per task, its instances and failures (of every attempt), its primary
-    metric, its metrics with their standard errors, and this attempt's tokens and hit rates (`tokens`,
-    `unique`: by task, from the interpreter's tally)."""
+    metric and those a comparison tests, its metrics with their standard errors, and this attempt's tokens and
+    hit rates (`tokens`, `unique`: by task, from the interpreter's tally)."""
     out = {}
     for task in task_names(w, rows):
         mine = [r for r in rows if r["task"] == task]
         t = tokens.get(task, TokenCounts())
         out[task] = {"n": len(mine), "failed": sum(r["error"] is not None for r in mine),
-                     "primary_metric": primary_metric(w, task),
+                     "primary_metric": primary_metric(w, task, rows),
+                     "compared_metrics": compared_metrics(w, task, rows),
                      "metrics": metrics_block([r for r in mine if r["error"] is None]),
                      "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
                      "computed_tokens": t.computed_tokens,
@@ -72,8 +100,18 @@ def tasks_block(w: Workload, rows: list[dict[str, Any]], tokens: dict[str, Token
 def accuracy(w: Workload, rows: list[dict[str, Any]]) -> list[float]:
     """Each scored instance's value of its task's primary metric (the run's accuracy is their mean)."""
     values = []
+    primary = {task: primary_metric(w, task, rows) for task in {r["task"] for r in rows}}
     for r in rows:
-        metric = primary_metric(w, r["task"])
+        metric = primary[r["task"]]
         if r["error"] is None and metric in r["metrics"]:
             values.append(r["metrics"][metric])
     return values
+
+
+def warnings(rows: list[dict[str, Any]]) -> list[str]:
+    """What the run's closing line and summary.json warn of: instances whose scores were NaN."""
+    nan = sum(r["error"] is not None and str(r["error"]).startswith(NAN_ERROR) for r in rows)
+    if not nan:
+        return []
+    return [f"{nan} of {len(rows)} instances scored NaN and count as failed: the model computes NaN (its weights, "
+            "or its numerics in this dtype, are broken)"]

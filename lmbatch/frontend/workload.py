@@ -57,7 +57,10 @@ class Workload:
     # cached, keyed by them among the rest (lmbatch/workload_cache.py); None: not cached (a program file,
     # whose code may read anything)
     data_files: Callable[[], list[Path]] | None = None
-    primary_metric: str = "acc"     # the metric `correct` and `accuracy` are (OLMES: its config's primary_metric)
+    # the metric `correct` and `accuracy` are, and `report --compare` tests (OLMES: its config's primary_metric);
+    # None: a task with its own metrics (json, a program file): accuracy is the first (by name) its instances
+    # carry, and a comparison tests every one
+    primary_metric: str | None = "acc"
     # the few-shot examples its prompts hold whatever --shots says (OLMES's request files hold 5; a suite's
     # MMLU is pinned at 5): --shots may only be left out or be this
     fixed_shots: int | None = None
@@ -120,12 +123,18 @@ def load_file(path: Path) -> Workload:
                 rows = list(rows)          # a generator, say
             except TypeError:
                 raise UserError(f"{path}: instances() must return a list of dicts, got {type(rows).__name__}") from None
-        out = []
+        out: list[Instance] = []
+        seen: dict[str, int] = {}      # id -> the item that had it
         for k, row in enumerate(rows[:args.limit] if args.limit else rows):
             if not isinstance(row, dict):
                 raise UserError(f"{path}: instances() must return dicts of program inputs; item {k} is a "
                                 f"{type(row).__name__}")
-            out.append(Instance(str(row.get("id", k)), {n: v for n, v in row.items() if n not in RESERVED},
+            key = str(row.get("id", k))
+            if key in seen:     # results are kept, resumed and compared by id: each must name one instance
+                raise UserError(f"{path}: instances() returned id {key!r} twice (items {seen[key]} and {k}): "
+                                "each instance needs an id of its own")
+            seen[key] = k
+            out.append(Instance(key, {n: v for n, v in row.items() if n not in RESERVED},
                                 str(row.get("subject", "")), row.get("gold")))
         return out
 
@@ -134,4 +143,4 @@ def load_file(path: Path) -> Workload:
         return {k: float(v) for k, v in user_score(row, state).items()}
 
     return Workload(path.stem, (module.__doc__ or "").strip().split("\n")[0], module.program, instances,
-                    score if callable(user_score) else None, max_shots=None)
+                    score if callable(user_score) else None, max_shots=None, primary_metric=None)

@@ -164,6 +164,9 @@ def test_user_program_file_runs_from_the_cli(tiny_tok, tmp_path):
      "program failed on instance 0: KeyError"),
     ("def instances():\n    return [1]\ndef program(s):\n    pass\n", "must return dicts"),
     ("import nosuchmodule\n", "ModuleNotFoundError"),
+    # issue 47 item 8b: ids name results (resume, report --compare): one given twice is refused as the file loads
+    ("def instances():\n    return [{'id': 'q', 'a': 1}, {'id': 'r', 'a': 2}, {'id': 'q', 'a': 3}]\n"
+     "def program(s, a):\n    pass\n", "instances() returned id 'q' twice (items 0 and 2)"),
 ])
 def test_bad_program_files_fail_in_one_line(tiny_tok, tmp_path, body, needle):
     f = tmp_path / "bad.py"
