@@ -721,3 +721,187 @@ def test_a_suite_summarys_own_accuracy_error_and_shots_are_shown(tmp_path):
     (run / "summary.json").write_text(json.dumps({**s, "accuracy_stderr": "0.1"}))
     with pytest.raises(UserError, match="field 'accuracy_stderr' is '0.1'"):
         load_run(run)
+
+
+# --- issue 47: a CI gate that cannot be fooled ----------------------------------------------------------------
+
+SIX = {"mmlu": accs([1, 1, 1, 0, 0, 0])}
+
+
+def gate(base: Path, cand: Path, *extra) -> tuple[int, list[str]]:
+    """report --compare's exit code and its lines."""
+    r = report_cli("--compare", base, cand, *extra)
+    assert r.exit_code in (0, 1) and "Traceback" not in r.output, r.output
+    return r.exit_code, r.stdout.splitlines()
+
+
+def regressions(lines: list[str]) -> list[str]:
+    return [x for x in lines if x.startswith("REGRESSION")]
+
+
+def test_a_run_passes_against_itself(tmp_path):
+    for name, scores in (("mmlu", SIX), ("json", {"json": {f"c{i}": {"complete": 1.0, "valid": float(i % 2)}
+                                                           for i in range(8)}})):
+        run = write_scored_run(tmp_path, name, scores)
+        code, lines = gate(run, run, "--max-slowdown", 0.05, "--max-acc-drop", 0.0)
+        assert code == 0 and not regressions(lines), lines
+
+
+def test_a_candidate_whose_every_instance_failed_is_a_regression(tmp_path):
+    """Item 1: `6 instances  6 FAILED` compared as `rl acc: no instance scored in both runs, skipped`, exit 0."""
+    base = write_scored_run(tmp_path, "base", SIX)
+    cand = write_scored_run(tmp_path, "cand", {"mmlu": {}}, errors={"mmlu": {f"q{i}": "boom" for i in range(6)}})
+    code, lines = gate(base, cand)
+    assert code == 1 and regressions(lines) == [
+        "REGRESSION mmlu failed: candidate 6 of 6 instances failed, base 0: more instances failed (see "
+        "instances.parquet's error column)"]
+    assert f"(-0.5000 over 6 instances: 3 worse, 0 better; McNemar mid-p p={mcnemar(3, 0):.3g}; failed, each scored " \
+           "0: candidate 6, base 0) ok" in lines[2]           # 3 of 6: too few to be significant alone
+    code, lines = gate(base, cand, "--max-acc-drop", 0.01)
+    assert code == 1 and regressions(lines)[0].startswith(
+        "REGRESSION mmlu acc: candidate 0.0000 ± 0.0000 vs base 0.5000 ± 0.2236 ")
+    assert regressions(lines)[0].endswith("dropped by more than the 0.0100 allowed")
+
+
+def test_a_candidate_failing_exactly_the_instances_base_got_right_is_a_regression(tmp_path):
+    """Item 1: `... failed: candidate 3, base 0) ok`, exit 0: the instances left were those both got wrong."""
+    base = write_scored_run(tmp_path, "base", SIX, tasks_block=True)
+    scores = {k: v for k, v in accs([0, 0, 0, 0, 0, 0]).items() if k >= "q3"}
+    cand = write_scored_run(tmp_path, "cand", {"mmlu": scores}, errors={"mmlu": {f"q{i}": "x" for i in range(3)}},
+                            tasks={"mmlu": {**task_block(scores), "failed": 3}})
+    code, lines = gate(base, cand, "--max-acc-drop", 0.01)
+    assert code == 1 and [x.split(":")[0] for x in regressions(lines)] == ["REGRESSION mmlu acc",
+                                                                          "REGRESSION mmlu failed"]
+    assert "(-0.5000 over 6 instances: 3 worse, 0 better" in regressions(lines)[0]
+    assert gate(base, cand)[0] == 1                                 # the failures alone
+
+
+def json_scores(valid: list) -> dict:
+    return {f"c{i}": {"complete": 1.0, "valid": float(v)} for i, v in enumerate(valid)}
+
+
+def test_every_metric_of_a_json_task_is_compared(tmp_path):
+    """Item 2: json's summary said primary_metric acc, which no instance has, so --compare skipped it."""
+    from lmbatch.report import load_run
+    from lmbatch.report_html import _categories
+
+    old_block = {"json": {**task_block(accs([1])), "primary_metric": "acc", "metrics": {"complete": 1.0, "valid": 1.0}}}
+    base = write_scored_run(tmp_path, "base", {"json": json_scores([1] * 20)}, tasks=old_block)     # an older run
+    new_block = {"json": {**task_block(accs([1])), "primary_metric": "complete", "compared_metrics": [
+        "complete", "valid"], "metrics": {"complete": 1.0, "valid": 0.1}}}
+    cand = write_scored_run(tmp_path, "cand", {"json": json_scores([1, 1] + [0] * 18)}, tasks=new_block)
+    code, lines = gate(base, cand)
+    assert code == 1 and lines[2].startswith("json complete: candidate 1.0000") and lines[2].endswith(" ok")
+    assert regressions(lines) == [
+        f"REGRESSION json valid: candidate 0.1000 ± 0.0688 vs base 1.0000 ± 0.0000 (-0.9000 over 20 instances: 18 "
+        f"worse, 0 better; McNemar mid-p p={mcnemar(18, 0):.3g}, Holm {2 * mcnemar(18, 0):.3g}) a significant drop "
+        f"(p {mcnemar(18, 0):.3g}, Holm-adjusted over 2 tests {2 * mcnemar(18, 0):.3g} < alpha 0.05)"]
+    assert gate(base, base)[0] == 0
+    # the HTML plots the metrics the runs have, not an empty acc row
+    assert _categories([load_run(base), load_run(cand)]) == [("json", "complete"), ("json", "valid")]
+
+
+def test_a_program_files_own_continuous_metric_gets_a_paired_t_test(tmp_path):
+    """Item 2: a program file's f1 falling from 0.7 to 0.0 passed (skipped: no acc)."""
+    from lmbatch.stats import paired_test
+
+    f1 = [0.6, 0.7, 0.8, 0.65, 0.75, 0.7, 0.72, 0.68]
+    base = write_scored_run(tmp_path, "base", {"qa": {f"i{k}": {"f1": v} for k, v in enumerate(f1)}})
+    cand = write_scored_run(tmp_path, "cand", {"qa": {f"i{k}": {"f1": 0.0} for k in range(8)}})
+    code, lines = gate(base, cand)
+    p = paired_test(f1, [0.0] * 8).p
+    assert code == 1 and regressions(lines) == [
+        f"REGRESSION qa f1: candidate 0.0000 ± 0.0000 vs base 0.7000 ± 0.0215 (-0.7000 over 8 instances: 8 lower, 0 "
+        f"higher; paired t p={p:.3g}) a significant drop (p {p:.3g} < alpha 0.05)"]
+    # a candidate that scored nothing at all (every instance failed) is compared on the base's metric
+    failed = write_scored_run(tmp_path, "failed", {"qa": {}}, errors={"qa": {f"i{k}": "x" for k in range(8)}})
+    code, lines = gate(base, failed)
+    assert code == 1 and [x.split(":")[0] for x in regressions(lines)] == ["REGRESSION qa f1", "REGRESSION qa failed"]
+
+
+def test_the_tasks_block_names_a_primary_metric_its_instances_carry():
+    """Item 2 where summary.json is written: json's and a program file's primary metric is one of their own,
+    and every one of their metrics is compared; a declared primary metric (acc, an OLMES config's) stays."""
+    from lmbatch.frontend.workload import Workload
+    from lmbatch.task_results import accuracy, tasks_block
+
+    rows = [{"task": "qa", "error": None, "metrics": {"f1": 0.5, "em": 0.0}},
+            {"task": "qa", "error": "boom", "metrics": {}}]
+    own = Workload("qa", "", lambda s: None, lambda a: [], primary_metric=None)
+    block = tasks_block(own, rows, {}, {})["qa"]
+    assert (block["primary_metric"], block["compared_metrics"], block["failed"]) == ("em", ["em", "f1"], 1)
+    assert accuracy(own, rows) == [0.0]
+    declared = Workload("qa", "", lambda s: None, lambda a: [], primary_metric="f1")
+    block = tasks_block(declared, rows, {}, {})["qa"]
+    assert (block["primary_metric"], block["compared_metrics"]) == ("f1", ["f1"])
+
+
+def test_html_never_writes_over_a_run_file_or_another_file(tmp_path):
+    """Item 6: `lmbatch report w1 --html w1/summary.json` replaced the run's summary with HTML, exit 0."""
+    run = write_scored_run(tmp_path, "w1", SIX)
+    summary = (run / "summary.json").read_bytes()
+    assert_one_line_error(report_cli(run, "--html", run / "summary.json"), "--html", "is a file of run")
+    assert_one_line_error(report_cli("--compare", run, run, "--html", run / "instances.parquet"), "is a file of run")
+    assert_one_line_error(report_cli(run / "summary.json", "--html", run / "summary.json"), "is a file of run")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    assert_one_line_error(report_cli(run, "--html", notes), "--html", "exists and is not an HTML page")
+    assert (run / "summary.json").read_bytes() == summary and notes.read_text() == "my notes"
+    assert report_cli(run, "--html", tmp_path / "new.html").exit_code == 0           # a new file, or a report
+    assert report_cli(run, "--html", tmp_path / "new.html").exit_code == 0
+
+
+def test_a_suites_olmes_task_shows_its_primary_metric(tmp_path):
+    """Item 8a: a suite's OLMES task showed `accuracy -` (its primary metric is acc_per_char, not acc)."""
+    from lmbatch.report import load_run
+
+    scores = {"arc_challenge:rc": {f"q{i}": {"acc_raw": 0.0, "acc_per_char": float(i % 2)} for i in range(4)},
+              "mmlu": accs([1, 0])}
+    blocks = {"arc_challenge:rc": {**task_block(accs([1])), "n": 4, "primary_metric": "acc_per_char",
+                                   "metrics": {"acc_raw": 0.0, "acc_raw_stderr": 0.0, "acc_per_char": 0.5,
+                                               "acc_per_char_stderr": 0.2887}},
+              "mmlu": task_block(accs([1, 0]))}
+    rows = report_rows([load_run(write_scored_run(tmp_path, "suite", scores, tasks=blocks))])
+    arc = rows[1]
+    assert arc["task"] == "arc_challenge:rc" and (arc["accuracy"], arc["accuracy_stderr"]) == (0.5, 0.2887)
+    assert "0.5000 ± 0.2887" in render(rows, "table").splitlines()[3]
+
+
+def test_compare_honours_format_json(tmp_path):
+    """Item 8c: `--compare ... --format json` printed the text lines."""
+    base = write_scored_run(tmp_path, "base", {"mmlu": accs(BASE)})
+    cand = write_scored_run(tmp_path, "cand", {"mmlu": accs(flipped(40, 5))})
+    r = report_cli("--compare", base, cand, "--format", "json")
+    assert r.exit_code == 1
+    doc = json.loads(r.stdout)
+    assert (doc["ok"], doc["base"], doc["candidate"]) == (False, "base", "cand")
+    assert len(doc["regressions"]) == 1 and doc["regressions"][0].startswith("REGRESSION mmlu acc")
+    (task,) = doc["tasks"]
+    assert (task["task"], task["metric"], task["test"], task["instances"], task["worse"], task["better"]) == \
+        ("mmlu", "acc", "McNemar mid-p", 400, 40, 5)
+    assert task["regression"] and task["p"] == pytest.approx(mcnemar(40, 5)) and task["delta"] == pytest.approx(-0.0875)
+    md = report_cli("--compare", base, cand, "--format", "markdown")
+    assert md.exit_code == 1 and all(x.startswith("- ") for x in md.stdout.splitlines())
+    assert_one_line_error(report_cli("--compare", base, cand, "--format", "yaml"), "unknown format 'yaml'")
+
+
+def test_the_html_page_fits_a_1280px_window(tmp_path):
+    """Item 8d: the runs table and the compare lines overflowed a 1280-px window: wide tables scroll in a box of
+    their own, the lines wrap, plots shrink to the page."""
+    base = write_scored_run(tmp_path, "base", {"mmlu": accs(BASE)})
+    cand = write_scored_run(tmp_path, "cand", {"mmlu": accs(flipped(40, 5))})
+    out = tmp_path / "cmp.html"
+    assert report_cli("--compare", base, cand, "--html", out).exit_code == 1
+    text = out.read_text()
+    assert_self_contained(text, plots=5)
+    assert text.count('<div class="scroll"><table>') == text.count("<table>") == 3
+    for rule in (".scroll{max-width:100%;overflow-x:auto", "white-space:pre-wrap", "svg{max-width:100%"):
+        assert rule in text, rule
+
+
+def test_a_summary_json_path_names_its_run(tmp_path):
+    """Item 8e: `lmbatch report X/summary.json` said "(no summary.json)"."""
+    run = write_scored_run(tmp_path, "r", SIX)
+    r = report_cli(run / "summary.json")
+    assert r.exit_code == 0 and r.stdout.splitlines()[2].split()[:2] == ["r", "mmlu"]
+    assert gate(run / "summary.json", run)[0] == 0
