@@ -83,6 +83,7 @@ class LMBatch(TemplateLM):
                      "in token-budgeted forward passes, and scores do not depend on batching")
         if unused:
             log.warning("lmbatch: model_args not used: %s", ", ".join(sorted(unused)))
+        check_dtype_on_device(dtype, device)
         model_dir = resolve_model(pretrained)      # checked by our own code before transformers reads it
         numerics = pick_device(str(device or "auto"), dtype if dtype not in (None, "auto") else None)  # errors now
         check_tokenizer_files(model_dir)
@@ -427,6 +428,20 @@ def check_model_args(args: dict[str, Any]) -> None:
             raise bad(name, "use true or false")
 
 
+def check_dtype_on_device(dtype: Any, device: Any) -> None:
+    """`dtype=float16` where the model would run on the CPU (`device` cpu, or auto without a visible GPU):
+    a UserError naming the model_arg, before any work (the engine's own check names `lmbatch run`'s --dtype,
+    and comes once the model loads)."""
+    from lmbatch.engine.devices import visible_gpus
+
+    if str(dtype) != "float16" or str(device or "auto") not in ("cpu", "auto"):
+        return
+    if str(device or "auto") == "cpu" or visible_gpus().visible == 0:
+        where = "on CPU" if str(device or "auto") == "cpu" else "on CPU (no GPU is visible here)"
+        raise UserError(f"--model_args dtype=float16 {where}: use dtype=float32 (or bfloat16, ~100x slower on "
+                        "most CPUs)")
+
+
 def check_run(ns: Any) -> bool:
     """`lmbatch lm-eval run`'s inputs (lm-eval's parsed arguments), each bad one a UserError of one line
     (lm-eval would raise its ValueError or a ConnectionError deep inside, or lmbatch an error of its own
@@ -442,6 +457,7 @@ def check_run(ns: Any) -> bool:
         if ns.device is not None and ns.device not in ("auto", "cpu", "cuda"):
             raise UserError(f"--device {ns.device}: lmbatch runs on auto, cpu or cuda")
         check_model_args(model_args)
+        check_dtype_on_device(model_args.get("dtype"), ns.device or model_args.get("device"))
     if not ns.tasks:
         if ns.config:       # tasks may come from the config file: lm-eval reads it
             return True

@@ -112,6 +112,9 @@ def check(o: RunOptions, w: Workload) -> None:
     from lmbatch.scheduler.planner import SCHEDULES
 
     _check_task_options(o, w)
+    if o.model is not None and not o.model.strip():     # Path('') is '.', the current folder
+        raise UserError(f"--model {o.model!r} is empty: name a model folder or hub id, or leave --model out for the "
+                        "embedded model")
     if o.run_id is not None and (problem := run_id_problem(o.run_id)) is not None:
         raise UserError(f"--run-id {o.run_id!r} {problem}: a run id is one folder name inside --out")
     if o.limit is not None and o.limit < 1:

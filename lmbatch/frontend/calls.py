@@ -97,11 +97,13 @@ class CallPreparer:
             if isinstance(p.op, Select):
                 selects.append(p)
                 continue
+            by_run = False
             if self.think_budget is not None and not p.op.think:
+                by_run = True
                 p.op = replace(p.op, think=True, think_budget=self.think_budget, think_end=self.think_end)
             try:
                 if p.op.think:
-                    p.think_ids = self._think_ids(p.op)
+                    p.think_ids = self._think_ids(p.op, by_run)
                 if p.op.constrained:
                     self._constrain(p)
             except ValueError as e:
@@ -153,16 +155,19 @@ class CallPreparer:
         p.constraint, p.forced = c, forced
         p.meta["forced"] = forced       # shown by s.meta(name), as it always was
 
-    def _think_ids(self, op: Gen) -> tuple[int, ...]:
+    def _think_ids(self, op: Gen, by_run: bool = False) -> tuple[int, ...]:
         """The end-of-thinking marker's ids: `think_end`, else `</think>` where the tokenizer has it
-        (a token of its own, or in its chat template)."""
+        (a token of its own, or in its chat template). `by_run`: the gen thinks because the run's
+        --think-budget says so (a message then names the run's options, not the program's)."""
         hf = self.encoder.hf
         text = op.think_end
         if text is None:
             template = getattr(hf, "chat_template", None) or ""
             if THINK_END not in hf.get_vocab() and THINK_END not in str(template):
-                raise ValueError(f"think=True: the tokenizer has no {THINK_END} marker (no such token, not in its "
-                                 "chat template); pass think_end='...'")
+                what, fix = ("--think-budget", "pass --think-end MARKER") if by_run else ("think=True",
+                                                                                          "pass think_end='...'")
+                raise ValueError(f"{what}: the tokenizer has no {THINK_END} marker (no such token, not in its "
+                                 f"chat template); {fix}")
             text = THINK_END
         ids = tuple(hf.encode(text, add_special_tokens=False))
         if not ids:

@@ -269,6 +269,8 @@ CASES: list[tuple[str, Callable, list[str]]] = [
     ("multiturn-without-chat", lambda e: e.run("--fewshot-as-multiturn"), ["--fewshot-as-multiturn"]),
     ("unknown-task", lambda e: ["run", "mmlux", "--out", e.out], ["mmlux"]),
     ("out-empty", lambda e: ["run", "mmlu", "--out", "", "--limit", 1], ["--out is empty"]),
+    # issue 47 (8b): `--model ''` named '.', the current folder
+    ("model-empty", lambda e: ["run", "mmlu", "--model", "", "--out", e.out, "--limit", 1], ["--model ''", "is empty"]),
     ("out-is-a-file", lambda e: run_args(e.tiny, e.out / "earlier" / "summary.json", "x"), ["--out", "is a file"]),
     ("out-under-a-file", lambda e: run_args(e.tiny, e.out / "earlier" / "summary.json" / "sub", "x"),
      ["--out", "not writable"]),

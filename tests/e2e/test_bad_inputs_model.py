@@ -485,6 +485,9 @@ BAD_MODEL_ARGS = {   # --model_args beside pretrained=: the one line after "erro
     "prefix_token_id=-1": "--model_args prefix_token_id=-1: use a token id (a whole number, at least 0)",
     "add_bos_token=maybe": "--model_args add_bos_token=maybe: use true or false",
     "score_cache=2": "--model_args score_cache=2: use true or false",
+    # issue 47 (8c): blamed --dtype, once lm-eval had started (10.8 s)
+    "dtype=float16,device=cpu": "--model_args dtype=float16 on CPU: use dtype=float32 (or bfloat16, ~100x slower "
+                                "on most CPUs)",
     "batch_size=8": "--model_args batch_size=8: lm-eval gives the model its batch_size itself: give it as "
                     "--batch_size only",
 }
@@ -500,6 +503,21 @@ def test_lm_eval_bad_model_arg_is_one_line(good, task_dir, tmp_path, arg):
                     "--tasks", "hellaswag_offline", "--include_path", task_dir)
     assert line == f"error: {BAD_MODEL_ARGS[arg]}"
     assert not (tmp_path / "out").exists()
+
+
+def test_lm_eval_float16_where_no_gpu_is_visible_is_one_line_before_lm_eval(good, task_dir, tmp_path, monkeypatch):
+    """dtype=float16 with the device left to auto, on a machine without a GPU: named as the model_arg it is,
+    before lm-eval starts (its evaluator is never called)."""
+    import lm_eval.evaluator
+
+    from lmbatch.engine import devices
+
+    monkeypatch.setattr(devices, "visible_gpus", lambda: devices.GPUs(0, None))
+    monkeypatch.setattr(lm_eval.evaluator, "simple_evaluate", lambda *a, **k: pytest.fail("lm-eval started"))
+    line = _lm_eval(good, task_dir, tmp_path / "out", "--model_args", f"pretrained={good},dtype=float16",
+                    "--tasks", "hellaswag_offline", "--include_path", task_dir)
+    assert line == ("error: --model_args dtype=float16 on CPU (no GPU is visible here): use dtype=float32 (or "
+                    "bfloat16, ~100x slower on most CPUs)")
 
 
 LM_EVAL_CASES = {   # id: (arguments after --model_args pretrained=GOOD, the one line after "error: ")

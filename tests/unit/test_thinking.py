@@ -107,6 +107,20 @@ def test_no_marker_in_the_tokenizer_is_one_line(tiny_tok, tmp_path):
                      "token, not in its chat template); pass think_end='...'"], r.stderr
 
 
+@pytest.mark.parametrize("task", ["json", "json,mmlu"])
+def test_a_run_level_think_budget_without_a_marker_names_the_runs_option(tiny_tok, tmp_path, task):
+    """Issue 47 (8d): `--think-budget` on a model without </think> asked for think_end='...' (a program's
+    argument) where the user can only pass --think-end; a task alone or in a suite."""
+    args = ["run", task, "--limit", "1", "--think-budget", "4", "--model", str(tiny_tok), "--out", str(tmp_path),
+            "--quiet"] + (["--subjects", "anatomy"] if "mmlu" in task else [])
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].endswith(": --think-budget: the tokenizer has no </think> marker (no such "
+                                                 "token, not in its chat template); pass --think-end MARKER"), lines
+    assert "think_end=" not in lines[0]
+
+
 def test_run_level_think_budget_for_a_built_in_task(tiny_tok, tmp_path):
     """`lmbatch run json --think-budget 6` on a model whose chat template names </think>: every gen
     thinks first (six tokens and the marker, then its JSON)."""
