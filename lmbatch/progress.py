@@ -35,10 +35,12 @@ class TokenProgress:
         if now < self._redraw:
             return
         self._redraw = now + REDRAW_S
-        cached, decoded = self.cached + stats.cached_tokens, self.decoded + stats.decode_tokens
-        post = {"hit": f"{cached / max(cached + done, 1):.4f}"} | ({"decoded": decoded} if decoded else {})
-        self.bar.set_postfix(post, refresh=False)    # tqdm's own rate is the computed tokens/s
+        self._postfix(self.cached + stats.cached_tokens, done, self.decoded + stats.decode_tokens)
         self.bar.update(done - self.bar.n)
+
+    def _postfix(self, cached: int, computed: int, decoded: int) -> None:
+        post = {"hit": f"{cached / max(cached + computed, 1):.4f}"} | ({"decoded": decoded} if decoded else {})
+        self.bar.set_postfix(post, refresh=False)    # tqdm's own rate is the computed tokens/s
 
     def _fold(self) -> None:
         """An engine run ended: its counts join the totals (it computed less than its plan's unique
@@ -50,6 +52,7 @@ class TokenProgress:
         self.cached += s.cached_tokens
         self.decoded += s.decode_tokens
         self.n = self.bar.total = self.computed
+        self._postfix(self.cached, self.computed, self.decoded)     # a run's last counts, drawn or not yet
         self.bar.update(self.computed - self.bar.n)
 
     def close(self) -> None:

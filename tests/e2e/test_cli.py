@@ -352,6 +352,24 @@ def test_token_progress_over_waves():
     assert (p.n, p.bar.total) == (95, 95)
 
 
+def test_a_small_runs_bar_ends_at_its_hit_rate(capsys):
+    """Issue 47 (8f): a run done before the bar's first redraw ended at hit=0.0000 (the postfix of its first
+    request). The bar's last postfix is the run's hit rate, over every wave, and its decoded tokens."""
+    from types import SimpleNamespace as NS
+
+    from lmbatch.progress import TokenProgress
+
+    p = TokenProgress()
+    stats = NS(computed_tokens=10, cached_tokens=0, unique_tokens=40, decode_tokens=0)
+    p(0, stats)                                             # drawn: nothing cached yet
+    stats.computed_tokens, stats.cached_tokens, stats.decode_tokens = 40, 60, 3     # within REDRAW_S
+    p(5, stats)
+    p.close()
+    assert p.bar.postfix == "hit=0.6000, decoded=3", p.bar.postfix
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith("hit=0.6000, decoded=3]"), err
+
+
 def test_ctrl_c_is_one_line_and_exit_130(tiny, tmp_path):
     """Issue 22: a Ctrl-C (SIGINT) at any moment exits 130 with one line, no traceback and nothing
     half-written: nothing at all, or an incomplete run of whole parts (tests/e2e/test_resume.py)."""
