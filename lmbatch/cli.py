@@ -1,6 +1,7 @@
 """Command line: `lmbatch run`, `lmbatch tasks`, `lmbatch report`."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import inspect
@@ -18,7 +19,35 @@ from lmbatch.options import RunOptions
 if TYPE_CHECKING:
     from lmbatch.report import Comparison, Run
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+def _plain_help(params: list[Any]) -> list[Any]:
+    """What --help shows of each parameter is its metavar alone (an option's value, an argument's name):
+    never a type label typer derives from the annotation, which typer 0.29 shows as `<str>` beside an
+    argument and `<bool>` beside -h/--help, and typer 0.27 as `<str>`/`<path>` beside an argument."""
+    for p in params:
+        if getattr(p, "_plain_help", False):
+            continue
+        p._plain_help = True
+        if p.param_type_name == "argument":
+            if hasattr(p, "type"):          # 0.27 shows the type's metavar: none (parsing is the type's own)
+                p.type = copy.copy(p.type)
+                p.type.get_metavar = lambda *args, **kwargs: ""
+            p.display_type_rich = lambda ctx: None                  # 0.29
+        elif p.metavar is not None or getattr(p, "is_flag", False):
+            p.display_type_rich = lambda ctx, shown=p.metavar or "": shown      # 0.29: a flag takes nothing
+    return params
+
+
+class _Command(typer.core.TyperCommand):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _plain_help(super().get_params(ctx))
+
+
+class _Group(typer.core.TyperGroup):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _plain_help(super().get_params(ctx))
+
+
+app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]},
                   help="Offline batch evaluation of LM programs, executed in DFS order over a radix tree.")
 
@@ -119,10 +148,10 @@ def run(**values: Any) -> None:
 
 
 setattr(run, "__signature__", inspect.Signature(_run_parameters()))
-app.command()(run)
+app.command(cls=_Command)(run)
 
 
-@app.command()
+@app.command(cls=_Command)
 def tasks() -> None:
     """List the built-in tasks, then the suites (`lmbatch run SUITE`, or `lmbatch run TASK,TASK,...`)."""
     from lmbatch.frontend.registry import SUITES, get_workload, workload_names
@@ -136,7 +165,7 @@ def tasks() -> None:
         typer.echo(f"{name:20s} {suite.description}: {members}")
 
 
-@app.command()
+@app.command(cls=_Command)
 def report(
     run_dirs: Optional[List[Path]] = typer.Argument(None, help="Run directories to tabulate.",
                                                         metavar="RUN_DIR"),
@@ -209,7 +238,7 @@ def _write_html(path: Optional[Path], runs: list[Run], comparison: Optional[Comp
         write_html(path, runs, comparison)
 
 
-@app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+@app.command("lm-eval", cls=_Command, context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
                                          "help_option_names": []})
 def lm_eval(ctx: typer.Context) -> None:
     """Run lm-evaluation-harness tasks on lmbatch: lm_eval's own arguments (--tasks, --model_args

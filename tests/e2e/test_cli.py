@@ -318,6 +318,24 @@ def test_help_shows_flags_as_flags():
     assert "--quiet" in out and "mmlu: 0 to 5" in " ".join(out.split())
 
 
+@pytest.mark.parametrize("command", [[], ["run"], ["report"], ["tasks"]])
+def test_help_shows_metavars_never_type_labels(command):
+    """Issue 47 (8g): typer 0.29 labels -h/--help `<bool>` and an argument `<str>` or `<list[Path]>`
+    (0.27: `<str>`, `<path>`); help shows each option's metavar and each argument's name alone, on both
+    (cli._plain_help; pyproject's range holds both)."""
+    import re
+
+    out = lmbatch(*command, "--help").output
+    assert out.startswith("\n Usage: ") or "Usage: " in out
+    labels = re.findall(r"<(?:bool|str|int|float|path|list\[[^]]*\]|Path)>", out)
+    assert not labels, out
+    if command == ["run"]:
+        assert re.search(r"\*\s+TASK\|FILE\.py\s+Task name", out), out
+        assert re.search(r"--shots\s+N\s+Few-shot", out) and re.search(r"--help\s+-h\s+Show this", out), out
+    if command == ["report"]:
+        assert re.search(r"RUN_DIR\s+Run directories", out), out
+
+
 def test_progress_shows_phases_then_tokens_of_model_work(tiny, tmp_path):
     """Issue 22, item 8: the bar counts prompt tokens computed (not programs, which were all queued
     in the first second) and ends at the run's computed total; the phases before say what runs."""
