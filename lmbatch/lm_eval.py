@@ -32,7 +32,7 @@ from lm_eval.api.registry import register_model
 from lmbatch.errors import UserError, first_line
 from lmbatch.lm_eval_index import building, index_built_once
 from lmbatch.lm_eval_tokens import PairTokenizer
-from lmbatch.requests import GenerateRequest, RunStats, SamplingParams, optimal_hit_rate
+from lmbatch.requests import RunStats, optimal_hit_rate
 from lmbatch.scheduler.planner import plan_requests
 
 if TYPE_CHECKING:
@@ -63,7 +63,8 @@ class LMBatch(TemplateLM):
                  prefix_token_id: int | None = None, max_tokens_per_batch: int | None = None,
                  kv_cache_tokens: int | None = None, schedule: str = "dfs", batch_size: Any = None,
                  max_batch_size: Any = None, data_parallel: int | str = "auto", tensor_parallel: int | str = "auto",
-                 ray_address: str | None = None, attention: str = "auto", score_cache: bool = True, **unused: Any):
+                 ray_address: str | None = None, attention: str = "auto", score_cache: bool = True,
+                 think_end_token: str | int | None = None, **unused: Any):
         super().__init__()
         start = time.perf_counter()
         from transformers import AutoTokenizer
@@ -71,6 +72,7 @@ class LMBatch(TemplateLM):
         from lmbatch.engine.build import pick_device
         from lmbatch.engine.devices import layout
         from lmbatch.lm_eval_engine import engine_spec, loader_for
+        from lmbatch.lm_eval_generate import think_end
         from lmbatch.model.checkpoint import check_tokenizer_files, resolve_model
         from lmbatch.model.config import ModelConfig
 
@@ -101,6 +103,7 @@ class LMBatch(TemplateLM):
         self.tokens = PairTokenizer(self.tokenizer, add_bos_token, prefix_token_id,
                                     int(max_length) if max_length else _context_length(model_dir, self.tokenizer))
         self.schedule = schedule
+        self.think_end_token = think_end(think_end_token)   # generated text: only what follows it
         # a call's scores are kept (score_cache.py) under its requests and these (the workers' and devices'
         # counts as auto decides them here: each worker's batches decide the last bits): not for workers elsewhere
         self._numerics = (*numerics, {"engine": repr(spec), "schedule": schedule,
@@ -271,25 +274,15 @@ class LMBatch(TemplateLM):
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         """Each context continued until a stop string (the task's `until` and the EOS text) or
-        `max_gen_toks`; greedy unless the task samples. The text is cut at the first stop string."""
-        from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+        `max_gen_toks`; greedy unless the task samples, each sampled request with a seed of its own
+        (its task, document and repeat: lm_eval_generate.py). The text is cut at the first stop string,
+        after the thinking part where `think_end_token` is given, as lm-eval's HF backend cuts it."""
+        from lmbatch.lm_eval_generate import engine_requests, generated_text
 
-        eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
-        reqs, stops = [], []
-        for context, gen_kwargs in (req.args for req in requests):
-            kw = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
-            until = handle_stop_sequences(kw.pop("until", None), eos=eos)
-            new = int(kw.pop("max_gen_toks"))
-            ids = self.tok_encode(context, left_truncate_len=self.max_length - new)
-            temperature = float(kw.get("temperature", 0.0) or 0.0) if kw.get("do_sample") else 0.0
-            reqs.append(GenerateRequest(ids, SamplingParams(max_new_tokens=new, temperature=temperature,
-                                                            top_p=float(kw.get("top_p", 1.0) or 1.0),
-                                                            stop=tuple(until))))
-            stops.append(until)
+        reqs, stops = engine_requests(self, requests)
         out = []
         for req, res, until in zip(requests, self._run(reqs, disable_tqdm), stops):
-            text = postprocess_generated_text(generation=self.tok_decode(res.token_ids), stop=until,
-                                              think_end_token=None)
+            text = generated_text(res.token_ids, self.tok_decode, until, self.think_end_token)
             self.cache_hook.add_partial("generate_until", req.args, text)
             out.append(text)
         return out
