@@ -334,8 +334,8 @@ def main(args: list[str]) -> int:
         if getattr(ns, "command", None) == "run":
             if building():      # lm-eval's index is being built elsewhere: imports the run needs meanwhile
                 _import_for_run()
-            if ns.model == "lmbatch" and ns.device is None and "device" not in (ns.model_args or {}):
-                ns.device = "auto"      # lm-eval's own default would be cuda, GPU or not
+            if ns.model == "lmbatch":
+                one_device(ns)
             if check_run(ns):
                 from lmbatch.lm_eval_engine import tasks_generate
 
@@ -435,6 +435,21 @@ def check_dtype_on_device(dtype: Any, device: Any) -> None:
                         "most CPUs)")
 
 
+def one_device(ns: Any) -> None:
+    """The model's device, from `--model_args device=` or `--device` (both: the same one), as --device:
+    lm-eval hands the model its --device beside the model args (cuda:0 where none is given, GPU or not),
+    so one named in the model args moves to --device; neither is auto. Two different ones: a UserError."""
+    args = ns.model_args if isinstance(ns.model_args, dict) else {}
+    if "device" in args:
+        device = args.pop("device")
+        check_model_args({"device": device})
+        if ns.device is not None and str(ns.device) != str(device):
+            raise UserError(f"--model_args device={device} and --device {ns.device}: two devices; give one")
+        ns.device = str(device)
+    elif ns.device is None:
+        ns.device = "auto"
+
+
 def check_run(ns: Any) -> bool:
     """`lmbatch lm-eval run`'s inputs (lm-eval's parsed arguments), each bad one a UserError of one line
     (lm-eval would raise its ValueError or a ConnectionError deep inside, or lmbatch an error of its own
@@ -443,7 +458,7 @@ def check_run(ns: Any) -> bool:
     (True where the tasks cannot be told from lm-eval's index: a config file, task files, Python tasks)."""
     model_args = dict(ns.model_args or {})
     if ns.model == "lmbatch":
-        passed = {"batch_size": True, "max_batch_size": ns.max_batch_size is not None, "device": ns.device is not None}
+        passed = {"batch_size": True, "max_batch_size": ns.max_batch_size is not None}
         for key in (k for k, given in passed.items() if given and k in model_args):
             raise UserError(f"--model_args {key}={model_args[key]}: lm-eval gives the model its {key} itself: "
                             f"give it as --{key} only")

