@@ -11,6 +11,7 @@ Python API), they are captured at the first decode step."""
 from __future__ import annotations
 
 import atexit
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,17 @@ from lmbatch.loading import ModelLoader
 
 _EARLY: dict[EngineSpec, ModelLoader] = {}
 _GENERATES = [False]        # the run's tasks generate: loaders capture decode graphs once built
+# loaders whose thread the process waits for at exit (one ending while that thread is inside torch would
+# abort); weak, so a backend that is done with its loader frees its engine (weights, KV pool)
+_LOADERS: weakref.WeakSet[ModelLoader] = weakref.WeakSet()
+
+
+def _join_loaders() -> None:
+    for loader in list(_LOADERS):
+        loader.thread.join()
+
+
+atexit.register(_join_loaders)
 
 
 def engine_spec(model_dir: str | Path, args: dict[str, Any]) -> EngineSpec:
@@ -43,8 +55,7 @@ def _started(spec: EngineSpec, tokenizer: Any, user_pool: bool) -> ModelLoader:
     loader = ModelLoader(spec, tokenizer, user_pool)
     if _GENERATES[0]:
         loader.capture_graphs()
-    # a process that ends (lm-eval's error, say) while the thread is inside torch would abort: it waits
-    atexit.register(lambda: loader.thread.join())      # the thread at exit (a capture may follow the load)
+    _LOADERS.add(loader)        # waited for at exit (a capture may follow the load)
     return loader
 
 
@@ -73,8 +84,8 @@ def start_early(argv: list[str]) -> None:
     if opts.get("--model", "lmbatch") != "lmbatch" or opts.get("--model_args", "").lstrip().startswith("{"):
         return
     args = {k: v for k, _, v in (kv.partition("=") for kv in opts.get("--model_args", "").split(",") if kv)}
-    if "device" in args and "--device" in opts and args["device"] != opts["--device"]:
-        return      # two devices: `lmbatch lm-eval` refuses them
+    if "device" in args and "--device" in opts:
+        return      # lm-eval refuses both
     if "--device" in opts:
         args["device"] = opts["--device"]
     try:
