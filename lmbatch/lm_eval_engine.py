@@ -84,8 +84,8 @@ def start_early(argv: list[str]) -> None:
     if opts.get("--model", "lmbatch") != "lmbatch" or opts.get("--model_args", "").lstrip().startswith("{"):
         return
     args = {k: v for k, _, v in (kv.partition("=") for kv in opts.get("--model_args", "").split(",") if kv)}
-    if "device" in args and "--device" in opts:
-        return      # lm-eval refuses both
+    if "device" in args and "--device" in opts and args["device"] != opts["--device"]:
+        return      # two devices: `lmbatch lm-eval` refuses them
     if "--device" in opts:
         args["device"] = opts["--device"]
     try:
