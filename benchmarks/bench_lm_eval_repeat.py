@@ -46,7 +46,7 @@ def main() -> None:
                     help="with lm-eval's --use_cache (its sqlite cache of answers: a repeat scores nothing)")
     args = ap.parse_args()
 
-    from lmbatch.lm_eval import write_offline_tasks
+    from lmbatch.lm_eval.backend import write_offline_tasks
     from lmbatch.model.checkpoint import embedded_model_dir
 
     model = args.model or str(embedded_model_dir())

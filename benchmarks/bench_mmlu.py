@@ -47,8 +47,8 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from lmbatch.baseline import first_selects, score_choices
     from lmbatch.engine import Engine
+    from lmbatch.frontend.baseline import first_selects, score_choices
     from lmbatch.frontend.workload import LoadArgs
     from lmbatch.model.checkpoint import embedded_model_dir
     from lmbatch.programs import mmlu

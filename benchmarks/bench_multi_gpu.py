@@ -57,7 +57,7 @@ def run_job(args: argparse.Namespace, job: str, model: Path, workers: str, k: in
 
 def run_lm_eval(args: argparse.Namespace, job: str, model: Path, workers: str, k: int) -> dict:
     """`lmbatch lm-eval --tasks gsm8k_offline` (all 1,319 questions, 5-shot, generate_until)."""
-    from lmbatch.lm_eval import write_offline_tasks
+    from lmbatch.lm_eval.backend import write_offline_tasks
 
     tasks = Path(args.out) / "lm-eval-tasks"
     if not tasks.is_dir():

@@ -36,16 +36,16 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from lmbatch.baseline import first_selects
     from lmbatch.engine.options import EngineOptions, EngineSpec
+    from lmbatch.frontend.baseline import first_selects
     from lmbatch.frontend.workload import LoadArgs
-    from lmbatch.loading import make_engine
     from lmbatch.model.checkpoint import embedded_model_dir
     from lmbatch.model.config import ModelConfig
     from lmbatch.programs import mmlu
     from lmbatch.requests import ScoreRequest
+    from lmbatch.run.loading import make_engine
+    from lmbatch.run.summary import estimate_flops
     from lmbatch.scheduler.planner import summarize
-    from lmbatch.summary import estimate_flops
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer or str(embedded_model_dir()))
     instances = first_selects(mmlu.program, mmlu.instances(LoadArgs(tok, args.shots, args.limit, None)), tok)

@@ -199,8 +199,8 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from lmbatch.baseline import first_selects, score_pairs
     from lmbatch.engine import Engine
+    from lmbatch.frontend.baseline import first_selects, score_pairs
     from lmbatch.frontend.calls import CallOptions
     from lmbatch.frontend.interpreter import Interpreter
     from lmbatch.frontend.registry import get_workload

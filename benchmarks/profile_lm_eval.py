@@ -21,17 +21,17 @@ from sample_stacks import StackSampler  # noqa: E402
 
 # (code file ending, function name) -> phase; a name alone matches any file
 PHASES: list[tuple[str, str, str]] = [
-    ("lmbatch/lm_eval.py", "loaded", "lmbatch: waits for the model"),
-    ("lmbatch/lm_eval_tokens.py", "score_requests", "lmbatch: tokenize"),
-    ("lmbatch/lm_eval_tokens.py", "cache_key", "lmbatch: cache key"),
-    ("lmbatch/workload_cache.py", "", "lmbatch: cache read/write"),
-    ("lmbatch/lm_eval.py", "loglikelihood", "lmbatch: loglikelihood (other)"),
-    ("lmbatch/lm_eval.py", "generate_until", "lmbatch: generate (host)"),
+    ("lmbatch/lm_eval/backend.py", "loaded", "lmbatch: waits for the model"),
+    ("lmbatch/lm_eval/tokens.py", "score_requests", "lmbatch: tokenize"),
+    ("lmbatch/lm_eval/tokens.py", "cache_key", "lmbatch: cache key"),
+    ("lmbatch/caches/workloads.py", "", "lmbatch: cache read/write"),
+    ("lmbatch/lm_eval/backend.py", "loglikelihood", "lmbatch: loglikelihood (other)"),
+    ("lmbatch/lm_eval/backend.py", "generate_until", "lmbatch: generate (host)"),
     ("scheduler/planner.py", "plan_requests", "lmbatch: plan"),
     ("lmbatch/engine/engine.py", "_stream", "lmbatch: execute"),
-    ("lmbatch/loading.py", "_load", "lmbatch: model load (thread)"),
-    ("lmbatch/lm_eval.py", "__init__", "lmbatch: model setup"),
-    ("lmbatch/lm_eval_index.py", "stored_index", "lmbatch: task index kept or built ahead"),
+    ("lmbatch/run/loading.py", "_load", "lmbatch: model load (thread)"),
+    ("lmbatch/lm_eval/backend.py", "__init__", "lmbatch: model setup"),
+    ("lmbatch/lm_eval/index.py", "stored_index", "lmbatch: task index kept or built ahead"),
     ("lm_eval/api/task.py", "download", "lm-eval: datasets load"),
     ("lm_eval/api/task.py", "build_all_requests", "lm-eval: build requests"),
     ("lm_eval/api/task.py", "process_results", "lm-eval: process_results"),
@@ -69,12 +69,12 @@ def main() -> None:
         from lmbatch.cache import keep_bytecode
 
         keep_bytecode()             # as the console script does, before anything is imported
-        from lmbatch.lm_eval_engine import start_early
-        from lmbatch.lm_eval_index import build_ahead
+        from lmbatch.lm_eval.engine import start_early
+        from lmbatch.lm_eval.index import build_ahead
 
         build_ahead()               # as `lmbatch lm-eval` does, before lm-eval is imported
         start_early(args)
-        from lmbatch.lm_eval import main as lm_eval_main
+        from lmbatch.lm_eval.backend import main as lm_eval_main
 
         lm_eval_main(args)
     wall, tick = sampler.wall, sampler.tick       # tick: seconds a sample stands for

@@ -17,7 +17,7 @@ from lmbatch.errors import Interrupted, UserError, WorkerFailed
 from lmbatch.options import RunOptions
 
 if TYPE_CHECKING:
-    from lmbatch.report import Comparison, Run
+    from lmbatch.results.report import Comparison, Run
 
 def _plain_help(params: list[Any]) -> list[Any]:
     """What --help shows of each parameter is its metavar alone (an option's value, an argument's name):
@@ -126,7 +126,7 @@ def _options(values: dict[str, Any]) -> RunOptions:
 
 def run(**values: Any) -> None:
     """Run a task's every instance through the engine; write results/<run_id>/."""
-    from lmbatch.run import run as do_run
+    from lmbatch.run.run import run as do_run
 
     try:
         opts = _options(values)
@@ -188,7 +188,7 @@ def report(
 ) -> None:
     """Tabulate runs (per task: scores with standard errors, achieved vs optimal hit rate, throughput), or
     compare two for CI."""
-    from lmbatch import report as rep
+    from lmbatch.results import report as rep
 
     try:
         html_path = _html_path(html, list(compare or run_dirs or []))
@@ -225,7 +225,7 @@ def _html_path(html: Optional[str], runs: list[Path]) -> Optional[Path]:
         raise UserError(f"--html {html!r}: name a file to write (it is replaced if it exists)")
     if not path.absolute().parent.is_dir():
         raise UserError(f"--html {html}: the folder {path.absolute().parent} does not exist")
-    from lmbatch.report_html import check_target
+    from lmbatch.results.report_html import check_target
 
     check_target(path, runs)
     return path
@@ -233,7 +233,7 @@ def _html_path(html: Optional[str], runs: list[Path]) -> Optional[Path]:
 
 def _write_html(path: Optional[Path], runs: list[Run], comparison: Optional[Comparison]) -> None:
     if path is not None:
-        from lmbatch.report_html import write_html
+        from lmbatch.results.report_html import write_html
 
         write_html(path, runs, comparison)
 
@@ -243,14 +243,14 @@ def _write_html(path: Optional[Path], runs: list[Run], comparison: Optional[Comp
 def lm_eval(ctx: typer.Context) -> None:
     """Run lm-evaluation-harness tasks on lmbatch: lm_eval's own arguments (--tasks, --model_args
     pretrained=DIR, --include_path, --output_path, ...); --model lmbatch is implied."""
-    from lmbatch.lm_eval_engine import start_early
-    from lmbatch.lm_eval_index import build_ahead, end_ahead
+    from lmbatch.lm_eval.engine import start_early
+    from lmbatch.lm_eval.index import build_ahead, end_ahead
 
     build_ahead()                   # lm-eval's task index, where lmbatch's cache has none, in a process
     start_early(list(ctx.args))     # the model loads while lm-eval imports and builds its tasks
     try:
         try:
-            from lmbatch import lm_eval as backend
+            from lmbatch.lm_eval import backend
         except ImportError as e:
             _fail(UserError(f"lm-eval is not installed ({e.name}): pip install -e '.[lm-eval]' (lm-eval==0.4.13)"))
         try:

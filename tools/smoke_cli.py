@@ -45,7 +45,7 @@ def arguments(fields: list[dataclasses.Field]) -> list[str]:
 
 
 def main() -> int:
-    import lmbatch.run
+    import lmbatch.run.run
     from lmbatch.cli import app
     from lmbatch.options import RunOptions
 
@@ -60,7 +60,7 @@ def main() -> int:
         got.append(o)
         return {}
 
-    setattr(lmbatch.run, "run", fake_run)     # lmbatch.cli imports it when the command runs
+    setattr(lmbatch.run.run, "run", fake_run)     # lmbatch.cli imports it when the command runs
     args = arguments(fields)
     try:
         app(args=args, prog_name="lmbatch")

@@ -54,7 +54,7 @@ class Workload:
     chat: bool = False              # takes --apply-chat-template, --system-instruction, --fewshot-as-multiturn
     generates: bool = True          # some call generates (a run captures decode graphs ahead only then)
     # the files its instances are read from: a built-in task's loaded, tokenized and planned workload is
-    # cached, keyed by them among the rest (lmbatch/workload_cache.py); None: not cached (a program file,
+    # cached, keyed by them among the rest (lmbatch/caches/workloads.py); None: not cached (a program file,
     # whose code may read anything)
     data_files: Callable[[], list[Path]] | None = None
     # the metric `correct` and `accuracy` are, and `report --compare` tests (OLMES: its config's primary_metric);

@@ -202,7 +202,7 @@ def _other_instances(e: Env):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from lmbatch.outputs import file_record
+    from lmbatch.rundir.layout import file_record
 
     d = e.variant("oi", lambda s: None)
     f = d / "instances.parquet"
@@ -427,7 +427,7 @@ def test_overwrite_replaces_a_run_and_only_its_files(tiny, earlier, tmp_path):
 
 
 # a run held before its second part until the file named by its first argument exists
-SLOW = ("import sys, time\nfrom pathlib import Path\nfrom lmbatch import rundir\n"
+SLOW = ("import sys, time\nfrom pathlib import Path\nfrom lmbatch.rundir import rundir\n"
         "parts, go = [], Path(sys.argv[1])\n"
         "def hold(step):\n"
         "    if step == 'part requests':\n"

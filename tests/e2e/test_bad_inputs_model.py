@@ -464,7 +464,7 @@ def test_a_16_gb_checkpoint_checks_in_well_under_a_second(tmp_path):
 # ---- `lmbatch lm-eval`'s bad inputs: one line, before lm-eval starts -------------------------------------
 @pytest.fixture(scope="module")
 def task_dir(tmp_path_factory):
-    from lmbatch.lm_eval import write_offline_tasks
+    from lmbatch.lm_eval.backend import write_offline_tasks
 
     d = tmp_path_factory.mktemp("tasks")
     write_offline_tasks(d)
@@ -555,10 +555,10 @@ def test_lm_eval_hub_task_while_offline_is_one_line(good, task_dir, tmp_path, mo
                     "--tasks", "hellaswag_offline,arc_easy")
     assert line == ("error: --tasks arc_easy: lm-eval task arc_easy reads allenai/ai2_arc from the Hugging Face Hub, "
                     "which is not in the local cache, and HF_HUB_OFFLINE is set: run it once online, or use tasks over "
-                    "local files (lmbatch.lm_eval.write_offline_tasks writes mmlu_offline, hellaswag_offline and "
-                    "gsm8k_offline for --include_path)")
+                    "local files (lmbatch.lm_eval.backend.write_offline_tasks writes mmlu_offline, hellaswag_offline "
+                    "and gsm8k_offline for --include_path)")
     assert not (tmp_path / "out").exists()
-    from lmbatch.lm_eval import _in_local_cache
+    from lmbatch.lm_eval.backend import _in_local_cache
 
     assert not _in_local_cache("allenai/ai2_arc")
     (tmp_path / "hub" / "datasets--allenai--ai2_arc").mkdir(parents=True)       # fetched before: lm-eval may try

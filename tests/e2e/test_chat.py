@@ -14,11 +14,11 @@ from typer.testing import CliRunner
 from lmbatch.cli import app
 from lmbatch.frontend.chat import ChatOptions
 from lmbatch.frontend.workload import LoadArgs
-from lmbatch.lm_eval import write_offline_tasks
+from lmbatch.lm_eval.backend import write_offline_tasks
 from lmbatch.model.checkpoint import embedded_model_dir
 from lmbatch.options import RunOptions
 from lmbatch.programs import hellaswag, mmlu
-from lmbatch.run import run
+from lmbatch.run.run import run
 
 OPTIONS = [ChatOptions(True), ChatOptions(True, "You are a careful expert."), ChatOptions(True, None, True),
            ChatOptions(True, "Answer with one letter.", True), ChatOptions(False, "Answer with one letter.")]

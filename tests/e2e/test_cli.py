@@ -186,8 +186,8 @@ def test_report_of_real_runs_stderr_paired_compare_and_html(tiny, tmp_path):
     candidate scheduled otherwise scores the same instances the same (McNemar p 1); the HTML report of both."""
     from conftest import assert_self_contained_html
 
-    from lmbatch.report import load_run
-    from lmbatch.stats import mean_stderr
+    from lmbatch.results.report import load_run
+    from lmbatch.results.stats import mean_stderr
 
     for name, extra in (("base", []), ("random", ["--schedule", "random"])):
         r = lmbatch("run", "mmlu", "--shots", 1, "--limit", 3, "--subjects", "anatomy", "--subjects", "virology",
@@ -275,12 +275,12 @@ def test_lm_eval_without_lm_eval_installed_is_one_line(monkeypatch):
     """Without lm-eval, `lmbatch lm-eval` says in one line how to install it (exit 2)."""
     import sys
 
-    import lmbatch
+    import lmbatch.lm_eval
 
     for name in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")] + ["lm_eval"]:
         monkeypatch.setitem(sys.modules, name, None)             # import lm_eval... -> ImportError
-    monkeypatch.delitem(sys.modules, "lmbatch.lm_eval", raising=False)
-    monkeypatch.delattr(lmbatch, "lm_eval", raising=False)       # as if never imported
+    monkeypatch.delitem(sys.modules, "lmbatch.lm_eval.backend", raising=False)
+    monkeypatch.delattr(lmbatch.lm_eval, "backend", raising=False)   # as if never imported
     res = CliRunner().invoke(app, ["lm-eval", "--tasks", "hellaswag"])
     assert res.exit_code == 2
     assert res.output.strip().count("\n") == 0 and "pip install -e '.[lm-eval]'" in res.output
@@ -355,7 +355,7 @@ def test_progress_shows_phases_then_tokens_of_model_work(tiny, tmp_path):
 def test_token_progress_over_waves():
     from types import SimpleNamespace as NS
 
-    from lmbatch.progress import TokenProgress
+    from lmbatch.run.progress import TokenProgress
 
     p = TokenProgress(disable=True)
     first = NS(computed_tokens=40, cached_tokens=0, unique_tokens=100, decode_tokens=0)    # a wave's counts
@@ -375,7 +375,7 @@ def test_a_small_runs_bar_ends_at_its_hit_rate(capsys):
     request). The bar's last postfix is the run's hit rate, over every wave, and its decoded tokens."""
     from types import SimpleNamespace as NS
 
-    from lmbatch.progress import TokenProgress
+    from lmbatch.run.progress import TokenProgress
 
     p = TokenProgress()
     stats = NS(computed_tokens=10, cached_tokens=0, unique_tokens=40, decode_tokens=0)

@@ -3,8 +3,8 @@ two questions from each of the 57 subjects."""
 import pytest
 from transformers import AutoTokenizer
 
-from lmbatch.baseline import first_selects, load_hf, score_choices
 from lmbatch.engine import Engine
+from lmbatch.frontend.baseline import first_selects, load_hf, score_choices
 from lmbatch.frontend.workload import LoadArgs
 from lmbatch.model.checkpoint import embedded_model_dir
 from lmbatch.programs import mmlu

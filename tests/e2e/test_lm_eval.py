@@ -8,8 +8,8 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.huggingface import HFLM
 
-from lmbatch.lm_eval import LMBatch
-from lmbatch.lm_eval_tokens import _batch_backend
+from lmbatch.lm_eval.backend import LMBatch
+from lmbatch.lm_eval.tokens import _batch_backend
 from lmbatch.model.checkpoint import embedded_model_dir
 
 MAX_LENGTH = 96     # small, so that long texts need several rolling windows and long pairs are cut
@@ -69,7 +69,7 @@ def test_greedy_generation_matches_hf(backends):
 def test_think_end_token_cuts_as_hf(backends):
     """`think_end_token` (a text, or a token id as a string of digits): only what follows its last occurrence
     is returned, as lm-eval's HF backend returns it."""
-    from lmbatch.lm_eval_generate import think_end
+    from lmbatch.lm_eval.generate import think_end
 
     ours, theirs = backends
     gen = _instances("generate_until", [(STEM, {"until": ["\n\n"], "max_gen_toks": 24, "do_sample": False})])
@@ -116,7 +116,7 @@ def test_batched_tokenization_gives_lm_evals_ids(backends, monkeypatch):
     assert max(len(r.tokens) for r in batched) <= MAX_LENGTH + 1
     # those ids came from the tokenizer's own batch encoding; transformers' call gives them too
     assert _batch_backend(ours.tokenizer) is not None
-    monkeypatch.setattr("lmbatch.lm_eval_tokens._batch_backend", lambda tokenizer: None)
+    monkeypatch.setattr("lmbatch.lm_eval.tokens._batch_backend", lambda tokenizer: None)
     assert ours.tokens.score_requests(pairs) == batched
 
 

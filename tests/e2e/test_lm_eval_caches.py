@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 from lm_eval.api.instance import Instance
 
-from lmbatch import score_cache, workload_cache
-from lmbatch.lm_eval import LMBatch, _local_arrow, write_offline_tasks
-from lmbatch.lm_eval_index import index_built_once
-from lmbatch.lm_eval_tokens import PairTokenizer
+from lmbatch.caches import scores as score_cache
+from lmbatch.caches import workloads as workload_cache
+from lmbatch.lm_eval.backend import LMBatch, _local_arrow, write_offline_tasks
+from lmbatch.lm_eval.index import index_built_once
+from lmbatch.lm_eval.tokens import PairTokenizer
 from lmbatch.model.checkpoint import embedded_model_dir
 
 STEM = ("The museum by the river opened in the north of the city. Its tower was the tallest landmark, and "
@@ -53,7 +54,7 @@ def test_a_repeated_call_reads_its_ids_and_plan_from_the_cache(model, cache, mon
 
     lm = LMBatch(pretrained=model, device="cpu", dtype="float32", max_length=64, score_cache=False)
     monkeypatch.setattr(PairTokenizer, "score_requests", no_tokenizing)
-    monkeypatch.setattr("lmbatch.lm_eval.plan_requests", no_tokenizing)
+    monkeypatch.setattr("lmbatch.lm_eval.backend.plan_requests", no_tokenizing)
     assert lm.loglikelihood(_instances(PAIRS)) == first
     # other text, another entry (made, not read)
     monkeypatch.undo()
@@ -243,7 +244,7 @@ def test_lm_evals_own_index_built_ahead_in_a_process_is_the_index_lm_eval_builds
     the index lm-eval's own `TaskIndex.build` makes over both folders, entry for entry."""
     from lm_eval.tasks._index import TaskIndex
 
-    from lmbatch import lm_eval_index
+    from lmbatch.lm_eval import index as lm_eval_index
 
     monkeypatch.setenv("LMBATCH_CACHE", str(tmp_path / "cache"))
     tasks = tmp_path / "tasks"
@@ -282,7 +283,7 @@ def test_lm_evals_environment_report_is_made_ahead_and_taken_once(monkeypatch):
 
     from torch.utils import collect_env
 
-    from lmbatch.lm_eval import _env_info_ahead
+    from lmbatch.lm_eval.backend import _env_info_ahead
 
     calls: list[str] = []
 
@@ -329,7 +330,7 @@ def test_the_command_line_starts_the_model_before_lm_eval(model):
     """`lmbatch lm-eval` starts the model's load from its arguments before importing lm-eval; the backend
     lm-eval then makes takes that loader when its model args come to the same engine, and ends it (one
     model in memory at a time) when they do not."""
-    from lmbatch import lm_eval_engine
+    from lmbatch.lm_eval import engine as lm_eval_engine
 
     lm_eval_engine.start_early(["--model_args", f"pretrained={model},dtype=float32", "--device", "cpu",
                                 "--tasks", "hellaswag_offline"])
@@ -364,7 +365,7 @@ def test_decode_graphs_are_asked_for_only_where_a_task_generates(tmp_path):
 
     from lm_eval.tasks import TaskManager
 
-    from lmbatch.lm_eval import _check_tasks, _may_generate
+    from lmbatch.lm_eval.backend import _check_tasks, _may_generate
 
     write_offline_tasks(tmp_path)
     (tmp_path / "mix.yaml").write_text(json.dumps({"group": "mix", "task": [
@@ -383,7 +384,7 @@ def test_the_loader_captures_graphs_asked_for_before_or_after_its_load(model):
     """`ModelLoader.capture_graphs` asked while the engine loads runs on the load's thread; asked after,
     on a thread of its own that `result` waits for; once either way (timed as the `graphs` step)."""
     from lmbatch.engine.options import EngineOptions, EngineSpec
-    from lmbatch.loading import ModelLoader
+    from lmbatch.run.loading import ModelLoader
 
     spec = EngineSpec(model, "cpu", "float32", EngineOptions(kv_cache_tokens=4096, max_tokens_per_batch=512),
                       graphs_ahead=False)

@@ -14,7 +14,7 @@ from lm_eval.tasks import TaskManager
 from typer.testing import CliRunner
 
 from lmbatch.cli import app
-from lmbatch.lm_eval import INSTANCES, LMBatch, write_offline_tasks
+from lmbatch.lm_eval.backend import INSTANCES, LMBatch, write_offline_tasks
 from lmbatch.model.checkpoint import embedded_model_dir
 
 LIMITS = {"mmlu_offline_anatomy": 4, "hellaswag_offline": 6, "gsm8k_offline": 5}
@@ -104,7 +104,7 @@ def test_cached_templates_give_lm_evals_prompts(task_dir, monkeypatch):
     from lm_eval import utils
     from lm_eval.tasks import TaskManager
 
-    from lmbatch.lm_eval import cache_templates
+    from lmbatch.lm_eval.backend import cache_templates
 
     def requests() -> list:
         tasks = TaskManager(include_path=str(task_dir), include_defaults=False).load(

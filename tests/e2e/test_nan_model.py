@@ -8,8 +8,8 @@ from conftest import make_tiny_with_tokenizer
 from transformers import AutoModelForCausalLM
 
 from lmbatch.options import RunOptions
-from lmbatch.run import run
-from lmbatch.task_results import NAN_ERROR
+from lmbatch.results.task_results import NAN_ERROR
+from lmbatch.run.run import run
 
 
 def test_a_model_with_nan_weights_fails_its_instances_and_warns(tmp_path, capsys):

@@ -19,7 +19,7 @@ import pytest
 from conftest import make_tiny_with_tokenizer
 
 from lmbatch.options import RunOptions
-from lmbatch.run import run
+from lmbatch.run.run import run
 
 # two stages: a sampled gen (seeded by its instance), then a select after the generated text
 PROGRAM = '''from lmbatch.frontend import gen, select

@@ -19,10 +19,10 @@ from conftest import make_tiny_with_tokenizer, scale_in_place, wide_tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmbatch import rundir as rd
 from lmbatch.errors import UserError
 from lmbatch.options import RunOptions
-from lmbatch.run import run
+from lmbatch.run.run import run
+from lmbatch.rundir import rundir as rd
 
 # two stages: a sampled gen (its seed is the instance's, not its place in a resumed batch), then a select
 PROGRAM = '''from lmbatch.frontend import gen, select
@@ -141,7 +141,7 @@ def _cli(*args, **kw):
                             stderr=subprocess.PIPE, text=True, **kw)
 
 
-HOOKED = ("import sys, time\nfrom lmbatch import rundir\nn = [0]\n"
+HOOKED = ("import sys, time\nfrom lmbatch.rundir import rundir\nn = [0]\n"
           "def hook(step):\n"
           "    if step == 'run.json':\n"
           "        n[0] += 1\n"
@@ -188,7 +188,7 @@ def test_sigint_keeps_the_finished_instances_and_says_so(reference, tiny, tmp_pa
     args = ["run", "mmlu", "--shots", 1, "--limit", 2, "--subjects", "anatomy", "--subjects", "virology",
             "--subjects", "astronomy", "--model", tiny, "--out", tmp_path, "--run-id", "i", "--device", "cpu",
             "--quiet", "--checkpoint-s", 1e-6, "--max-tokens-per-batch", 64]
-    slow = ("import sys, time\nfrom lmbatch import rundir\n"
+    slow = ("import sys, time\nfrom lmbatch.rundir import rundir\n"
             "rundir.fault = lambda step: time.sleep(0.5) if step == 'part requests' else None\n"
             "from lmbatch.cli import main\nsys.argv = ['lmbatch'] + sys.argv[1:]\nmain()\n")
     proc = subprocess.Popen([sys.executable, "-c", slow, *map(str, args)], stderr=subprocess.PIPE, text=True)
@@ -347,7 +347,7 @@ def test_how_to_resume_names_the_run_id_a_command_did_not(tmp_path):
 def test_an_interrupted_run_names_the_folder_to_resume(tmp_path):
     """Issue 36: the line a stopped run ends with names its folder, and the run id where the command
     gave none (the default run id has a timestamp); the marker file says the same."""
-    from lmbatch.parts import Stop
+    from lmbatch.run.parts import Stop
 
     stop = Stop()
     stop.rundir = rd.RunDir(tmp_path / "mmlu-0shot-m-20261125-120000", {}, False, False, named=False)
@@ -374,7 +374,7 @@ def test_a_handover_with_nothing_finished_is_not_due_again_at_once():
     """Multi-stage programs finish only in their last wave: a handover that found none finished must
     wait checkpoint_s like any other (it was due at every step after the first: on a GPU, tot-gsm8k
     ran 5x slower and its batches, hence its bf16 outputs, changed). A stop makes it due at once."""
-    from lmbatch.parts import Every, Stop
+    from lmbatch.run.parts import Every, Stop
 
     stop = Stop()
     due = Every(60, stop)

@@ -11,10 +11,10 @@ import pytest
 from conftest import make_tiny_with_tokenizer
 from typer.testing import CliRunner
 
-from lmbatch import rundir as rd
 from lmbatch.cli import app
 from lmbatch.options import RunOptions
-from lmbatch.run import run
+from lmbatch.run.run import run
+from lmbatch.rundir import rundir as rd
 
 # the rc format with unconditional requests, WinoGrande's contexts that differ per option, and the mc
 # format's one-token letters after one context (merged into one request)

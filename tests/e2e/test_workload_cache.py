@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import make_tiny_with_tokenizer
 
-from lmbatch import workload_cache
+from lmbatch.caches import workloads as workload_cache
 from lmbatch.options import RunOptions
-from lmbatch.run import run
+from lmbatch.run.run import run
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 import pytest
 from transformers import AutoTokenizer
 
-from lmbatch.baseline import first_selects, load_hf, score_pairs
 from lmbatch.engine import Engine
+from lmbatch.frontend.baseline import first_selects, load_hf, score_pairs
 from lmbatch.frontend.calls import CallOptions
 from lmbatch.frontend.interpreter import Interpreter
 from lmbatch.frontend.workload import LoadArgs

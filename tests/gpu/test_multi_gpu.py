@@ -19,7 +19,7 @@ from lmbatch.engine.parallel import ParallelEngine  # noqa: E402
 from lmbatch.model.config import ModelConfig  # noqa: E402
 from lmbatch.options import RunOptions  # noqa: E402
 from lmbatch.requests import GenerateRequest, SamplingParams  # noqa: E402
-from lmbatch.run import run  # noqa: E402
+from lmbatch.run.run import run  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ from lm_eval.api.instance import Instance
 
 from lmbatch.engine.sampling import sample_on_device
 from lmbatch.errors import UserError
-from lmbatch.lm_eval_generate import generated_text, request_seeds, think_end
+from lmbatch.lm_eval.generate import generated_text, request_seeds, think_end
 from lmbatch.requests import SamplingParams
 
 SAMPLED = {"until": ["Q:"], "do_sample": True, "temperature": 1.0, "max_gen_toks": 16}

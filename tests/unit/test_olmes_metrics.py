@@ -19,7 +19,7 @@ import torch
 
 from lmbatch.data import package_dir
 from lmbatch.programs.olmes import context_groups, predictions
-from lmbatch.task_results import mean_stderr, metrics_block
+from lmbatch.results.task_results import mean_stderr, metrics_block
 
 VOCAB = 64
 

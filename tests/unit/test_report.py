@@ -1,4 +1,4 @@
-"""lmbatch.report on synthetic run directories (no model, no data)."""
+"""lmbatch.results.report on synthetic run directories (no model, no data)."""
 
 import json
 import math
@@ -9,7 +9,7 @@ import pytest
 from conftest import assert_self_contained_html as assert_self_contained
 
 from lmbatch.errors import UserError
-from lmbatch.report import compare, load_summary, render, report_rows
+from lmbatch.results.report import compare, load_summary, render, report_rows
 
 
 def make_summary(run_id="mmlu-a", task="mmlu", instances=570, accuracy=0.31, hit_rate=0.86,
@@ -187,7 +187,7 @@ def test_summary_not_utf8_is_one_line(tmp_path):
 
 
 def test_small_rates_are_readable():
-    from lmbatch.report import _cell
+    from lmbatch.results.report import _cell
 
     assert _cell("programs_per_s", 0.0142) == "0.0142" and _cell("programs_per_s", 123.45) == "123.5"
 
@@ -195,11 +195,11 @@ def test_small_rates_are_readable():
 # --- a run's files are checked against its summary (#22 item 5) -------------------------------------------
 
 def instances_table(task: str, scores: dict, errors: dict | None = None):
-    """instances.parquet's table (lmbatch.outputs.INSTANCE_SCHEMA) of one task: each id's metrics, or its error
+    """instances.parquet's table (lmbatch.rundir.layout.INSTANCE_SCHEMA) of one task: each id's metrics, or its error
     (errors: id -> message; such an instance has no metrics)."""
     import pyarrow as pa
 
-    from lmbatch.outputs import INSTANCE_SCHEMA
+    from lmbatch.rundir.layout import INSTANCE_SCHEMA
 
     errors = errors or {}
     ids = list(dict.fromkeys([*scores, *errors]))
@@ -217,7 +217,7 @@ def write_checked_run(root: Path, run_id: str, ids=("a1", "a2")) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from lmbatch.outputs import file_record
+    from lmbatch.rundir.layout import file_record
 
     run = root / run_id
     run.mkdir()
@@ -252,7 +252,7 @@ def assert_one_line_error(r, *needles):
 def test_file_record(tmp_path):
     import hashlib
 
-    from lmbatch.outputs import file_record
+    from lmbatch.rundir.layout import file_record
 
     data = bytes(range(256)) * 5000     # more than one 1 MiB block
     (tmp_path / "f").write_bytes(data)
@@ -370,7 +370,7 @@ def test_each_tasks_own_metrics_are_columns(tmp_path):
 
 
 def test_compare_refuses_runs_of_other_workloads():
-    from lmbatch.report import workload_differences
+    from lmbatch.results.report import workload_differences
 
     def with_options(**kw):
         s = make_summary()
@@ -440,7 +440,7 @@ def write_scored_run(root: Path, run_id: str, scores: dict, errors: dict | None 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from lmbatch.outputs import file_record
+    from lmbatch.rundir.layout import file_record
 
     errors = errors or {}
     run = root / run_id
@@ -488,7 +488,7 @@ def flipped(worse: int, better: int) -> list:
 
 
 def test_the_table_shows_standard_errors_computed_by_hand(tmp_path):
-    from lmbatch.report import load_run
+    from lmbatch.results.report import load_run
 
     run = write_scored_run(tmp_path, "r", {"mmlu": accs([1, 0, 1, 1])})
     row = report_rows([load_run(run)])[0]
@@ -500,7 +500,7 @@ def test_the_table_shows_standard_errors_computed_by_hand(tmp_path):
 
 
 def test_every_metric_has_its_standard_error(tmp_path):
-    from lmbatch.report import load_run
+    from lmbatch.results.report import load_run
 
     scores = {"a": {"acc": 1.0, "acc_norm": 1.0}, "b": {"acc": 0.0, "acc_norm": 1.0},
               "c": {"acc": 0.0, "acc_norm": 0.0}}
@@ -511,7 +511,7 @@ def test_every_metric_has_its_standard_error(tmp_path):
 
 
 def test_a_suite_run_has_a_row_per_task(tmp_path):
-    from lmbatch.report import load_run
+    from lmbatch.results.report import load_run
 
     run = write_scored_run(tmp_path, "suite", {"arc_easy:rc": accs([1, 0, 1]), "boolq:mc": accs([1, 1])},
                            tasks_block=True)
@@ -526,7 +526,7 @@ def test_a_suite_run_has_a_row_per_task(tmp_path):
 
 
 def test_a_tasks_block_of_another_type_is_one_line(tmp_path):
-    from lmbatch.report import load_run
+    from lmbatch.results.report import load_run
 
     run = write_scored_run(tmp_path, "s", {"t": accs([1, 0])}, tasks={"t": {"n": "2", "metrics": {}}})
     with pytest.raises(UserError, match=r"task 't': field 'n' is '2' \(str\), not an integer"):
@@ -562,7 +562,7 @@ def test_a_real_drop_is_a_regression_a_noise_sized_one_is_not(tmp_path):
 
 
 def mcnemar(b: int, c: int) -> float:
-    from lmbatch.stats import mcnemar_midp
+    from lmbatch.results.stats import mcnemar_midp
 
     return mcnemar_midp(b, c)
 
@@ -603,7 +603,7 @@ def test_compare_refuses_runs_over_other_instances_in_one_line(tmp_path, cand_sc
     assert_one_line_error(report_cli("--compare", base, cand), "cannot compare: base and candidate ran different "
                           "instances (task 'mmlu'", needle)
     with pytest.raises(UserError, match="ran different instances"):
-        compare(*map(__import__("lmbatch.report", fromlist=["load_run"]).load_run, (base, cand)))
+        compare(*map(__import__("lmbatch.results.report", fromlist=["load_run"]).load_run, (base, cand)))
 
 
 def test_compare_a_suite_per_task(tmp_path):
@@ -673,7 +673,7 @@ def test_an_html_file_that_cannot_be_written_is_one_line(tmp_path):
 def test_a_suite_raises_no_more_false_alarms_than_one_task(tmp_path):
     """p 0.021 on one task alone is a regression at alpha 0.05; as one of ten tasks compared together it is
     what chance gives one task in ten (Holm: second smallest of ten, 9 x 0.021), while a real drop stays one."""
-    from lmbatch.report import compare_runs, load_run
+    from lmbatch.results.report import compare_runs, load_run
 
     alone = compare_runs(load_run(write_scored_run(tmp_path, "b1", {"t0": accs(BASE)})),
                          load_run(write_scored_run(tmp_path, "c1", {"t0": accs(flipped(12, 3))})))
@@ -693,7 +693,7 @@ def test_a_suite_raises_no_more_false_alarms_than_one_task(tmp_path):
 def test_the_primary_metric_a_tasks_block_declares_decides(tmp_path):
     """A run written before the tasks block (primary acc, derived) against one whose block declares acc_norm:
     acc_norm decides, whichever run is the base."""
-    from lmbatch.report import compare_runs, load_run
+    from lmbatch.results.report import compare_runs, load_run
 
     same, worse = accs(BASE), accs(flipped(40, 5))
     old = {k: {"acc": v["acc"], "acc_norm": v["acc"]} for k, v in same.items()}
@@ -711,7 +711,7 @@ def test_the_primary_metric_a_tasks_block_declares_decides(tmp_path):
 def test_a_suite_summarys_own_accuracy_error_and_shots_are_shown(tmp_path):
     """A suite's accuracy is over each task's primary metric: its summary's accuracy_stderr is that mean's,
     not acc's; its top-level shots (null when its tasks' differ) is the one shown."""
-    from lmbatch.report import load_run
+    from lmbatch.results.report import load_run
 
     run = write_scored_run(tmp_path, "suite", {"arc_easy:rc": accs([1, 0, 1]), "boolq:mc": accs([1, 1])},
                            tasks_block=True, accuracy_stderr=0.0456, shots=None)
@@ -782,8 +782,8 @@ def json_scores(valid: list) -> dict:
 
 def test_every_metric_of_a_json_task_is_compared(tmp_path):
     """Item 2: json's summary said primary_metric acc, which no instance has, so --compare skipped it."""
-    from lmbatch.report import load_run
-    from lmbatch.report_html import _categories
+    from lmbatch.results.report import load_run
+    from lmbatch.results.report_html import _categories
 
     old_block = {"json": {**task_block(accs([1])), "primary_metric": "acc", "metrics": {"complete": 1.0, "valid": 1.0}}}
     base = write_scored_run(tmp_path, "base", {"json": json_scores([1] * 20)}, tasks=old_block)     # an older run
@@ -803,7 +803,7 @@ def test_every_metric_of_a_json_task_is_compared(tmp_path):
 
 def test_a_program_files_own_continuous_metric_gets_a_paired_t_test(tmp_path):
     """Item 2: a program file's f1 falling from 0.7 to 0.0 passed (skipped: no acc)."""
-    from lmbatch.stats import paired_test
+    from lmbatch.results.stats import paired_test
 
     f1 = [0.6, 0.7, 0.8, 0.65, 0.75, 0.7, 0.72, 0.68]
     base = write_scored_run(tmp_path, "base", {"qa": {f"i{k}": {"f1": v} for k, v in enumerate(f1)}})
@@ -823,7 +823,7 @@ def test_the_tasks_block_names_a_primary_metric_its_instances_carry():
     """Item 2 where summary.json is written: json's and a program file's primary metric is one of their own,
     and every one of their metrics is compared; a declared primary metric (acc, an OLMES config's) stays."""
     from lmbatch.frontend.workload import Workload
-    from lmbatch.task_results import accuracy, tasks_block
+    from lmbatch.results.task_results import accuracy, tasks_block
 
     rows = [{"task": "qa", "error": None, "metrics": {"f1": 0.5, "em": 0.0}},
             {"task": "qa", "error": "boom", "metrics": {}}]
@@ -853,7 +853,7 @@ def test_html_never_writes_over_a_run_file_or_another_file(tmp_path):
 
 def test_a_suites_olmes_task_shows_its_primary_metric(tmp_path):
     """Item 8a: a suite's OLMES task showed `accuracy -` (its primary metric is acc_per_char, not acc)."""
-    from lmbatch.report import load_run
+    from lmbatch.results.report import load_run
 
     scores = {"arc_challenge:rc": {f"q{i}": {"acc_raw": 0.0, "acc_per_char": float(i % 2)} for i in range(4)},
               "mmlu": accs([1, 0])}

@@ -1,4 +1,4 @@
-"""A run directory's place and lock (lmbatch/runplace.py, issue 36): one folder directly inside --out,
+"""A run directory's place and lock (lmbatch/rundir/place.py, issue 36): one folder directly inside --out,
 written by one run at a time, replaced only if it is a run directory."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from lmbatch.errors import UserError
 from lmbatch.options import RUN_ID_MAX, run_id_problem
-from lmbatch.runplace import LOCK, RunLock, clear, found, move_aside, refuse_foreign, run_path
+from lmbatch.rundir.place import LOCK, RunLock, clear, found, move_aside, refuse_foreign, run_path
 
 
 @pytest.mark.parametrize("name,problem", [
@@ -48,7 +48,7 @@ def test_the_lock_refuses_a_second_holder_and_goes_with_the_run(tmp_path):
 
 def test_a_killed_holders_lock_is_free(tmp_path):
     d = tmp_path / "run"
-    code = ("import sys, os\nfrom pathlib import Path\nfrom lmbatch.runplace import RunLock\n"
+    code = ("import sys, os\nfrom pathlib import Path\nfrom lmbatch.rundir.place import RunLock\n"
             "RunLock(Path(sys.argv[1])).acquire()\nos._exit(9)\n")
     subprocess.run([sys.executable, "-c", code, str(d)], check=False)
     assert (d / LOCK).is_file()         # left behind by the kill, but no longer held

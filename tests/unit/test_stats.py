@@ -1,10 +1,10 @@
-"""lmbatch.stats: standard errors and the paired tests, against hand computations and lm-eval."""
+"""lmbatch.results.stats: standard errors and the paired tests, against hand computations and lm-eval."""
 import math
 import random
 
 import pytest
 
-from lmbatch.stats import MCNEMAR, PAIRED_T, mcnemar_midp, mean_stderr, paired_t, paired_test
+from lmbatch.results.stats import MCNEMAR, PAIRED_T, mcnemar_midp, mean_stderr, paired_t, paired_test
 
 
 def test_mean_stderr_by_hand():
@@ -80,7 +80,7 @@ def test_paired_t_matches_scipy(seed):
 
 
 def test_holm_by_hand():
-    from lmbatch.stats import holm
+    from lmbatch.results.stats import holm
 
     # sorted 0.01, 0.03, 0.04 times 3, 2, 1: 0.03, 0.06, 0.04 -> kept non-decreasing: 0.03, 0.06, 0.06
     assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])

@@ -6,7 +6,7 @@ import pytest
 
 from lmbatch.frontend.registry import get_workload
 from lmbatch.options import RunOptions
-from lmbatch.summary import _shots
+from lmbatch.run.summary import _shots
 
 
 @pytest.mark.parametrize("task,shots,want", [

@@ -128,7 +128,7 @@ def test_run_level_think_budget_for_a_built_in_task(tiny_tok, tmp_path):
     import shutil
 
     from lmbatch.options import RunOptions
-    from lmbatch.run import run
+    from lmbatch.run.run import run
 
     model = tmp_path / "thinker"
     shutil.copytree(tiny_tok, model)

@@ -11,13 +11,13 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from lmbatch.task_results import NAN_ERROR
+from lmbatch.results.task_results import NAN_ERROR
 
 if TYPE_CHECKING:
     from lmbatch.frontend.runs import ProgramRun
     from lmbatch.frontend.tally import Tally
     from lmbatch.frontend.workload import Workload
-    from lmbatch.rundir import RunDir
+    from lmbatch.rundir.rundir import RunDir
 
 
 class Stop:

@@ -9,17 +9,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 import lmbatch
-from lmbatch import task_results
 from lmbatch.requests import RunStats, optimal_hit_rate
+from lmbatch.results import task_results
 from lmbatch.timing import largest
 
 if TYPE_CHECKING:
     from lmbatch.frontend.interpreter import Interpreter
     from lmbatch.frontend.workload import Workload
-    from lmbatch.loading import Loaded
     from lmbatch.model.config import ModelConfig
     from lmbatch.options import RunOptions
-    from lmbatch.rundir import Merged
+    from lmbatch.run.loading import Loaded
+    from lmbatch.rundir.rundir import Merged
 
 MODEL_SIDE = ("spawn", "imports", "cuda_init", "weights", "compile", "graphs", "tokenizer", "workers")
 

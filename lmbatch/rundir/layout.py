@@ -1,5 +1,5 @@
 """The run directory's tables (docs/outputs.md) and what a killed writer of an earlier version left beside it;
-the run directory itself: lmbatch/rundir.py."""
+the run directory itself: lmbatch/rundir/rundir.py."""
 from __future__ import annotations
 
 import os

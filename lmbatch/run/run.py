@@ -4,9 +4,9 @@ summary); data flows down, and results come back as return values or as the fini
 run pulls from the interpreter.
 
 What a user waits for is the whole command, so every phase is timed from the process's start
-(`summary.json` `time_s`). The model is built on a thread of its own (lmbatch/loading.py) while the
+(`summary.json` `time_s`). The model is built on a thread of its own (lmbatch/run/loading.py) while the
 host prepares the workload: read back from the workload cache, or prepared by a forked child
-process (lmbatch/prepare.py).
+process (lmbatch/run/prepare.py).
 """
 from __future__ import annotations
 
@@ -15,16 +15,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lmbatch import summary
 from lmbatch.errors import Interrupted, UserError, first_line
 from lmbatch.frontend.registry import get_workload
 from lmbatch.frontend.workload import Workload
-from lmbatch.loading import ModelLoader
 from lmbatch.options import RunOptions, check, engine_spec
-from lmbatch.parts import Every, PartWriter, Stop
-from lmbatch.prepare import ModelFiles, Preparation
-from lmbatch.progress import TokenProgress
-from lmbatch.rundir import RunDir, for_run
+from lmbatch.run import summary
+from lmbatch.run.loading import ModelLoader
+from lmbatch.run.parts import Every, PartWriter, Stop
+from lmbatch.run.prepare import ModelFiles, Preparation
+from lmbatch.run.progress import TokenProgress
+from lmbatch.rundir.rundir import RunDir, for_run
 from lmbatch.timing import Phases
 
 PARALLEL_PART_S = 2.0       # seconds between parts at most, where workers run the model

@@ -5,7 +5,7 @@ decodes its text made. Each step is timed (`Loaded.seconds`: imports, cuda_init,
 graphs, tokenizer), and its errors (a user's too) are raised where the run takes
 the result. The thread holds the interpreter lock only while it runs Python: torch's import and the
 graphs' capture mostly; the host's work, when it is not cached, runs in a process of its own
-(lmbatch/prepare.py)."""
+(lmbatch/run/prepare.py)."""
 from __future__ import annotations
 
 import threading

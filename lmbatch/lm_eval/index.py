@@ -12,7 +12,7 @@ An index over several folders is the folders' parts merged in order, a later fol
 an earlier one's (with lm-eval's warning), as `TaskIndex.build` merges them: a folder's part depends
 on that folder's files only.
 
-    python -m lmbatch.lm_eval_index FOLDER      # the part of one folder into the cache (as `build_ahead`)
+    python -m lmbatch.lm_eval.index FOLDER      # the part of one folder into the cache (as `build_ahead`)
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def build_ahead() -> bool:
         return False
     if path.is_file() or path in _AHEAD:
         return False
-    proc = subprocess.Popen([sys.executable, "-m", "lmbatch.lm_eval_index", str(root)],
+    proc = subprocess.Popen([sys.executable, "-m", "lmbatch.lm_eval.index", str(root)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _AHEAD[path] = proc
     atexit.register(_end, proc)

@@ -9,7 +9,7 @@ prefix token, left truncation to `max_length`), so contexts and continuations ar
 accepted and change nothing: every request of a call is one batch.
 
     from lm_eval import simple_evaluate
-    from lmbatch.lm_eval import LMBatch
+    from lmbatch.lm_eval.backend import LMBatch
     simple_evaluate(model=LMBatch(pretrained="path/or/hub-id"), tasks=["hellaswag"])
 """
 from __future__ import annotations
@@ -30,8 +30,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from lmbatch.errors import UserError, first_line
-from lmbatch.lm_eval_index import building, index_built_once
-from lmbatch.lm_eval_tokens import PairTokenizer
+from lmbatch.lm_eval.index import building, index_built_once
+from lmbatch.lm_eval.tokens import PairTokenizer
 from lmbatch.requests import RunStats, optimal_hit_rate
 from lmbatch.scheduler.planner import plan_requests
 
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from lm_eval.api.instance import Instance
 
     from lmbatch.engine.protocol import BatchEngine
-    from lmbatch.loading import Loaded
+    from lmbatch.run.loading import Loaded
     from lmbatch.scheduler.planner import Plan
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class LMBatch(TemplateLM):
     `max_tokens_per_batch`, `kv_cache_tokens`, `schedule`, and `data_parallel`, `tensor_parallel`,
     `ray_address` as `lmbatch run` has them: each call's batch is cut along whole subtrees, never
     handed out round-robin; and `score_cache`: false computes a loglikelihood call's scores even where
-    the same call on the same model files and numerics kept them, score_cache.py)."""
+    the same call on the same model files and numerics kept them, caches/scores.py)."""
 
     backend = "causal"
 
@@ -71,8 +71,8 @@ class LMBatch(TemplateLM):
 
         from lmbatch.engine.build import pick_device
         from lmbatch.engine.devices import layout
-        from lmbatch.lm_eval_engine import engine_spec, loader_for
-        from lmbatch.lm_eval_generate import think_end
+        from lmbatch.lm_eval.engine import engine_spec, loader_for
+        from lmbatch.lm_eval.generate import think_end
         from lmbatch.model.checkpoint import check_tokenizer_files, resolve_model
         from lmbatch.model.config import ModelConfig
 
@@ -91,7 +91,7 @@ class LMBatch(TemplateLM):
         check_tokenizer_files(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         # the model loads on a thread of its own (as for `lmbatch run`) while lm-eval builds its tasks:
-        # started by `lmbatch lm-eval` before lm-eval's imports where it could be (lm_eval_engine.py), else
+        # started by `lmbatch lm-eval` before lm-eval's imports where it could be (lm_eval/engine.py), else
         # here (lm-eval makes its model before its tasks); the first call takes the engine (`loaded`)
         spec = engine_spec(model_dir, {"device": device, "dtype": dtype, "kv_cache_tokens": kv_cache_tokens,
                                        "max_tokens_per_batch": max_tokens_per_batch, "attention": attention,
@@ -104,7 +104,7 @@ class LMBatch(TemplateLM):
                                     int(max_length) if max_length else _context_length(model_dir, self.tokenizer))
         self.schedule = schedule
         self.think_end_token = think_end(think_end_token)   # generated text: only what follows it
-        # a call's scores are kept (score_cache.py) under its requests and these (the workers' and devices'
+        # a call's scores are kept (caches/scores.py) under its requests and these (the workers' and devices'
         # counts as auto decides them here: each worker's batches decide the last bits): not for workers elsewhere
         self._numerics = (*numerics, {"engine": repr(spec), "schedule": schedule,
                                       "layout": layout(spec, ModelConfig.from_dir(model_dir))[:2]}) \
@@ -134,7 +134,7 @@ class LMBatch(TemplateLM):
         if self._loader.loaded is not None:
             self._loader.loaded.engine.close()
 
-    # ---- tokenization, as lm-eval's HF backend does it (lm_eval_tokens.py) ---------------------
+    # ---- tokenization, as lm-eval's HF backend does it (lm_eval/tokens.py) ---------------------
     @property
     def eot_token_id(self) -> int:
         return self.tokenizer.eos_token_id
@@ -172,7 +172,7 @@ class LMBatch(TemplateLM):
     # ---- the three request types ------------------------------------------------------------------
     def _run(self, requests: list, disable_tqdm: bool = False, plan: Plan | None = None) -> list:
         from lmbatch.engine.protocol import drain
-        from lmbatch.progress import TokenProgress
+        from lmbatch.run.progress import TokenProgress
 
         bar = TokenProgress("lmbatch", disable=disable_tqdm or len(requests) < 2)
         results, stats = drain(self.engine.stream(requests, schedule=self.schedule, plan=plan, progress=bar))
@@ -203,8 +203,9 @@ class LMBatch(TemplateLM):
         """`TemplateLM.loglikelihood`'s token ids, made in bulk (`PairTokenizer.score_requests`; lm-eval
         encodes two long texts per request one by one). The ids and the plan are kept in the workload
         cache under the requests' text: a repeat of the call tokenizes and plans nothing. The scores are
-        kept too (score_cache.py): a repeat on the same model files and numerics computes nothing."""
-        from lmbatch import score_cache, workload_cache
+        kept too (caches/scores.py): a repeat on the same model files and numerics computes nothing."""
+        from lmbatch.caches import scores as score_cache
+        from lmbatch.caches import workloads as workload_cache
 
         start = time.perf_counter()
         pairs = [req.args for req in requests]
@@ -275,9 +276,9 @@ class LMBatch(TemplateLM):
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         """Each context continued until a stop string (the task's `until` and the EOS text) or
         `max_gen_toks`; greedy unless the task samples, each sampled request with a seed of its own
-        (its task, document and repeat: lm_eval_generate.py). The text is cut at the first stop string,
+        (its task, document and repeat: lm_eval/generate.py). The text is cut at the first stop string,
         after the thinking part where `think_end_token` is given, as lm-eval's HF backend cuts it."""
-        from lmbatch.lm_eval_generate import engine_requests, generated_text
+        from lmbatch.lm_eval.generate import engine_requests, generated_text
 
         reqs, stops = engine_requests(self, requests)
         out = []
@@ -337,7 +338,7 @@ def main(args: list[str]) -> int:
             if ns.model == "lmbatch":
                 one_device(ns)
             if check_run(ns):
-                from lmbatch.lm_eval_engine import tasks_generate
+                from lmbatch.lm_eval.engine import tasks_generate
 
                 tasks_generate()
         checked()
@@ -518,7 +519,7 @@ def _check_tasks(names: list[str], include_path: str | None) -> bool:
                 of = "" if asked == task else f" (of {asked})"
                 raise UserError(f"--tasks {asked}: lm-eval task {task}{of} reads {dataset} from the Hugging Face "
                                 f"Hub, which is not in the local cache, and {offline} is set: run it once online, "
-                                f"or use tasks over local files (lmbatch.lm_eval.write_offline_tasks writes "
+                                f"or use tasks over local files (lmbatch.lm_eval.backend.write_offline_tasks writes "
                                 f"mmlu_offline, hellaswag_offline and gsm8k_offline for --include_path)")
     return bool(files) or _may_generate(manager, names)
 

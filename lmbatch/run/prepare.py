@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from lmbatch import workload_cache
+from lmbatch.caches import workloads as workload_cache
+from lmbatch.caches.workloads import Snapshot
 from lmbatch.errors import UserError
 from lmbatch.frontend.calls import CallOptions, KnownIds
 from lmbatch.frontend.chat import ChatOptions, has_template
@@ -31,7 +32,6 @@ from lmbatch.options import RunOptions
 from lmbatch.requests import ScoreRequest
 from lmbatch.scheduler.planner import summarize
 from lmbatch.timing import Phases
-from lmbatch.workload_cache import Snapshot
 
 
 class ModelFiles(NamedTuple):

@@ -11,7 +11,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Iterable
 
 from lmbatch.errors import UserError, first_line
-from lmbatch.stats import MCNEMAR, Paired, holm, mean, mean_stderr, paired_test
+from lmbatch.results.stats import MCNEMAR, Paired, holm, mean, mean_stderr, paired_test
 
 FORMATS = ("table", "markdown", "json")
 # a task's own metrics other than acc (HellaSwag's acc_norm, json's complete and valid) are columns too,
@@ -116,7 +116,7 @@ def _check_files(run_dir: Path, files: Any) -> None:
     """The run's Parquet files are those its summary recorded (size and SHA-256): not truncated, not
     another run's. Summaries written before lmbatch recorded them have no "files": their Parquet files
     are read whole instead (a truncated one is found, another run's is not)."""
-    from lmbatch.outputs import file_record
+    from lmbatch.rundir.layout import file_record
 
     if not isinstance(files, dict):
         _read_whole(run_dir)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from lmbatch.errors import UserError
-from lmbatch.report import Comparison, Run, TaskDelta, cells, report_rows
+from lmbatch.results.report import Comparison, Run, TaskDelta, cells, report_rows
 from lmbatch.timing import MAIN_LINE
 
 Z95 = 1.959963984540054     # error bars: mean ± Z95 standard errors, a 95% confidence interval

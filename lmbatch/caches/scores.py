@@ -28,8 +28,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from lmbatch.cache import cache_dir
+from lmbatch.caches.workloads import hash_source, read_entry, write_entry
 from lmbatch.model.identity import model_identity
-from lmbatch.workload_cache import hash_source, read_entry, write_entry
 
 KEEP = 64       # entries kept (a few kB each); the least recently written go
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lmbatch.engine.options import EngineOptions, EngineSpec
-from lmbatch.loading import ModelLoader
+from lmbatch.run.loading import ModelLoader
 
 _EARLY: dict[EngineSpec, ModelLoader] = {}
 _GENERATES = [False]        # the run's tasks generate: loaders capture decode graphs once built

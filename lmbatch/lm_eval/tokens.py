@@ -141,7 +141,7 @@ class PairTokenizer:
     def cache_key(self, pairs: Sequence[tuple[str, str]], schedule: str, model_dir: Path) -> str:
         """The workload cache's name for these pairs' requests and plan on this model: their text, the
         tokenization options, the schedule."""
-        from lmbatch import workload_cache
+        from lmbatch.caches import workloads as workload_cache
 
         h = hashlib.sha256()
         for context, continuation in pairs:

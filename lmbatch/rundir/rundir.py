@@ -1,7 +1,7 @@
 """A run directory while its run executes: result parts written as instances finish, the resume of an
 incomplete run, and the final files merged from the parts (docs/outputs.md).
 
-    RUN/.lock                             held (flock) by the run writing it (lmbatch/runplace.py)
+    RUN/.lock                             held (flock) by the run writing it (lmbatch/rundir/place.py)
     RUN/INCOMPLETE                        this marker, while the run is not complete
     RUN/run.json                          fingerprint, dtype, attempts, and each part's size and checksum
     RUN/parts/NNNNNN.requests.parquet     the requests of the part's instances (written first)
@@ -30,8 +30,8 @@ from lmbatch.errors import UserError, first_line
 from lmbatch.frontend.workload import Instance, Workload
 from lmbatch.model.identity import model_identity
 from lmbatch.options import RunOptions
-from lmbatch.outputs import INSTANCE_SCHEMA, clean_stale, file_record, request_schema, sha256
-from lmbatch.runplace import MARKER, RunLock, clear, found, move_aside, refuse_foreign, run_path
+from lmbatch.rundir.layout import INSTANCE_SCHEMA, clean_stale, file_record, request_schema, sha256
+from lmbatch.rundir.place import MARKER, RunLock, clear, found, move_aside, refuse_foreign, run_path
 
 MARKER_TEXT = ("This run is incomplete: its finished instances are in parts/. Re-run the same lmbatch run command "
                "with --run-id {name} to resume it.\n")
