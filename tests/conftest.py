@@ -1,3 +1,6 @@
+import ctypes
+import gc
+import os
 import random
 
 import pytest
@@ -20,6 +23,20 @@ from lmbatch.requests import ScoreRequest
 
 # GPU tests (marked gpu) need CUDA: on a machine without it they are not collected at all.
 collect_ignore = [] if torch.cuda.is_available() else ["gpu"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _memory_back_after_each_module():
+    """The suite runs in one process: after each test file, what it left unreachable is collected and the
+    C heap's free pages go back to the system (glibc keeps them otherwise), so the process's peak is one
+    file's, not the sum of the files' leftovers."""
+    yield
+    gc.collect()
+    if os.environ.get("LMBATCH_TEST_NO_TRIM") is None:
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):      # not glibc
+            pass
 
 
 def pytest_report_header(config):
