@@ -155,7 +155,7 @@ def test_two_workers_on_a_ray_cluster(tmp_path, program_path, ray_head):
     one, s1, _ = _run(tmp_path, "mmlu", 1, program_path)
     # the driver is a process of its own: Ray 2.60 once aborted its driver on an internal check
     # ("Tried to complete task that was not pending", CI 2026-11-26), which took pytest with it; that
-    # abort, and only it, is retried once
+    # abort, and only it, is retried once (over the aborted run's folder)
     args = [sys.executable, "-c", "from lmbatch.cli import main; main()", "run", "mmlu", "--shots", "5", "--limit",
             "2", *[a for subject in CASES["mmlu"]["subjects"] for a in ("--subjects", subject)], "--out",
             str(tmp_path), "--run-id", "ray", "--device", "cpu", "--quiet", "--data-parallel", "2", "--ray-address",
@@ -164,6 +164,7 @@ def test_two_workers_on_a_ray_cluster(tmp_path, program_path, ray_head):
         p = subprocess.run(args, capture_output=True, text=True, timeout=600)
         if p.returncode == 0 or "likely discovered a bug in Ray" not in p.stderr or attempt:
             break
+        args.append("--overwrite")
     assert p.returncode == 0, p.stderr[-3000:]
     d = tmp_path / "ray"
     two = pq.read_table(d / "instances.parquet").to_pylist()
