@@ -20,13 +20,17 @@ from lmbatch.kernels.extend_attention import attend_block
 
 
 @triton.jit
-def _split_kernel(Q, K, V, MidO, MidL, kv_indices, kv_indptr,  # type: ignore[no-untyped-def]
+def _split_kernel(Q, K, V, MidO, MidL, kv_indices, kv_indptr, kv_skip,  # type: ignore[no-untyped-def]
                   scale, window, stride_qt, stride_qh, stride_ks, stride_kh,
                   SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SKIP: tl.constexpr):
     row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_start = tl.load(kv_indptr + row)
     kv_len = tl.load(kv_indptr + row + 1) - kv_start
+    if SKIP:                                        # the row's first keys are read elsewhere (cascade levels)
+        skipped = tl.load(kv_skip + row)
+        kv_start += skipped
+        kv_len -= skipped
     begin = 0
     if window > 0:                                  # the query (position kv_len - 1) sees the last WINDOW keys
         begin = tl.maximum(kv_len - window, 0)
@@ -80,24 +84,37 @@ def splits_for(rows: int, kv_heads: int) -> int:
     return 16 if programs < 256 else 8 if programs < 1024 else 4
 
 
-def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indices: torch.Tensor,
-                     kv_indptr: torch.Tensor, scale: float, window: int | None = None, softcap: float = 0.0,
-                     splits: int | None = None) -> torch.Tensor:
-    """q: [T, H, D], one query per row, row i over keys kv_indices[kv_indptr[i]:kv_indptr[i + 1]] (its
-    last key its own position); k_pool/v_pool: [slots, KVH, D]. Returns [T, H, D]."""
+def decode_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indices: torch.Tensor,
+                    kv_indptr: torch.Tensor, scale: float, window: int | None = None, softcap: float = 0.0,
+                    splits: int | None = None, skip: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Each (row, head)'s key ranges: weighted values [T, H, splits, D] and log-sum-exps [T, H, splits]
+    (float32), and the number of ranges. With `skip` ([T] int32, no window), row i's first skip[i] keys
+    are left out."""
     T, H, D = q.shape
     kvh = k_pool.shape[1]
     group = H // kvh
     splits = splits or splits_for(T, kvh)
     mid_o = torch.empty((T, H, splits, D), dtype=torch.float32, device=q.device)
     mid_l = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)
-    block_d = triton.next_power_of_2(D)
-    _split_kernel[(T, kvh, splits)](q, k_pool, v_pool, mid_o, mid_l, kv_indices, kv_indptr, scale, window or 0,
+    assert skip is None or not window, "a windowed layer reads its rows' last keys only"
+    _split_kernel[(T, kvh, splits)](q, k_pool, v_pool, mid_o, mid_l, kv_indices, kv_indptr,
+                                    kv_indptr if skip is None else skip, scale, window or 0,
                                     q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
-                                    SOFTCAP=float(softcap), GROUP=group, HEAD_DIM=D, BLOCK_D=block_d,
+                                    SOFTCAP=float(softcap), GROUP=group, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
                                     BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=64, num_warps=4,
-                                    num_stages=2, SPLITS=splits)
+                                    num_stages=2, SPLITS=splits, SKIP=skip is not None)
+    return mid_o, mid_l, splits
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indices: torch.Tensor,
+                     kv_indptr: torch.Tensor, scale: float, window: int | None = None, softcap: float = 0.0,
+                     splits: int | None = None) -> torch.Tensor:
+    """q: [T, H, D], one query per row, row i over keys kv_indices[kv_indptr[i]:kv_indptr[i + 1]] (its
+    last key its own position); k_pool/v_pool: [slots, KVH, D]. Returns [T, H, D]."""
+    T, H, D = q.shape
+    mid_o, mid_l, splits = decode_partials(q, k_pool, v_pool, kv_indices, kv_indptr, scale, window, softcap, splits)
     out = torch.empty_like(q)
-    _merge_kernel[(T, H)](mid_o, mid_l, out, out.stride(0), out.stride(1), HEAD_DIM=D, BLOCK_D=block_d,
-                          SPLITS=splits)
+    _merge_kernel[(T, H)](mid_o, mid_l, out, out.stride(0), out.stride(1), HEAD_DIM=D,
+                          BLOCK_D=triton.next_power_of_2(D), SPLITS=splits)
     return out

@@ -15,11 +15,14 @@ import numpy as np
 import torch
 
 from lmbatch.attention import AttentionBackend, ForwardBatch, to_device
+from lmbatch.engine.cascade import LevelPlan, plan_levels
+from lmbatch.engine.radix_cache import Node
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
     from lmbatch.attention.kv_pool import KVPool
+    from lmbatch.kernels.cascade_attention import CascadeLevels
     from lmbatch.model.network import Transformer
 
 # steps of 8 rows up to 32, of 4 up to 64, then of 16, 32, 64: a step's rows grow past its requests by
@@ -30,27 +33,33 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 36, 40, 44, 48, 52, 56, 60, 64, 80, 96, 112, 
 
 
 class _GraphAttention(AttentionBackend):
-    """Triton decode attention over static device buffers (no host work inside the graph)."""
+    """Triton decode attention over static device buffers (no host work inside the graph): the cascade
+    kernel where the graphs keep shared levels (a layer without a sliding window), else plain decode."""
 
     def __init__(self, pool: KVPool, num_heads: int, head_dim: int, scale: float | None, softcap: float,
-                 kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
+                 tables: tuple[torch.Tensor, torch.Tensor, CascadeLevels | None]) -> None:
         super().__init__(pool, num_heads, head_dim, scale, softcap)
-        self.kv, self.kv_indices = kv_indptr, kv_indices
+        self.kv, self.kv_indices, self.levels = tables
 
     def plan(self, batch: ForwardBatch) -> None:
         self.batch = batch
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 window: int | None = None) -> torch.Tensor:
+        from lmbatch.kernels.cascade_attention import cascade_attention
         from lmbatch.kernels.decode_attention import decode_attention
 
         self.store(layer, k, v)
+        if self.levels is not None and window is None:
+            return cascade_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices, self.kv, self.scale,
+                                     self.softcap, self.levels)
         return decode_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices, self.kv, self.scale,
                                 window, self.softcap)
 
 
 class DecodeGraphs:
-    def __init__(self, model: Transformer, pool: KVPool, scratch_slot: int, max_batch: int) -> None:
+    def __init__(self, model: Transformer, pool: KVPool, scratch_slot: int, max_batch: int,
+                 cascade: bool = True) -> None:
         self.model, self.pool, self.scratch = model, pool, scratch_slot
         dev = pool.k.device
         self.buckets = [b for b in BUCKETS if b <= max(max_batch, 1)]
@@ -69,6 +78,29 @@ class DecodeGraphs:
         self._staged: list[torch.Tensor | None] = [None, None]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
+        self.levels = self._cascade_tables(n) if cascade else None
+        self._plan: tuple[list[Node | None], LevelPlan | None] = ([], None)
+
+    def _cascade_tables(self, rows: int) -> CascadeLevels | None:
+        """The shared-level tables of the cascade kernel, where a block of rows holds 2 or more rows'
+        query heads (a KV head has at most 32 of them)."""
+        from lmbatch.kernels.cascade_attention import CascadeLevels, rows_per_block
+
+        cfg = self.model.cfg
+        group = cfg.num_heads // cfg.num_kv_heads
+        return CascadeLevels(rows, group, self.pool.k.device) if rows_per_block(group) >= 2 else None
+
+    def _level_plan(self, ends: list[Node | None] | None) -> LevelPlan | None:
+        """The step's shared levels (the last step's where its rows' prompts end in the same nodes)."""
+        if self.levels is None or not ends:
+            return None
+        from lmbatch.kernels.cascade_attention import LEVELS
+
+        last, plan = self._plan
+        if len(last) != len(ends) or any(a is not b for a, b in zip(last, ends)):
+            plan = plan_levels(ends, self.levels.per_block, LEVELS, self.levels.max_blocks)
+            self._plan = (list(ends), plan)
+        return plan
 
     def _staging(self, size: int) -> torch.Tensor:
         """`size` int64 of pinned host memory for this step's inputs (a fresh array each step cost its
@@ -92,7 +124,7 @@ class DecodeGraphs:
     def _capture(self, b: int) -> None:
         cfg = self.model.cfg
         attn = _GraphAttention(self.pool, cfg.num_heads, cfg.head_dim, cfg.attn_scale, cfg.attn_softcap,
-                               self.kv_indptr[:b + 1], self.kv_indices)
+                               (self.kv_indptr[:b + 1], self.kv_indices, self.levels))
         batch = ForwardBatch(self.ids[:b], self.pos[:b], self.out_slots[:b], [], [], self.kv_indices, self.rows[:b])
         self.kv_indptr[:b + 1] = torch.arange(b + 1, dtype=torch.int32, device=self.ids.device)
         stream = torch.cuda.Stream()
@@ -108,21 +140,25 @@ class DecodeGraphs:
         self.graphs[b] = (graph, logits)
 
     def run(self, tokens: list[int], positions: list[int], seqs: list, rows: list[int] | None = None,
-            pending: tuple[np.ndarray, torch.Tensor] | None = None) -> torch.Tensor:
+            pending: tuple[np.ndarray, torch.Tensor] | None = None, ends: list[Node | None] | None = None
+            ) -> torch.Tensor:
         """One decode step: token t of row i sits at positions[i]; seqs[i] (1-D int arrays) are its KV
         slots up to and including that position. Rows may be consecutive tokens of one sequence (each
         stores its KV before any attends). `pending` = (src, device tokens): row i's token is
-        tokens[src[i]] where src[i] >= 0 (sampled by the last step, never seen by the host). Returns
-        float32 logits [len(rows), vocab] of the rows asked for (default: all): a view of the graph's
-        output when those are all its rows of one replay (valid until the next: graphs share their memory),
-        else a copy. Past the largest bucket, rows run in order in several replays."""
+        tokens[src[i]] where src[i] >= 0 (sampled by the last step, never seen by the host). `ends`:
+        the tree node where row i's prompt ends (its first keys are that node's path), for the shared
+        levels of cascade attention. Returns float32 logits [len(rows), vocab] of the rows asked for
+        (default: all): a view of the graph's output when those are all its rows of one replay (valid
+        until the next: graphs share their memory), else a copy. Past the largest bucket, rows run in
+        order in several replays."""
         rows = list(range(len(tokens))) if rows is None else rows
         cap = self.buckets[-1]
         parts = []
         for lo in range(0, len(tokens), cap):
             hi = lo + cap
             feed = (pending[0][lo:hi], pending[1]) if pending is not None else None
-            logits = self._replay(tokens[lo:hi], positions[lo:hi], seqs[lo:hi], feed)
+            logits = self._replay(tokens[lo:hi], positions[lo:hi], seqs[lo:hi], feed,
+                                  self._level_plan(ends[lo:hi] if ends is not None else None))
             mine = [r - lo for r in rows if lo <= r < hi]
             if mine == list(range(len(logits))) and len(tokens) <= cap:
                 parts.append(logits)        # the only replay: nothing overwrites it before the caller reads it
@@ -131,13 +167,13 @@ class DecodeGraphs:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _replay(self, tokens: list[int], positions: list[int], seqs: list,
-                pending: tuple[np.ndarray, torch.Tensor] | None = None) -> torch.Tensor:
+                pending: tuple[np.ndarray, torch.Tensor] | None, plan: LevelPlan | None) -> torch.Tensor:
         n = len(tokens)
         b = next(x for x in self.buckets if x >= n)
         if b not in self.graphs:
             self._capture(b)
         pad = b - n
-        # host: one int64 array [ids | positions | out slots | kv_indptr | src | kv_indices], one copy
+        # host: one int64 array [ids | positions | out slots | kv_indptr | src | kv_indices | levels], one copy
         lens = np.fromiter(map(len, seqs), dtype=np.int64, count=n)
         total = int(lens.sum()) + pad
         if total > len(self.kv_indices):  # shared prefixes counted per sequence: grow, recapture
@@ -145,10 +181,11 @@ class DecodeGraphs:
             self.graphs.clear()
             self.pool_handle = None     # the graphs' memory pool went with them: capturing into it asserts
             self.capture_all()
-            return self._replay(tokens, positions, seqs, pending)
-        staged = self._staging(3 * b + b + 1 + b + total)
+            return self._replay(tokens, positions, seqs, pending, plan)
+        levels = self._level_size(b, plan)
+        staged = self._staging(3 * b + b + 1 + b + total + levels)
         host = staged.numpy()
-        ids, pos, out, indptr, src, flat = np.split(host, np.cumsum([b, b, b, b + 1, b]))
+        ids, pos, out, indptr, src, flat, lv = np.split(host, np.cumsum([b, b, b, b + 1, b, total]))
         ids[:n], ids[n:] = tokens, 0
         pos[:n], pos[n:] = positions, 0
         src[:n], src[n:] = (pending[0] if pending is not None else -1), -1
@@ -157,6 +194,7 @@ class DecodeGraphs:
         np.concatenate(seqs, out=flat[:total - pad], casting="unsafe")
         flat[total - pad:] = self.scratch
         out[:] = flat[indptr[1:] - 1]
+        self._stage_levels(lv, b, plan, indptr)
         dev = staged.to(self.ids.device, non_blocking=True)
         copied = self._copied[self._turn] = torch.cuda.Event()
         copied.record()
@@ -165,7 +203,35 @@ class DecodeGraphs:
         if pending is not None:         # the last step's tokens, where they are
             s = dev[4 * b + 1:5 * b + 1]
             self.ids[:b] = torch.where(s >= 0, pending[1][s.clamp(min=0)], self.ids[:b])
-        self.kv_indices[:total] = dev[5 * b + 1:]
+        self.kv_indices[:total] = dev[5 * b + 1:5 * b + 1 + total]
+        self._load_levels(dev[5 * b + 1 + total:], b, plan)
         graph, logits = self.graphs[b]
         graph.replay()
         return logits[:n]
+
+    def _level_size(self, b: int, plan: LevelPlan | None) -> int:
+        """int64s a step's level tables take in the staged inputs: [skip b | levels b | blocks 1 | table | rows]."""
+        if self.levels is None:
+            return 0
+        return 2 * b + 1 + (plan.num_blocks * (4 + self.levels.per_block) if plan is not None else 0)
+
+    def _stage_levels(self, host: np.ndarray, b: int, plan: LevelPlan | None, indptr: np.ndarray) -> None:
+        if self.levels is None:
+            return
+        n = 0 if plan is None else len(plan.skip)
+        host[:2 * b + 1] = 0
+        if plan is not None:
+            host[:n], host[b:b + n], host[2 * b] = plan.skip, plan.levels, plan.num_blocks
+            nb = plan.num_blocks
+            host[2 * b + 1:2 * b + 1 + 4 * nb] = plan.table(indptr).reshape(-1)
+            host[2 * b + 1 + 4 * nb:] = plan.rows.reshape(-1)
+
+    def _load_levels(self, dev: torch.Tensor, b: int, plan: LevelPlan | None) -> None:
+        lv = self.levels
+        if lv is None:
+            return
+        nb = 0 if plan is None else plan.num_blocks
+        lv.skip[:b], lv.levels[:b], lv.n_blocks[:] = dev[:b], dev[b:2 * b], dev[2 * b:2 * b + 1]
+        if nb:
+            lv.blocks[:nb] = dev[2 * b + 1:2 * b + 1 + 4 * nb].view(nb, 4)
+            lv.block_rows[:nb] = dev[2 * b + 1 + 4 * nb:].view(nb, lv.per_block)

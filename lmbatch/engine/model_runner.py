@@ -15,6 +15,7 @@ from lmbatch.model.network import Transformer
 
 if TYPE_CHECKING:
     from lmbatch.engine.graphs import DecodeGraphs
+    from lmbatch.engine.radix_cache import Node
     from lmbatch.engine.state import Running
     from lmbatch.model.fallback import HFCausalLM
 
@@ -109,6 +110,7 @@ class ModelRunner:
         if self.graphs is not None:
             self.capture_graphs()
             toks, positions, seqs, last, src = [], [], [], [], []
+            ends: list[Node | None] = []
             for r in rows:
                 start = r.prompt_len + r.fed
                 slots = r.slots
@@ -125,9 +127,10 @@ class ModelRunner:
                         seqs.append(slots[:start + j + 1])
                         src.append(-1)
                     r.fed = len(r.out)
+                ends += [r.node] * (len(toks) - len(ends))
                 last.append(len(toks) - 1)
             feed = (np.array(src), pending) if pending is not None else None
-            return self.graphs.run(toks, positions, seqs, last, feed)
+            return self.graphs.run(toks, positions, seqs, last, feed, ends)
         b = TokenBatch()
         for r in rows:
             start, end = r.prompt_len + r.fed, r.prompt_len + len(r.out)

@@ -1,0 +1,148 @@
+"""Shared-prefix (cascade) decode attention over a paged KV pool with page size 1.
+
+Rows of a decode step whose contexts share a prefix of the radix tree (a prompt's k samples, a
+program's forked branches, every question after one fixed few-shot prompt) hold the same KV slots
+for it. Plain decode reads that prefix once per row; here it is read once per block of rows:
+
+- a *shared level* is a run of keys that a set of rows all hold (a segment of the tree); its rows
+  are cut into blocks of ROWS rows, and a program takes one block, one KV head and one of SPLITS
+  ranges of the level's keys. The block's rows' query heads of that KV head are the rows of one
+  matrix (ROWS x GROUP of them), so each key block feeds one tensor-core dot for the whole block.
+  It writes each row's softmax-weighted values and log-sum-exp for its level;
+- each row's own keys (past its deepest shared level: its output tokens) go through the split
+  decode kernel (kernels/decode_attention.py), which skips the row's first `skip[row]` keys;
+- a merge per (row, head) weighs the own ranges and the row's levels by their log-sum-exp, as
+  FlashInfer's cascade attention and Hydragen merge a prefix's attention with a suffix's.
+
+The level table lives on the device and is read by a fixed grid (PROGRAMS programs walk the blocks),
+so a CUDA graph captures a step once whatever the sharing; with no level the step is plain decode.
+No sliding window here (a windowed layer reads its rows' last keys only: plain decode).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lmbatch.kernels.decode_attention import decode_partials
+from lmbatch.kernels.extend_attention import attend_block
+
+LEVELS = 3          # shared levels a row may have (deeper sharing is read as the row's own keys)
+BLOCK_M = 64        # query rows of a shared program: ROWS rows x GROUP query heads
+SHARED_SPLITS = 8   # key ranges per (block, KV head) of a shared level
+PROGRAMS = 64       # programs walking the level blocks, per (KV head, key range)
+
+
+def rows_per_block(group: int) -> int:
+    """Rows a shared program takes: as many as fill BLOCK_M query rows with their GROUP heads."""
+    return BLOCK_M // group
+
+
+@triton.jit
+def _shared_kernel(Q, K, V, MidO, MidL, kv_indices, blocks, block_rows, n_blocks,  # type: ignore[no-untyped-def]
+                   scale, stride_qt, stride_qh, stride_ks, stride_kh,
+                   SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                   LEVELS: tl.constexpr, PROGRAMS: tl.constexpr):
+    pid, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num_heads = GROUP * tl.num_programs(1)
+    m = tl.arange(0, BLOCK_M)
+    local, heads = m // GROUP, kv_head * GROUP + m % GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    for blk in range(pid, tl.load(n_blocks), PROGRAMS):
+        kv_start = tl.load(blocks + blk * 4)            # [start in kv_indices, keys, level, rows]
+        kv_len = tl.load(blocks + blk * 4 + 1)
+        level = tl.load(blocks + blk * 4 + 2)
+        row_ok = local < tl.load(blocks + blk * 4 + 3)
+        rows = tl.load(block_rows + blk * ROWS + local, mask=row_ok, other=0)
+        q = tl.load(Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        per = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * per
+        hi = tl.minimum(lo + per, kv_len)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for n0 in range(lo, hi, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            col_ok = cols < hi
+            slots = tl.load(kv_indices + kv_start + cols, mask=col_ok, other=0).to(tl.int64)
+            kv_off = slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
+            m_i, l_i, acc = attend_block(q, K, V, kv_off, col_ok[:, None] & dim_ok[None, :], col_ok[None, :], scale,
+                                         m_i, l_i, acc, SOFTCAP)
+        seen = l_i > 0
+        out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+        lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+        mid = ((rows * LEVELS + level) * num_heads + heads) * SPLITS + split    # MidL[row, level, head, split]
+        tl.store(MidO + mid[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(MidL + mid, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(OwnO, OwnL, MidO, MidL, levels, O, stride_ot, stride_oh,  # type: ignore[no-untyped-def]
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, OWN_SPLITS: tl.constexpr, SPLITS: tl.constexpr,
+                  LEVELS: tl.constexpr):
+    row, head = tl.program_id(0), tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    base = row * num_heads + head
+    s = tl.arange(0, OWN_SPLITS)
+    lse = tl.load(OwnL + base * OWN_SPLITS + s)
+    mx = tl.max(lse, axis=0)                            # finite: a row's own keys hold at least its new token
+    w = tl.exp(lse - mx)                                # an empty range: lse -inf, weight 0
+    den = tl.sum(w, axis=0)
+    acc = tl.sum(w[:, None] * tl.load(OwnO + (base * OWN_SPLITS + s)[:, None] * HEAD_DIM + dims[None, :],
+                                      mask=dim_ok[None, :], other=0.0), axis=0)
+    n = tl.load(levels + row)
+    t = tl.arange(0, SPLITS)
+    for level in tl.static_range(LEVELS):
+        mid = ((row * LEVELS + level) * num_heads + head) * SPLITS + t
+        lse_l = tl.load(MidL + mid, mask=level < n, other=float("-inf"))
+        mx_l = tl.maximum(mx, tl.max(lse_l, axis=0))
+        w_l = tl.exp(lse_l - mx_l)
+        o_l = tl.load(MidO + mid[:, None] * HEAD_DIM + dims[None, :], mask=dim_ok[None, :] & (level < n), other=0.0)
+        alpha = tl.exp(mx - mx_l)
+        den = den * alpha + tl.sum(w_l, axis=0)
+        acc = acc * alpha + tl.sum(w_l[:, None] * o_l, axis=0)
+        mx = mx_l
+    tl.store(O + row * stride_ot + head * stride_oh + dims, (acc / den).to(O.dtype.element_ty), mask=dim_ok)
+
+
+def cascade_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indices: torch.Tensor,
+                      kv_indptr: torch.Tensor, scale: float, softcap: float, levels: "CascadeLevels") -> torch.Tensor:
+    """q: [T, H, D], one query per row over keys kv_indices[kv_indptr[i]:kv_indptr[i + 1]] as plain decode;
+    `levels` says which of those keys rows share (see CascadeLevels). Returns [T, H, D]."""
+    T, H, D = q.shape
+    kvh = k_pool.shape[1]
+    group = H // kvh
+    own_o, own_l, splits = decode_partials(q, k_pool, v_pool, kv_indices, kv_indptr, scale, None, softcap,
+                                           skip=levels.skip[:T])
+    mid_o = torch.empty((T, LEVELS, H, SHARED_SPLITS, D), dtype=torch.float32, device=q.device)
+    mid_l = torch.empty((T, LEVELS, H, SHARED_SPLITS), dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(D)
+    _shared_kernel[(PROGRAMS, kvh, SHARED_SPLITS)](
+        q, k_pool, v_pool, mid_o, mid_l, kv_indices, levels.blocks, levels.block_rows, levels.n_blocks, scale,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), SOFTCAP=float(softcap), GROUP=group,
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=BLOCK_M, ROWS=rows_per_block(group), BLOCK_N=64,
+        SPLITS=SHARED_SPLITS, LEVELS=LEVELS, PROGRAMS=PROGRAMS, num_warps=4, num_stages=2)
+    out = torch.empty_like(q)
+    _merge_kernel[(T, H)](own_o, own_l, mid_o, mid_l, levels.levels, out, out.stride(0), out.stride(1),
+                          HEAD_DIM=D, BLOCK_D=block_d, OWN_SPLITS=splits, SPLITS=SHARED_SPLITS, LEVELS=LEVELS)
+    return out
+
+
+class CascadeLevels:
+    """The device tables of a step's shared levels, for up to `rows` rows (int32):
+    skip [rows] (keys at the start of a row read by its levels), levels [rows] (how many), blocks
+    [max_blocks, 4] (start in kv_indices, keys, level, rows), block_rows [max_blocks, ROWS], n_blocks [1]."""
+
+    def __init__(self, rows: int, group: int, device: torch.device | str):
+        self.per_block = rows_per_block(group)
+        self.max_blocks = max(LEVELS * rows // 2, 1)
+        self.skip = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.levels = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.blocks = torch.zeros((self.max_blocks, 4), dtype=torch.int32, device=device)
+        self.block_rows = torch.zeros((self.max_blocks, self.per_block), dtype=torch.int32, device=device)
+        self.n_blocks = torch.zeros(1, dtype=torch.int32, device=device)
