@@ -2,17 +2,24 @@
 
     python benchmarks/bench_decode.py --presets qwen2.5-1.5b,qwen3-8b --rows 64,256,512 \
         --contexts 256,1000,4000 --new-tokens 256 --kernels decode,extend
+    python benchmarks/bench_decode.py --rows 256 --contexts 100 --shared-prefix 2000 --kernels decode,cascade
 
 For each shape, number of rows and prompt length that its KV pool holds: distinct random prompts are
 prefilled (untimed, they stay cached), then every row generates `--new-tokens` greedy tokens, timed
 (`execute_s`: the prompts' last tokens again, then the decode steps, CUDA graphs as a run uses them).
 
+With `--shared-prefix N` every prompt starts with the same N tokens (a fixed few-shot prompt, a
+prompt's k samples), then its own `--contexts` tokens.
+
 The roofline: a decode step must read every weight once (the embedding table only at its rows, unless
-tied to the LM head) and each row's KV so far; that many bytes over the device's copy bandwidth,
-measured here (a 2 GiB device-to-device copy), is the fastest a step can be. `--kernels` compares
-variants side by side over the same cached prompts, graphs captured afresh for each: `decode` (what
-runs: kernels/decode_attention.py, steps overlapped with the host), `sync` (each step waits for the
-host to see the last one's tokens) and `extend` (the extend kernel, one query per row).
+tied to the LM head), the shared prefix's KV once and each row's own KV so far; that many bytes over
+the device's copy bandwidth, measured here (a 2 GiB device-to-device copy), is the fastest a step can
+be (`per_row_roofline_tok_s`: the same with the prefix read once per row, as plain decode reads it).
+`--kernels` compares variants side by side over the same cached prompts, graphs captured afresh for
+each: `decode` (what runs by default: kernels/decode_attention.py, each row's keys on their own, steps
+overlapped with the host), `cascade` (`--attention cascade`: kernels/cascade_attention.py reads the
+prefixes rows share once a step), `sync` (each step waits for the host to see the last one's tokens)
+and `extend` (the extend kernel, one query per row).
 """
 from __future__ import annotations
 
@@ -52,16 +59,16 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 2 / best
 
 
-def step_bytes(model, rows: int, context: float) -> float:
+def step_bytes(model, rows: int, context: float, shared: int = 0) -> float:
     """Bytes a decode step must read: the weights (the embedding only at its rows, unless it is the LM head
-    too) and `rows` rows of `context` tokens of KV."""
+    too), a `shared` prefix's KV once and `rows` rows of `context` tokens of KV of their own."""
     cfg = model.cfg
     embed = model.embed_tokens.weight if hasattr(model, "embed_tokens") else None
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if embed is not None and not cfg.tie_word_embeddings:
         weights -= embed.numel() * embed.element_size() - rows * embed.shape[1] * embed.element_size()
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
-    return weights + rows * context * kv_per_token
+    return weights + (shared + rows * context) * kv_per_token
 
 
 def _extend_forward(qo: torch.Tensor):
@@ -76,8 +83,9 @@ def _extend_forward(qo: torch.Tensor):
 
 
 def recapture(engine, kernel: str) -> None:
-    """Graphs captured afresh for a variant: `decode` (what runs), `sync` (the same, each step waiting for
-    the last one's tokens on the host: no overlap), `extend` (the extend kernel for attention)."""
+    """Graphs captured afresh for a variant: `decode` (what runs by default), `cascade` (shared prefixes
+    read once a step), `sync` (decode, each step waiting for the last one's tokens on the host: no
+    overlap), `extend` (the extend kernel for attention)."""
     from lmbatch.engine import graphs
     from lmbatch.engine.sampler import Sampler
 
@@ -85,6 +93,10 @@ def recapture(engine, kernel: str) -> None:
     graphs._GraphAttention.forward = (_ORIGINAL if kernel != "extend" else
                                       _extend_forward(torch.arange(1025, dtype=torch.int32, device="cuda")))
     g = engine.model_runner.graphs
+    if not hasattr(g, "_cascade"):
+        g._cascade = g.levels
+    g.levels = g._cascade if kernel == "cascade" else None
+    g._plan = ([], None)
     g.graphs.clear()
     g.pool_handle = None
     torch.cuda.empty_cache()
@@ -97,6 +109,7 @@ def main() -> None:
     ap.add_argument("--rows", default="64,256,512")
     ap.add_argument("--contexts", default="256,1000,4000")
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with")
     ap.add_argument("--kernels", default="decode,extend")
     ap.add_argument("--memory-fraction", type=float, default=0.7, help="of the free memory, for the KV pool")
     ap.add_argument("--out", default=None, help="a JSONL file, a line per measurement")
@@ -116,31 +129,37 @@ def main() -> None:
         kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
         free = torch.cuda.mem_get_info()[0]
         pool = int(free * args.memory_fraction) // kv_per_token
-        eng = Engine(model, kv_cache_tokens=pool, max_tokens_per_batch=16384, attention="triton", cuda_graphs=True,
+        attention = "cascade" if "cascade" in args.kernels.split(",") else "triton"
+        eng = Engine(model, kv_cache_tokens=pool, max_tokens_per_batch=16384, attention=attention, cuda_graphs=True,
                      max_running=max(rows_list))
         print(f"{preset}: pool {pool:,} tokens ({pool * kv_per_token / 2**30:.1f} GiB)", flush=True)
         print("shape | rows | context | kernel | execute s | ms/step | decode tok/s | roofline tok/s | of roofline")
         for rows in rows_list:
             for ctx in contexts:
-                need = rows * (ctx + args.new_tokens + 1)
+                shared = args.shared_prefix
+                need = shared + rows * (ctx + args.new_tokens + 1)
                 if need > pool:
                     print(f"{preset} | {rows} | {ctx} | - | does not fit ({need:,} tokens of KV) | | | |", flush=True)
                     continue
-                prompts = [torch.randint(0, cfg.vocab_size, (ctx,), generator=g).tolist() for _ in range(rows)]
+                prefix = torch.randint(0, cfg.vocab_size, (shared,), generator=g).tolist()
+                prompts = [prefix + torch.randint(0, cfg.vocab_size, (ctx,), generator=g).tolist()
+                           for _ in range(rows)]
                 eng.generate([GenerateRequest(p, SamplingParams(max_new_tokens=1, ignore_eos=True)) for p in prompts])
                 params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
                 reqs = [GenerateRequest(p, params) for p in prompts]
-                ideal = rows / (step_bytes(model, rows, ctx + args.new_tokens / 2) / bw)
+                ideal = rows / (step_bytes(model, rows, ctx + args.new_tokens / 2, shared) / bw)
+                per_row = rows / (step_bytes(model, rows, shared + ctx + args.new_tokens / 2) / bw)
                 for kernel in args.kernels.split(","):
                     recapture(eng, kernel)
                     results, stats = eng.generate(reqs)
                     assert all(len(r.token_ids) == args.new_tokens for r in results)
                     tok_s = stats.decode_tokens / stats.execute_s
-                    row = {"preset": preset, "rows": rows, "context": ctx, "kernel": kernel,
+                    row = {"preset": preset, "rows": rows, "context": ctx, "shared_prefix": shared, "kernel": kernel,
                            "execute_s": round(stats.execute_s, 3),
                            "ms_per_step": round(1e3 * stats.execute_s / args.new_tokens, 3),
                            "decode_tok_s": round(tok_s), "roofline_tok_s": round(ideal),
-                           "of_roofline": round(tok_s / ideal, 3), "device": torch.cuda.get_device_name(),
+                           "of_roofline": round(tok_s / ideal, 3), "per_row_roofline_tok_s": round(per_row),
+                           "device": torch.cuda.get_device_name(),
                            "copy_tb_s": round(bw / 1e12, 3)}
                     print(" | ".join(str(row[k]) for k in ("preset", "rows", "context", "kernel", "execute_s",
                                                             "ms_per_step", "decode_tok_s", "roofline_tok_s",

@@ -8,6 +8,8 @@ cache) and, for HellaSwag, plain transformers (lm-eval's loglikelihood with padd
     python benchmarks/bench_programs.py --workload hellaswag --shots 10 --preset smollm2-135m \
         --tokenizer .gpu/tok --variants dfs,fcfs,random,nocache,hf
     python benchmarks/bench_programs.py --workload tot-gsm8k --preset smollm2-135m --tokenizer .gpu/tok
+    python benchmarks/bench_programs.py --workload tot-gsm8k --preset smollm2-135m --tokenizer .gpu/tok \
+        --variants dfs,cascade     # cascade: --attention cascade (a program's rows read their prompt once a step)
     python benchmarks/bench_programs.py --workload json --variants dfs,nojump,percall --repeat 3
                                               # embedded model (real weights: real outputs); jump-forward
                                               # off; grammar compiled per request
@@ -225,6 +227,7 @@ def main() -> None:
         t_start = time.perf_counter() - t
         eng = Engine(model, kv_cache_tokens=args.kv_cache_tokens, max_tokens_per_batch=args.max_tokens_per_batch,
                      cache=name != "nocache", tokenizer=tok, jump_forward=jump, max_running=args.max_running,
+                     attention="cascade" if name == "cascade" else None,
                      masks=args.masks)
         t = time.perf_counter()
         interp.execute(eng)

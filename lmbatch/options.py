@@ -34,7 +34,8 @@ class RunOptions:
     device: str = _option("auto", "auto (CUDA when a GPU is visible, else CPU), cpu or cuda.")
     dtype: str | None = _option(None, "float32 (CPU default), bfloat16 (CUDA default) or float16.")
     attention: str = _option("auto", "Attention kernels: auto (Triton on CUDA, FlashInfer where its kernels for the "
-                                     "model are built already; torch on CPU), flashinfer, triton or torch.")
+                                     "model are built already; torch on CPU), flashinfer, triton, cascade (Triton, "
+                                     "decode reading prefixes that rows share once a step) or torch.")
     max_tokens_per_batch: int | None = _option(
         None, "Token budget of one forward batch (default: 4096 on CPU; on CUDA up to 16384, fitted to the model "
               "and free memory).")

@@ -1,4 +1,2 @@
-"""Attention backends behind one interface (`base.AttentionBackend`), made by name from a registry."""
-from lmbatch.attention.base import BACKENDS, AttentionBackend, ForwardBatch, default_backend, make_backend, to_device
-
-__all__ = ["BACKENDS", "AttentionBackend", "ForwardBatch", "default_backend", "make_backend", "to_device"]
+"""Attention backends behind one interface (`base.AttentionBackend`), made by name from a registry
+(`registry.REGISTRY`); the KV pool they read and write (`kv_pool`)."""

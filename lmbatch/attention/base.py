@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from lmbatch.attention.kv_pool import KVPool
+from lmbatch.attention.registry import BACKENDS, REGISTRY
 
 
 @dataclass
@@ -71,15 +72,6 @@ class AttentionBackend(ABC):
         `window`, a token sees only the last `window` positions up to its own (sliding-window layers)."""
 
 
-# name -> (module, class): imported when first made (FlashInfer's import alone takes seconds)
-REGISTRY: dict[str, tuple[str, str]] = {
-    "torch": ("lmbatch.attention.torch_ref", "TorchBackend"),
-    "triton": ("lmbatch.attention.gpu", "TritonBackend"),
-    "flashinfer": ("lmbatch.attention.gpu", "FlashInferBackend"),
-}
-BACKENDS = tuple(REGISTRY)
-
-
 def default_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
     """Our Triton kernels on CUDA (FlashInfer compiles its kernels at first use: engine/build.py picks
     it only where they are built); the torch reference on CPU, and for float32 on CUDA (FlashInfer has
@@ -94,7 +86,7 @@ def make_backend(name: str, pool: KVPool, num_heads: int, head_dim: int, scale: 
                  softcap: float = 0.0) -> AttentionBackend:
     if name not in REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}")
-    module, cls = REGISTRY[name]
-    backend: AttentionBackend = getattr(importlib.import_module(module), cls)(pool, num_heads, head_dim, scale,
-                                                                              softcap)
+    entry = REGISTRY[name]
+    backend: AttentionBackend = getattr(importlib.import_module(entry.module), entry.cls)(pool, num_heads, head_dim,
+                                                                                          scale, softcap)
     return backend

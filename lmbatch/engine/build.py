@@ -18,6 +18,7 @@ import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
+from lmbatch.attention.registry import BACKENDS
 from lmbatch.engine.options import EngineSpec
 from lmbatch.errors import UserError
 from lmbatch.timing import Phases
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION = ("auto", "flashinfer", "triton", "torch")
+ATTENTION = ("auto", *BACKENDS)    # auto, flashinfer, triton, cascade, torch
 CPU_BATCH_TOKENS = 4096
 CPU_KV_BYTES = 4 << 30
 CUDA_MAX_KV_TOKENS = 1 << 20
@@ -106,8 +107,8 @@ def pick_attention(wanted: str, device: str, dtype: str, cfg: ModelConfig) -> At
         return Attention("torch", "float32")
     windowed = any(w is not None for w in cfg.layer_windows)
     built, where = flashinfer_built(cfg.head_dim, dtype, windowed, cfg.attn_softcap > 0)
-    if wanted == "triton":
-        return Attention("triton", "asked for")
+    if wanted in ("triton", "cascade"):
+        return Attention(wanted, "asked for")
     if wanted == "flashinfer":
         if where == "not installed":
             raise UserError("--attention flashinfer: FlashInfer is not installed (pip install -e '.[gpu]')")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from lmbatch.attention import AttentionBackend, ForwardBatch, to_device
+from lmbatch.attention.base import AttentionBackend, ForwardBatch, to_device
 from lmbatch.engine.cascade import LevelPlan, plan_levels
 from lmbatch.engine.radix_cache import Node
 
@@ -59,7 +59,7 @@ class _GraphAttention(AttentionBackend):
 
 class DecodeGraphs:
     def __init__(self, model: Transformer, pool: KVPool, scratch_slot: int, max_batch: int,
-                 cascade: bool = True) -> None:
+                 cascade: bool = False) -> None:
         self.model, self.pool, self.scratch = model, pool, scratch_slot
         dev = pool.k.device
         self.buckets = [b for b in BUCKETS if b <= max(max_batch, 1)]
@@ -182,7 +182,7 @@ class DecodeGraphs:
             self.pool_handle = None     # the graphs' memory pool went with them: capturing into it asserts
             self.capture_all()
             return self._replay(tokens, positions, seqs, pending, plan)
-        levels = self._level_size(b, plan)
+        levels = 0 if self.levels is None else level_size(b, plan, self.levels.per_block)
         staged = self._staging(3 * b + b + 1 + b + total + levels)
         host = staged.numpy()
         ids, pos, out, indptr, src, flat, lv = np.split(host, np.cumsum([b, b, b, b + 1, b, total]))
@@ -194,7 +194,8 @@ class DecodeGraphs:
         np.concatenate(seqs, out=flat[:total - pad], casting="unsafe")
         flat[total - pad:] = self.scratch
         out[:] = flat[indptr[1:] - 1]
-        self._stage_levels(lv, b, plan, indptr)
+        if self.levels is not None:
+            stage_levels(lv, b, plan, indptr)
         dev = staged.to(self.ids.device, non_blocking=True)
         copied = self._copied[self._turn] = torch.cuda.Event()
         copied.record()
@@ -204,34 +205,34 @@ class DecodeGraphs:
             s = dev[4 * b + 1:5 * b + 1]
             self.ids[:b] = torch.where(s >= 0, pending[1][s.clamp(min=0)], self.ids[:b])
         self.kv_indices[:total] = dev[5 * b + 1:5 * b + 1 + total]
-        self._load_levels(dev[5 * b + 1 + total:], b, plan)
+        if self.levels is not None:
+            load_levels(self.levels, dev[5 * b + 1 + total:], b, plan)
         graph, logits = self.graphs[b]
         graph.replay()
         return logits[:n]
 
-    def _level_size(self, b: int, plan: LevelPlan | None) -> int:
-        """int64s a step's level tables take in the staged inputs: [skip b | levels b | blocks 1 | table | rows]."""
-        if self.levels is None:
-            return 0
-        return 2 * b + 1 + (plan.num_blocks * (4 + self.levels.per_block) if plan is not None else 0)
 
-    def _stage_levels(self, host: np.ndarray, b: int, plan: LevelPlan | None, indptr: np.ndarray) -> None:
-        if self.levels is None:
-            return
-        n = 0 if plan is None else len(plan.skip)
-        host[:2 * b + 1] = 0
-        if plan is not None:
-            host[:n], host[b:b + n], host[2 * b] = plan.skip, plan.levels, plan.num_blocks
-            nb = plan.num_blocks
-            host[2 * b + 1:2 * b + 1 + 4 * nb] = plan.table(indptr).reshape(-1)
-            host[2 * b + 1 + 4 * nb:] = plan.rows.reshape(-1)
 
-    def _load_levels(self, dev: torch.Tensor, b: int, plan: LevelPlan | None) -> None:
-        lv = self.levels
-        if lv is None:
-            return
-        nb = 0 if plan is None else plan.num_blocks
-        lv.skip[:b], lv.levels[:b], lv.n_blocks[:] = dev[:b], dev[b:2 * b], dev[2 * b:2 * b + 1]
-        if nb:
-            lv.blocks[:nb] = dev[2 * b + 1:2 * b + 1 + 4 * nb].view(nb, 4)
-            lv.block_rows[:nb] = dev[2 * b + 1 + 4 * nb:].view(nb, lv.per_block)
+def level_size(b: int, plan: LevelPlan | None, per_block: int) -> int:
+    """int64s a step's level tables take in the staged inputs: [skip b | levels b | blocks 1 | table | rows]."""
+    return 2 * b + 1 + (plan.num_blocks * (4 + per_block) if plan is not None else 0)
+
+
+def stage_levels(host: np.ndarray, b: int, plan: LevelPlan | None, indptr: np.ndarray) -> None:
+    """A step's level tables into `host` (level_size int64s), for a bucket of b rows whose keys start at
+    indptr; no plan: no levels (every row's keys its own)."""
+    host[:2 * b + 1] = 0
+    if plan is not None:
+        n, nb = len(plan.skip), plan.num_blocks
+        host[:n], host[b:b + n], host[2 * b] = plan.skip, plan.levels, nb
+        host[2 * b + 1:2 * b + 1 + 4 * nb] = plan.table(indptr).reshape(-1)
+        host[2 * b + 1 + 4 * nb:] = plan.rows.reshape(-1)
+
+
+def load_levels(levels: CascadeLevels, staged: torch.Tensor, b: int, plan: LevelPlan | None) -> None:
+    """The staged tables (on the device) into the graphs' level buffers."""
+    nb = 0 if plan is None else plan.num_blocks
+    levels.skip[:b], levels.levels[:b], levels.n_blocks[:] = staged[:b], staged[b:2 * b], staged[2 * b:2 * b + 1]
+    if nb:
+        levels.blocks[:nb] = staged[2 * b + 1:2 * b + 1 + 4 * nb].view(nb, 4)
+        levels.block_rows[:nb] = staged[2 * b + 1 + 4 * nb:].view(nb, levels.per_block)

@@ -20,7 +20,7 @@ from typing import Sequence, cast
 import numpy as np
 import torch
 
-from lmbatch.attention import to_device
+from lmbatch.attention.base import to_device
 from lmbatch.engine.state import RunState, score_positions
 from lmbatch.requests import ScoreRequest, ScoreResult
 

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import torch
 
-from lmbatch.attention import ForwardBatch, default_backend, make_backend
+from lmbatch.attention.base import ForwardBatch, default_backend, make_backend
 from lmbatch.attention.kv_pool import KVPool, Slots
+from lmbatch.attention.registry import REGISTRY
 from lmbatch.model.network import Transformer
 
 if TYPE_CHECKING:
@@ -88,7 +89,8 @@ class ModelRunner:
             from lmbatch.engine.graphs import DecodeGraphs
             # a row per token: a step's rows after jump-forwards may outnumber its requests
             scratch = int(self.pool.reserve(1)[0])
-            self.graphs = DecodeGraphs(cast(Transformer, model), self.pool, scratch, 2 * max_running)
+            self.graphs = DecodeGraphs(cast(Transformer, model), self.pool, scratch, 2 * max_running,
+                                       cascade=REGISTRY[attention].cascade)
 
     def capture_graphs(self) -> None:
         """Capture every decode graph now (a run that only scores never needs them)."""

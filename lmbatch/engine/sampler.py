@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, cast
 
 import torch
 
-from lmbatch.attention import to_device
+from lmbatch.attention.base import to_device
 from lmbatch.engine.options import MASK_MODES
 from lmbatch.engine.sampling import sample, sample_on_device
 from lmbatch.engine.state import Running

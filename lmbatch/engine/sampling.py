@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lmbatch.attention import to_device
+from lmbatch.attention.base import to_device
 from lmbatch.requests import SamplingParams
 
 _M1, _M2 = -49064778989728563, -4265267296055464877   # 0xff51afd7ed558ccd, 0xc4ceb9fe1a85ec53 as int64

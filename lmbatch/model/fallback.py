@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmbatch.attention import AttentionBackend, ForwardBatch
+from lmbatch.attention.base import AttentionBackend, ForwardBatch
 from lmbatch.attention.kv_pool import KVPool
 from lmbatch.errors import UserError, first_line
 from lmbatch.model.config import ModelConfig

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmbatch.attention import AttentionBackend, ForwardBatch
+from lmbatch.attention.base import AttentionBackend, ForwardBatch
 from lmbatch.model.config import ModelConfig
 from lmbatch.model.tensor_parallel import TensorParallel
 

@@ -474,7 +474,7 @@ def task_dir(tmp_path_factory):
 BAD_MODEL_ARGS = {   # --model_args beside pretrained=: the one line after "error: "
     "dtype=nonsense": "--model_args dtype=nonsense: use auto, float32, bfloat16 or float16",
     "device=quantum": "--model_args device=quantum: use auto, cpu or cuda",
-    "attention=fast": "--model_args attention=fast: use auto, flashinfer, triton or torch",
+    "attention=fast": "--model_args attention=fast: use auto, flashinfer, triton, cascade or torch",
     "schedule=lifo": "--model_args schedule=lifo: use dfs, fcfs or random",
     "max_length=abc": "--model_args max_length=abc: use a whole number, at least 1",
     "max_length=0": "--model_args max_length=0: use a whole number, at least 1",

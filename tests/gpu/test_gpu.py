@@ -10,7 +10,7 @@ pytestmark = pytest.mark.gpu
 
 from conftest import make_tiny_hf, random_requests  # noqa: E402
 
-from lmbatch.attention import ForwardBatch, make_backend  # noqa: E402
+from lmbatch.attention.base import ForwardBatch, make_backend  # noqa: E402
 from lmbatch.attention.kv_pool import KVPool  # noqa: E402
 from lmbatch.engine import Engine  # noqa: E402
 from lmbatch.requests import GenerateRequest, SamplingParams  # noqa: E402
@@ -446,3 +446,110 @@ def test_fused_sampling_picks_the_tokens_of_the_torch_ops(vocab, dtype, monkeypa
         fused = sample_on_device(logits, params, steps)
         assert torch.equal(fused, sample_on_device(logits, params, steps, fused=False)), step
     assert len(calls) == 3
+
+
+def _shared_rows(seed, prefix=1000, mids=3, mid=200, tails=3, tail=50, copies=2, alone=3):
+    """Prompts in a radix tree: one few-shot prefix, `mids` middles under it, `tails` questions under
+    each, `copies` rows of each question (levels 1 to 3), and `alone` rows sharing nothing; each row
+    with 1 to 40 tokens of its own. Returns (end nodes, row keys, slots used)."""
+    import numpy as np
+
+    from lmbatch.engine.radix_cache import RadixTree
+
+    rng = np.random.default_rng(seed)
+    tree, used = RadixTree(lambda s: None), [0]
+
+    def take(n):
+        used[0] += n
+        return np.arange(used[0] - n, used[0], dtype=np.int64)
+
+    base = rng.integers(0, 1000, prefix).tolist()
+    prompts = []
+    for _ in range(mids):
+        m = base + rng.integers(1000, 2000, mid).tolist()
+        prompts += [m + rng.integers(2000, 3000, tail + j).tolist() for j in range(tails)]
+    prompts += [rng.integers(3000, 4000, 300 + j).tolist() for j in range(alone)]
+    for p in prompts:
+        have, _ = tree.match_prefix(p)
+        tree.insert(p, np.concatenate([have, take(len(p) - len(have))]))
+    ends, seqs = [], []
+    for i, p in enumerate(prompts):
+        for c in range(copies if i < mids * tails else 1):
+            have, node = tree.match_prefix(p)
+            ends.append(node)
+            seqs.append(np.concatenate([have, take(1 + (7 * i + c) % 40)]))
+    return ends, seqs, used[0]
+
+
+@pytest.mark.parametrize("shape,softcap", [((12, 2, 128), 0.0), ((32, 8, 128), 0.0), ((9, 3, 64), 3.0),
+                                           ((16, 1, 64), 0.0), ((28, 4, 128), 0.0)])
+@pytest.mark.parametrize("max_levels", [1, 2, 3])
+def test_cascade_kernel_matches_plain_decode(shape, softcap, max_levels):
+    """One step of rows sharing 1, 2 and 3 levels of the tree beside rows sharing none: cascade attention
+    (each level read once per block of rows) against plain decode and float32 attention."""
+    import numpy as np
+
+    from lmbatch.engine.cascade import plan_levels
+    from lmbatch.kernels.cascade_attention import CascadeLevels, cascade_attention
+    from lmbatch.kernels.decode_attention import decode_attention
+
+    H, KVH, D = shape
+    ends, seqs, slots = _shared_rows(0)
+    T = len(seqs)
+    levels = CascadeLevels(T, H // KVH, "cuda")
+    plan = plan_levels(ends, levels.per_block, max_levels, levels.max_blocks)
+    assert plan is not None and plan.levels.max() == max_levels and (plan.levels == 0).sum() == 3
+    indptr = np.concatenate([[0], np.cumsum([len(s) for s in seqs])])
+    levels.skip[:] = torch.tensor(plan.skip)
+    levels.levels[:] = torch.tensor(plan.levels)
+    levels.n_blocks[0] = plan.num_blocks
+    levels.blocks[:plan.num_blocks] = torch.tensor(plan.table(indptr))
+    levels.block_rows[:plan.num_blocks] = torch.tensor(plan.rows)
+    g = torch.Generator("cuda").manual_seed(1)
+    k = torch.randn(slots, KVH, D, generator=g, device="cuda").to(torch.bfloat16)
+    v = torch.randn(slots, KVH, D, generator=g, device="cuda").to(torch.bfloat16)
+    q = torch.randn(T, H, D, generator=g, device="cuda").to(torch.bfloat16)
+    idx = torch.tensor(np.concatenate(seqs), dtype=torch.int32, device="cuda")
+    ptr = torch.tensor(indptr, dtype=torch.int32, device="cuda")
+    got = cascade_attention(q, k, v, idx, ptr, 0.1, softcap, levels).float()
+    plain = decode_attention(q, k, v, idx, ptr, 0.1, None, softcap).float()
+    assert (got - plain).abs().max() < 2e-2
+    for i in range(0, T, 5):
+        sl = idx[indptr[i]:indptr[i + 1]].long()
+        kk, vv = (x[sl].float().repeat_interleave(H // KVH, 1) for x in (k, v))
+        sc = torch.einsum("hd,khd->hk", q[i].float(), kk) * 0.1
+        sc = softcap * torch.tanh(sc / softcap) if softcap else sc
+        want = torch.einsum("hk,khd->hd", sc.softmax(-1), vv)
+        assert (got[i] - want).abs().max() < 3e-2, (i, (got[i] - want).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_decode_gives_the_tokens_of_plain_decode(tiny_graphed, dtype, monkeypatch):
+    """Greedy generation whose rows share 1, 2 and 3 levels (a few-shot prefix, middles, two samples of
+    each question) and rows sharing none, in the decode graphs with and without cascade attention."""
+    from lmbatch.engine import cascade, graphs
+
+    def prompts(seed):
+        g = random.Random(seed)
+        base = [g.randrange(5, 120) for _ in range(150)]        # the tiny models' vocabulary: 128
+        out = []
+        for m in range(3):
+            mid = base + [g.randrange(5, 120) for _ in range(40)]
+            out += [mid + [g.randrange(5, 120) for _ in range(10 + q)] for q in range(4) for _ in range(2)]
+        return out + [[g.randrange(5, 120) for _ in range(30 + j)] for j in range(5)]
+
+    reqs = [GenerateRequest(p, SamplingParams(max_new_tokens=16, ignore_eos=True)) for p in prompts(3)]
+    seen = []
+    plan = cascade.plan_levels
+    monkeypatch.setattr(graphs, "plan_levels", lambda *a: seen.append(plan(*a)) or seen[-1])
+
+    def run(on):
+        eng = Engine.from_pretrained(tiny_graphed, device="cuda", dtype=dtype, attention="cascade" if on else "triton",
+                                     max_running=64)
+        assert (eng.model_runner.graphs.levels is not None) == on
+        return eng.generate(reqs)[0]
+
+    plain, shared = run(False), run(True)
+    assert max(int(p.levels.max()) for p in seen if p is not None) == 3
+    same = sum(a.token_ids == b.token_ids for a, b in zip(plain, shared))
+    assert same >= len(reqs) - (0 if dtype == torch.float32 else max(1, len(reqs) // 8)), same

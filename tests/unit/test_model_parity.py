@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import make_tiny_hf
 
-from lmbatch.attention import ForwardBatch
+from lmbatch.attention.base import ForwardBatch
 from lmbatch.attention.kv_pool import KVPool
 from lmbatch.attention.torch_ref import TorchBackend
 from lmbatch.model.config import ModelConfig
