@@ -83,12 +83,14 @@ def _extend_kernel(Q, K, V, O, kv_indices, qo_indptr, kv_indptr,  # type: ignore
 
 def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indices: torch.Tensor,
                      qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, max_q_len: int, scale: float,
-                     window: int | None = None, softcap: float = 0.0) -> torch.Tensor:
-    """q: [T, H, D]; k_pool/v_pool: [slots, KVH, D]; indptrs int32 on the device. Returns [T, H, D]."""
+                     window: int | None = None, softcap: float = 0.0, fixed: bool = False) -> torch.Tensor:
+    """q: [T, H, D]; k_pool/v_pool: [slots, KVH, D]; indptrs int32 on the device. Returns [T, H, D].
+    `fixed` (deterministic mode): blocks of 16 queries whatever the batch's longest (the dot's shape, and
+    so its order of sums, stays one)."""
     T, H, D = q.shape
     group = H // k_pool.shape[1]
     out = torch.empty_like(q)
-    block_m = 64 if max_q_len > 16 else 16
+    block_m = 64 if max_q_len > 16 and not fixed else 16
     grid = (qo_indptr.numel() - 1, H, triton.cdiv(max_q_len, block_m))
     _extend_kernel[grid](q, k_pool, v_pool, out, kv_indices, qo_indptr, kv_indptr, scale, window or 0,
                          q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0), out.stride(1),

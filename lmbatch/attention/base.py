@@ -56,6 +56,9 @@ class AttentionBackend(ABC):
         self.pool, self.num_heads, self.head_dim = pool, num_heads, head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.softcap = softcap
+        # deterministic mode: a query's output depends on its own keys alone, not on how its sequence was cut
+        # into batches, what was cached, or what else the batch holds (each backend says how it keeps that)
+        self.deterministic = False
 
     def plan(self, batch: ForwardBatch) -> None:
         self.batch = batch

@@ -35,16 +35,17 @@ class TritonBackend(_DeviceMeta):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 window: int | None = None) -> torch.Tensor:
         """One new token per sequence (a decode step): the split decode kernel, as the decode graphs run it;
-        otherwise the extend kernel."""
+        otherwise, and in deterministic mode, the extend kernel (a query's keys in blocks from its first key,
+        whatever the batch)."""
         from lmbatch.kernels.decode_attention import decode_attention
         from lmbatch.kernels.extend_attention import extend_attention
 
         self.store(layer, k, v)
-        if self.max_q_len == 1:
+        if self.max_q_len == 1 and not self.deterministic:     # the split kernel's ranges depend on the batch
             return decode_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices, self.kv_dev,
                                     self.scale, window, self.softcap)
         return extend_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices, self.qo_dev,
-                                self.kv_dev, self.max_q_len, self.scale, window, self.softcap)
+                                self.kv_dev, self.max_q_len, self.scale, window, self.softcap, self.deterministic)
 
 
 class FlashInferBackend(_DeviceMeta):

@@ -15,6 +15,54 @@ def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return out, lse
 
 
+QUERY_ROWS = 16     # deterministic attention: queries in blocks of this many (padded), keys in blocks of
+KEY_ROWS = 128      # this many from the sequence's first key: every product and sum has one shape
+
+
+def attend_fixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float = 0.0,
+                 window: int | None = None) -> torch.Tensor:
+    """Causal attention of a sequence's last n queries ([n, H, D]) over its L keys ([L, KVH, D]), computed
+    so that each query's output depends on its own keys alone: key blocks of KEY_ROWS from the first key,
+    an online softmax merged block after block, every matmul of one fixed shape (QUERY_ROWS queries with
+    their heads by KEY_ROWS keys). A block a query cannot see adds exactly nothing, so neither the batch
+    nor where the sequence was cut into batches changes a bit of it."""
+    n, H, D = q.shape
+    L, KVH = k.shape[0], k.shape[1]
+    G, Q = H // KVH, QUERY_ROWS
+    chunks = -(-n // Q)
+    qp = q.new_zeros(chunks * Q, H, D)
+    qp[:n] = q
+    # [KVH * chunks, Q * G, D]: a KV head's queries of one block, its G heads side by side
+    qb = qp.float().view(chunks, Q, KVH, G, D).permute(2, 0, 1, 3, 4).reshape(KVH * chunks, Q * G, D)
+    qpos = (L - n + torch.arange(chunks * Q, device=q.device)).view(chunks, Q, 1).expand(chunks, Q, G)
+    qpos = qpos.reshape(1, chunks, Q * G, 1).expand(KVH, chunks, Q * G, 1).reshape(KVH * chunks, Q * G, 1)
+    m = torch.full((KVH * chunks, Q * G, 1), float("-inf"), device=q.device)
+    denom = torch.zeros_like(m)
+    acc = torch.zeros(KVH * chunks, Q * G, D, device=q.device)
+    for start in range(0, L, KEY_ROWS):
+        kb, vb = k.new_zeros(KEY_ROWS, KVH, D), v.new_zeros(KEY_ROWS, KVH, D)
+        got = min(KEY_ROWS, L - start)
+        kb[:got], vb[:got] = k[start:start + got], v[start:start + got]
+        kt = kb.float().permute(1, 2, 0).repeat_interleave(chunks, dim=0)          # [KVH * chunks, D, KEY_ROWS]
+        s = torch.bmm(qb, kt) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        kpos = start + torch.arange(KEY_ROWS, device=q.device)
+        seen = (kpos <= qpos) & (kpos < L)
+        if window is not None:
+            seen &= kpos > qpos - window
+        s = s.masked_fill(~seen, float("-inf"))
+        new = torch.maximum(m, s.amax(-1, keepdim=True))
+        safe = new.masked_fill(new == float("-inf"), 0.0)
+        p = torch.exp(s - safe)
+        alpha = torch.exp(m - safe)
+        denom = denom * alpha + p.sum(-1, keepdim=True)
+        acc = acc * alpha + torch.bmm(p, vb.float().permute(1, 0, 2).repeat_interleave(chunks, dim=0))
+        m = new
+    out = (acc / denom).view(KVH, chunks, Q, G, D).permute(1, 2, 0, 3, 4).reshape(chunks * Q, H, D)
+    return out[:n].to(q.dtype)
+
+
 class TorchBackend(AttentionBackend):
     """Reference backend in plain PyTorch: one attention per sequence, KV gathered from the pool.
 
@@ -34,7 +82,9 @@ class TorchBackend(AttentionBackend):
             q0, q1 = b.qo_indptr[i], b.qo_indptr[i + 1]
             slots = b.kv_indices[b.kv_indptr[i]:b.kv_indptr[i + 1]]
             keys, values = self.pool.k[layer, slots], self.pool.v[layer, slots]
-            if q.device.type == "cpu" and not self.softcap and (window is None or len(slots) <= window):
+            if self.deterministic:
+                out[q0:q1] = attend_fixed(q[q0:q1], keys, values, self.scale, self.softcap, window)
+            elif q.device.type == "cpu" and not self.softcap and (window is None or len(slots) <= window):
                 out[q0:q1] = self._attend_cpu(q[q0:q1], keys, values)
             else:
                 out[q0:q1] = self._attend_masked(q[q0:q1], keys, values, window)

@@ -128,6 +128,11 @@ def fit(spec: EngineSpec, cfg: ModelConfig) -> tuple[EngineSpec, Attention]:
     device, dtype = pick_device(spec.device, spec.dtype)
     o = spec.options
     attention = pick_attention(o.attention or "auto", device, dtype, cfg)
+    if o.deterministic and attention.name in ("flashinfer", "cascade"):
+        if (o.attention or "auto") != "auto":     # their sums depend on the batch (split keys, shared levels)
+            raise UserError(f"--attention {attention.name} is not deterministic: use triton or auto with "
+                            "--deterministic")
+        attention = Attention("triton", "deterministic")
     kv = o.kv_cache_tokens if o.kv_cache_tokens is not None else default_kv_tokens(cfg, device, dtype)
     batch = o.max_tokens_per_batch if o.max_tokens_per_batch is not None else default_batch_tokens(cfg, device, dtype)
     options = replace(o, kv_cache_tokens=kv, max_tokens_per_batch=batch, attention=attention.name)

@@ -51,8 +51,7 @@ class Engine:
             raise ValueError("EngineOptions' sizes are left to fit: engine.build.fit decides them")
         self.batch_tokens: int = o.max_tokens_per_batch
         self.cfg, self.tokenizer = model.cfg, tokenizer
-        self.model_runner = ModelRunner(model, kv_cache_tokens=o.kv_cache_tokens, attention=o.attention,
-                                        cuda_graphs=o.cuda_graphs, max_running=o.max_running)
+        self.model_runner = ModelRunner(model, o)
         self.model, self.device, self.pool = model, self.model_runner.device, self.model_runner.pool
         self.attn, self.graphs = self.model_runner.attn, self.model_runner.graphs
         self.tree = RadixTree(self.pool.free) if o.cache else None

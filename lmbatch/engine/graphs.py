@@ -40,6 +40,7 @@ class _GraphAttention(AttentionBackend):
                  tables: tuple[torch.Tensor, torch.Tensor, CascadeLevels | None]) -> None:
         super().__init__(pool, num_heads, head_dim, scale, softcap)
         self.kv, self.kv_indices, self.levels = tables
+        self.qo: torch.Tensor | None = None     # deterministic mode: each row's query offsets (0, 1, .., rows)
 
     def plan(self, batch: ForwardBatch) -> None:
         self.batch = batch
@@ -50,6 +51,11 @@ class _GraphAttention(AttentionBackend):
         from lmbatch.kernels.decode_attention import decode_attention
 
         self.store(layer, k, v)
+        if self.qo is not None:         # deterministic: a query's keys in the same blocks whatever the batch
+            from lmbatch.kernels.extend_attention import extend_attention
+
+            return extend_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices,
+                                    self.qo[:q.shape[0] + 1], self.kv, 1, self.scale, window, self.softcap, True)
         if self.levels is not None and window is None:
             return cascade_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices, self.kv, self.scale,
                                      self.softcap, self.levels)
@@ -79,6 +85,8 @@ class DecodeGraphs:
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         self.levels = self._cascade_tables(n) if cascade else None
+        self.deterministic = False      # attend with the extend kernel (ModelRunner sets it before any capture)
+        self.qo = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self._plan: tuple[list[Node | None], LevelPlan | None] = ([], None)
 
     def _cascade_tables(self, rows: int) -> CascadeLevels | None:
@@ -125,6 +133,7 @@ class DecodeGraphs:
         cfg = self.model.cfg
         attn = _GraphAttention(self.pool, cfg.num_heads, cfg.head_dim, cfg.attn_scale, cfg.attn_softcap,
                                (self.kv_indptr[:b + 1], self.kv_indices, self.levels))
+        attn.qo = self.qo if self.deterministic else None
         batch = ForwardBatch(self.ids[:b], self.pos[:b], self.out_slots[:b], [], [], self.kv_indices, self.rows[:b])
         self.kv_indptr[:b + 1] = torch.arange(b + 1, dtype=torch.int32, device=self.ids.device)
         stream = torch.cuda.Stream()

@@ -16,6 +16,7 @@ from lmbatch.model.network import Transformer
 
 if TYPE_CHECKING:
     from lmbatch.engine.graphs import DecodeGraphs
+    from lmbatch.engine.options import EngineOptions
     from lmbatch.engine.radix_cache import Node
     from lmbatch.engine.state import Running
     from lmbatch.model.fallback import HFCausalLM
@@ -67,30 +68,39 @@ class TokenBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: LanguageModel, *, kv_cache_tokens: int, attention: str | None, cuda_graphs: bool,
-                 max_running: int):
-        cfg = model.cfg
+    def __init__(self, model: LanguageModel, options: EngineOptions):
+        """The pool, backend and graphs `options` ask for (`kv_cache_tokens` decided: engine/build.py fits it).
+        Deterministic: the model's GEMMs in fixed row blocks and the backend's batch-independent path
+        (decode graphs attend with the extend kernel, which reads a query's keys in the same blocks
+        whatever the batch); the transformers fallback has no such path."""
+        cfg, o = model.cfg, options
         self.model = model
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         native = cfg.runtime == "native"
+        if o.deterministic and not native:
+            raise ValueError("deterministic mode needs lmbatch's own model, not the transformers fallback")
         # the transformers fallback attends by itself: of the backend it uses only the pool and plan
-        attention = (attention or default_backend(self.device, dtype)) if native else "torch"
+        attention = (o.attention or default_backend(self.device, dtype)) if native else "torch"
         # decode steps replay CUDA graphs (not for the torch reference backend, which stays eager, nor
         # for the fallback); one extra slot is the graphs' scratch for padded rows
-        use_graphs = cuda_graphs and native and self.device.type == "cuda" and attention != "torch"
-        self.pool = KVPool(kv_cache_tokens + use_graphs, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype,
-                           self.device)
+        use_graphs = o.cuda_graphs and native and self.device.type == "cuda" and attention != "torch"
+        self.pool = KVPool(cast(int, o.kv_cache_tokens) + use_graphs, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                           dtype, self.device)
         self.attn = make_backend(attention, self.pool, cfg.num_heads, cfg.head_dim, cfg.attn_scale,
                                  cfg.attn_softcap)
+        self.attn.deterministic = o.deterministic
+        if o.deterministic:
+            cast(Transformer, model).set_deterministic(True)
         self.graphs: DecodeGraphs | None = None
         self._captured = False      # graphs are captured at the first decode step unless asked before
         if use_graphs:
             from lmbatch.engine.graphs import DecodeGraphs
             # a row per token: a step's rows after jump-forwards may outnumber its requests
             scratch = int(self.pool.reserve(1)[0])
-            self.graphs = DecodeGraphs(cast(Transformer, model), self.pool, scratch, 2 * max_running,
-                                       cascade=REGISTRY[attention].cascade)
+            self.graphs = DecodeGraphs(cast(Transformer, model), self.pool, scratch, 2 * o.max_running,
+                                       cascade=REGISTRY[attention].cascade and not o.deterministic)
+            self.graphs.deterministic = o.deterministic
 
     def capture_graphs(self) -> None:
         """Capture every decode graph now (a run that only scores never needs them)."""

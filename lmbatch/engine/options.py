@@ -18,6 +18,7 @@ class EngineOptions:
     cuda_graphs: bool = True            # replay decode steps as CUDA graphs (CUDA only)
     jump_forward: bool = True           # append grammar-forced text without decoding it
     masks: str = "overlap"              # when grammar rows fill their token masks (MASK_MODES)
+    deterministic: bool = False         # every logprob and token independent of the batch (ModelRunner)
 
     def __post_init__(self) -> None:
         if self.masks not in MASK_MODES:

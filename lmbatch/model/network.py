@@ -78,6 +78,44 @@ def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
 
 
+# rows of each GEMM in deterministic mode: on CUDA a loop of F.linear calls of exactly this many rows
+# (one cuBLAS algorithm for all), on the CPU one batched matmul of blocks of this many rows
+FIXED_ROWS = {"cuda": 256, "cpu": 32}
+
+
+def fixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear whose every output row depends on its input row alone: the rows run in blocks of exactly
+    FIXED_ROWS rows (the last padded with zeros). A GEMM's kernel, and so its reduction order, may
+    change with its row count; a fixed count keeps each row's sum the same whatever else is in the batch."""
+    rows = FIXED_ROWS["cuda" if x.is_cuda else "cpu"]
+    lead, k = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, k)
+    m = flat.shape[0]
+    if m % rows:
+        flat = torch.cat([flat, flat.new_zeros(rows - m % rows, k)])
+    if x.is_cuda:
+        out = torch.cat([F.linear(block, weight) for block in flat.split(rows)])
+    else:
+        blocks = flat.view(-1, rows, k)
+        out = torch.bmm(blocks, weight.t().expand(blocks.shape[0], k, weight.shape[0])).view(-1, weight.shape[0])
+    out = out[:m]
+    if bias is not None:
+        out = out + bias
+    return out.view(*lead, weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """nn.Linear; with `fixed` set (deterministic mode) it runs as `fixed_linear`."""
+    fixed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fixed_linear(x, self.weight, self.bias) if self.fixed else super().forward(x)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, fixed: bool) -> torch.Tensor:
+    return fixed_linear(x, weight) if fixed else F.linear(x, weight)
+
+
 def _reduce(x: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
     """The sum over a tensor-parallel group of a row-parallel projection's partial outputs."""
     return x if tp is None else tp.all_reduce(x)
@@ -91,8 +129,8 @@ class Attention(nn.Module):
         self.layer, self.tp = layer, tp
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = cfg.layer_windows[layer] if cfg.layer_windows else None
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:      # over each head (qwen3, gemma3) or over the whole projection (olmo2)
             per_head = cfg.qk_norm == "head"
@@ -123,8 +161,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
         self.activation, self.tp = cfg.activation, tp
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _reduce(self.down_proj(act_mul(self.gate_up_proj(x), self.activation)), self.tp)
@@ -143,9 +181,10 @@ class MoE(nn.Module):
         self.top_k, self.renorm = cfg.experts_per_token, cfg.norm_topk_prob
         self.weights_in_model_dtype = cfg.router_weights_in_model_dtype
         E, H, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate = nn.Linear(H, E, bias=False)
+        self.gate = Linear(H, E, bias=False)
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * i, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, i))
+        self.fixed = False          # deterministic mode: each expert's GEMMs as fixed_linear (CPU path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
@@ -159,7 +198,7 @@ class MoE(nn.Module):
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             token, slot = torch.where(experts == e)
-            h = F.linear(act_mul(F.linear(x[token], self.gate_up_proj[e])), self.down_proj[e])
+            h = _linear(act_mul(_linear(x[token], self.gate_up_proj[e], self.fixed)), self.down_proj[e], self.fixed)
             out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
         return _reduce(out, self.tp)
 
@@ -241,10 +280,19 @@ class Transformer(nn.Module):
         block = {"post": PostNormBlock, "sandwich": SandwichBlock}.get(cfg.norm_layout, Block)
         self.layers = nn.ModuleList(block(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab, bias=False)
         # RoPE frequencies of global layers and, where they differ, of sliding ones ("local"); not
         # buffers: .to(bf16) must not round them
         self._inv_freq: dict[tuple[torch.device, str], torch.Tensor] = {}
+        self.deterministic = False
+
+    def set_deterministic(self, on: bool) -> None:
+        """Every GEMM in fixed row blocks (`fixed_linear`): each token's output depends on its own row
+        alone, not on what else its batch holds. The attention backend has its own switch."""
+        self.deterministic = on
+        for m in self.modules():
+            if isinstance(m, (Linear, MoE)):
+                m.fixed = on
 
     @classmethod
     def empty(cls, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype,
@@ -293,7 +341,7 @@ class Transformer(nn.Module):
         rows = batch.logit_rows                    # the LM head runs only where logits are wanted
         h, _ = self.norm(x[rows], cast(torch.Tensor, residual)[rows])     # set by the first layer
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(h, w)
+        logits = _linear(h, w, self.deterministic)
         if self.tp is not None:                    # each rank's slice of the vocabulary, side by side
             logits = self.tp.gather(logits, self.cfg.vocab_size)
         logits = logits.float()
