@@ -163,13 +163,13 @@ def build_engine(spec: EngineSpec, tokenizer: object, clock: Phases, tp: TensorP
     """One fitted spec's engine in this process (`tp`: this process's rank of a split model), warmed up."""
     import torch
 
-    from lmbatch.engine.engine import Engine
+    from lmbatch.engine.engine import Engine, Weights
 
     assert spec.dtype is not None, "fit the spec first"
     with clock("weights"):
         engine = Engine.from_pretrained(spec.model_dir, spec.options, device=spec.device,
-                                        dtype=getattr(torch, spec.dtype), tokenizer=tokenizer, tp=tp,
-                                        load_format=spec.load_format)
+                                        dtype=getattr(torch, spec.dtype), tokenizer=tokenizer,
+                                        weights=Weights(spec.load_format, tp))
     with clock("compile"):
         engine.warm_up(graphs=False)
     if spec.graphs_ahead:
