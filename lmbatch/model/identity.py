@@ -2,7 +2,7 @@
 the content of each of its files, so that weights changed in place (same size, the modification time put
 back) are another model.
 
-A file's hash is SHA-256 (SHA-NI: about 1.4 GB/s a core) over segments of SEGMENT bytes, hashed in parallel
+A file's hash is SHA-256 (one core's throughput: BENCHMARKS.md) over segments of SEGMENT bytes, hashed in parallel
 threads (hashlib releases the GIL), then of the segments' digests: `sha256-seg256m:<hex>`. It is kept in
 `~/.cache/lmbatch/file-hashes/` under the file's real path, device, inode, size, modification time and
 change time (st_ctime_ns): a repeat reads no weights. The change time is what makes the shortcut safe:

@@ -1,9 +1,9 @@
 """A native checkpoint's tensor shapes against its config.json, read from the safetensors headers alone
 (never the tensors): vocabulary, hidden size, layers, attention and KV heads, MLP and expert sizes, for
 the tensor names and layouts lmbatch/model/weights.py loads (q/k/v and gate/up one by one, or fused as
-Phi-3 stores them; experts one by one under Qwen3-MoE's or Mixtral's names, or stacked). A config that
-disagreed with its weights used to fail only when the weights were copied into the model, after the
-data was loaded and tokenized, as a tensor-size RuntimeError."""
+Phi-3 stores them; experts one by one under Qwen3-MoE's or Mixtral's names, or stacked), so that a config
+that disagrees with its weights is one line before any other work, not a tensor-size RuntimeError once the
+weights are copied into the model, after the data was loaded and tokenized."""
 from __future__ import annotations
 
 import re
