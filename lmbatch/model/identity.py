@@ -28,6 +28,9 @@ BLOCK = 16 << 20        # bytes read at a time
 KIND = "sha256-seg256m"
 RACY_NS = 2_000_000_000
 KEEP = 1024             # kept hashes (a few bytes each); the least recently written go
+# the names of a model folder's weight files, whatever their format: what a key of the folder's other
+# files (its tokenizer's, a workload's) leaves out, the weights being large and deciding neither
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 
 
 def _stamp(st: os.stat_result) -> tuple[int, ...]:
