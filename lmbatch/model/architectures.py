@@ -19,14 +19,14 @@ class Experts:
     block: str = "mlp"              # the module holding the router (`gate`) and the experts
     names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")    # one expert's gate, up and down
     size_field: str = "moe_intermediate_size"   # config.json's field of one expert's MLP width
-    by_config: bool = True          # mlp_only_layers and decoder_sparse_step pick the sparse layers (else all)
+    by_config: bool = True          # its config has mlp_only_layers and decoder_sparse_step (else every layer routes)
     norm_topk_prob: bool | None = None          # forced (None: config.json's)
     router_weights_in_model_dtype: bool = True  # the routing weights rounded to the model dtype
 
 
 @dataclass(frozen=True)
 class Architecture:
-    what: str
+    what: str                       # the family, and its deltas from Llama, in words
     defaults: dict = field(default_factory=dict)    # transformers 5's config class defaults
     tokenizer: str = ""             # TOKENIZER_MAPPING_NAMES' class ("": none; AutoTokenizer's default)
     hub_tokenizer_wrong: bool = False   # in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
@@ -102,8 +102,8 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 # experts already stacked in the checkpoint ([E, ...], as transformers 5 saves Qwen3-MoE and Mixtral)
 STACKED_EXPERTS = {"mlp.experts.gate_up_proj": "mlp.gate_up_proj", "mlp.experts.down_proj": "mlp.down_proj"}
-# the experts of a model_type without an entry for them (config.json may still give experts: all layers
-# then route, as config.json's mlp_only_layers and decoder_sparse_step say)
+# the experts of a model_type whose entry has none (a config.json that gives experts anyway gets them: the
+# layers its mlp_only_layers and decoder_sparse_step leave sparse route)
 NO_EXPERTS = Experts(size_field="intermediate_size", by_config=False)
 # every checkpoint naming of one expert's weights: its block -> (gate, up, down)
 EXPERT_NAMINGS = {e.block: e.names for e in [Experts()] + [a.experts for a in ARCHITECTURES.values() if a.experts]}
