@@ -36,12 +36,12 @@ import numpy as np
 from lmbatch.cache import cache_dir
 from lmbatch.frontend.calls import KnownIds
 from lmbatch.frontend.workload import Instance
+from lmbatch.model.identity import WEIGHT_SUFFIXES
 from lmbatch.requests import ScoreRequest
 from lmbatch.scheduler.planner import Plan, plan_from_arrays, plan_to_arrays
 
 FORMAT = b"LMBWORK1"
 KEEP = 16                   # entries kept; the least recently written go
-_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 
 
 @dataclass
@@ -91,7 +91,7 @@ def key(options: dict[str, Any], data_files: list[Path], model_dir: Path) -> str
     h = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode())
     _hash_files(h, data_files)
     _hash_files(h, sorted(f for f in model_dir.iterdir()
-                          if f.is_file() and not f.name.endswith(_WEIGHTS) and f.stat().st_size <= 64 << 20))
+                          if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and f.stat().st_size <= 64 << 20))
     h.update(code_version().encode())
     return h.hexdigest()[:40]
 

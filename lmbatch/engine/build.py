@@ -5,8 +5,8 @@ and the model (`fit`), and `build_engine` (one engine in this process).
 Defaults, and why: on CPU float32 (bfloat16 matmuls are ~100x slower on most CPUs), a KV pool of
 4 GiB and batches of 4096 tokens; on CUDA bfloat16, a pool of half the free memory (at most 1,048,576
 tokens: scoring in DFS order needs only its working set and runs as fast in it as in a larger one, but
-generation decodes as many rows at once as the pool holds: lm-eval's gsm8k, 320 rows of ~1,270 tokens,
-executes in 5.8 s with this cap and 9.7 s with 131,072; H100, 2026-11-26) and the largest batch up
+generation decodes as many rows at once as the pool holds, and a pool too small for every row runs them
+in waves: BENCHMARKS.md, "GPU: generation") and the largest batch up
 to 16,384 tokens whose activations take at most a tenth of the free memory. Attention: our Triton
 kernels on CUDA, FlashInfer only where its kernels for this model are built already (its first use
 compiles them for a minute or two), the PyTorch reference on CPU and for float32.
@@ -169,13 +169,13 @@ def build_engine(spec: EngineSpec, tokenizer: object, clock: Phases, tp: TensorP
     """One fitted spec's engine in this process (`tp`: this process's rank of a split model), warmed up."""
     import torch
 
-    from lmbatch.engine.engine import Engine
+    from lmbatch.engine.engine import Engine, Weights
 
     assert spec.dtype is not None, "fit the spec first"
     with clock("weights"):
         engine = Engine.from_pretrained(spec.model_dir, spec.options, device=spec.device,
-                                        dtype=getattr(torch, spec.dtype), tokenizer=tokenizer, tp=tp,
-                                        load_format=spec.load_format)
+                                        dtype=getattr(torch, spec.dtype), tokenizer=tokenizer,
+                                        weights=Weights(spec.load_format, tp))
     with clock("compile"):
         engine.warm_up(graphs=False)
     if spec.graphs_ahead:

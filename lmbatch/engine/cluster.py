@@ -119,7 +119,7 @@ class RayWorkers:
     def close(self, at_once: bool = False) -> None:
         """Let the ranks finish (they have been told to close), or cancel them; free their placement."""
         # only ranks still running are cancelled: a force-cancel of a task that has just ended is a race
-        # inside Ray (2.60 aborted the driver on "Tried to complete task that was not pending", CI 2026-11-26/27)
+        # inside Ray (2.60 aborts the driver on "Tried to complete task that was not pending")
         _, running = self.ray.wait(self.refs, num_returns=len(self.refs), timeout=0 if at_once else 10)
         for ref in running:
             self.ray.cancel(ref, force=True)

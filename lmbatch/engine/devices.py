@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 FIT_SHARE = 0.6     # the weights may take this share of a GPU's memory: the rest holds KV cache and activations
 # a job of less model work than this (about 3 s of one GPU at 400 TFLOP/s) runs on one engine: its workers
-# would start later than one engine does here (~1.3 s on 4 H100s, 2026-11-27) for less than they could save
+# would start later than one engine does for less than they could save (BENCHMARKS.md, "Figures behind
+# rules in the code")
 SMALL_JOB_FLOPS = 1.2e15
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

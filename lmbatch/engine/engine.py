@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Sequence, cast
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence, cast
 
 import torch
 
@@ -26,7 +26,7 @@ from lmbatch.engine.logits import LogitCapture
 from lmbatch.engine.model_runner import ModelRunner
 from lmbatch.engine.options import EngineOptions
 from lmbatch.engine.prefill import Prefill
-from lmbatch.engine.protocol import Handover, Progress, Request, Result, drain, remaining
+from lmbatch.engine.protocol import Handover, Progress, Request, Result, StreamArgs, drain, remaining
 from lmbatch.engine.radix_cache import RadixTree
 from lmbatch.engine.sampler import Sampler
 from lmbatch.engine.state import RunState
@@ -34,12 +34,22 @@ from lmbatch.model.config import ModelConfig
 from lmbatch.model.network import Transformer
 from lmbatch.model.tensor_parallel import TensorParallel, shard_config
 from lmbatch.requests import GenerateRequest, GenerateResult, RunStats, ScoreRequest, ScoreResult
-from lmbatch.scheduler.planner import Plan, plan_requests
+from lmbatch.scheduler.planner import plan_requests
 
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from typing_extensions import Unpack
+
     from lmbatch.engine.model_runner import LanguageModel
+
+
+class Weights(NamedTuple):
+    """How an engine's model gets its weights: `load_format` "auto" (the checkpoint's) or "dummy" (random,
+    for speed work); `tp`: this process's rank of a tensor-parallel group (its slice of the model and of
+    the KV), None for the whole model."""
+    load_format: str = "auto"
+    tp: TensorParallel | None = None
 
 
 class Engine:
@@ -61,13 +71,12 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path: str | Path, options: EngineOptions | None = None, *,
                         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                        load_format: str = "auto", tokenizer: Any = None, tp: TensorParallel | None = None,
-                        **overrides: Any) -> "Engine":
-        """An engine over the checkpoint folder `path` (random weights with load_format="dummy"): our
-        network for the model_types it implements, else transformers' model (model/fallback.py).
-        `tp`: this process's rank of a tensor-parallel group (its slice of the model and of the KV)."""
+                        tokenizer: Any = None, weights: Weights = Weights(), **overrides: Any) -> "Engine":
+        """An engine over the checkpoint folder `path` (see `Weights`): our network for the model_types
+        it implements, else transformers' model (model/fallback.py)."""
         from lmbatch.model.weights import init_dummy, load_weights
 
+        load_format, tp = weights
         cfg = ModelConfig.from_dir(path)
         model: LanguageModel
         if tp is not None:
@@ -126,23 +135,22 @@ class Engine:
         """Every result, in the order of `requests`, and the run's counts (`stream`, drained)."""
         return drain(self.stream(requests, schedule=schedule, seed=seed, progress=progress))
 
-    def stream(self, requests: Sequence[Request], *, schedule: str = "dfs", seed: int = 0, plan: Plan | None = None,
-               progress: Progress | None = None, handover_due: Callable[[], bool] | None = None,
-               groups: Sequence[Hashable] | None = None) -> Iterator[Handover]:
+    def stream(self, requests: Sequence[Request], **args: Unpack[StreamArgs]) -> Iterator[Handover]:
         """Execute every request in the plan's order (`plan_requests(requests, schedule, seed)` unless
         made already), handing results over as `handover_due()` asks (see `protocol.Handover`).
 
         `progress(i, stats)` is called as request i's last prompt token is issued (scoring) or as its
         generation ends. `groups` (a program's calls on one device) changes nothing on one engine."""
         with torch.inference_mode():
-            yield from self._stream(requests, schedule, seed, plan, progress, handover_due)
+            yield from self._stream(requests, args)
 
-    def _stream(self, requests: Sequence[Request], schedule: str, seed: int, plan: Plan | None,
-                progress: Progress | None, handover_due: Callable[[], bool] | None) -> Iterator[Handover]:
+    def _stream(self, requests: Sequence[Request], args: StreamArgs) -> Iterator[Handover]:
         t0 = time.perf_counter()
+        plan = args.get("plan")
         if plan is None:
-            plan = plan_requests(requests, schedule, seed)
-        state = RunState(requests, plan, progress)
+            plan = plan_requests(requests, args.get("schedule", "dfs"), args.get("seed", 0))
+        handover_due = args.get("handover_due")
+        state = RunState(requests, plan, args.get("progress"))
         capture = LogitCapture(state)       # registers every request's logit demands on the plan
         t1 = time.perf_counter()
         kv = KVSlots(self.pool, self.tree, state.stats)

@@ -64,8 +64,7 @@ class _GraphAttention(AttentionBackend):
 
 
 class DecodeGraphs:
-    def __init__(self, model: Transformer, pool: KVPool, scratch_slot: int, max_batch: int,
-                 cascade: bool = False) -> None:
+    def __init__(self, model: Transformer, pool: KVPool, scratch_slot: int, max_batch: int) -> None:
         self.model, self.pool, self.scratch = model, pool, scratch_slot
         dev = pool.k.device
         self.buckets = [b for b in BUCKETS if b <= max(max_batch, 1)]
@@ -84,19 +83,20 @@ class DecodeGraphs:
         self._staged: list[torch.Tensor | None] = [None, None]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
-        self.levels = self._cascade_tables(n) if cascade else None
+        self.levels: CascadeLevels | None = None    # cascade attention's tables (`use_cascade`)
         self.deterministic = False      # attend with the extend kernel (ModelRunner sets it before any capture)
         self.qo = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self._plan: tuple[list[Node | None], LevelPlan | None] = ([], None)
 
-    def _cascade_tables(self, rows: int) -> CascadeLevels | None:
-        """The shared-level tables of the cascade kernel, where a block of rows holds 2 or more rows'
-        query heads (a KV head has at most 32 of them)."""
+    def use_cascade(self) -> None:
+        """Attend with the cascade kernel (before any capture), where a block of rows holds 2 or more rows'
+        query heads (a KV head has at most 32 of them): its shared-level tables."""
         from lmbatch.kernels.cascade_attention import CascadeLevels, rows_per_block
 
         cfg = self.model.cfg
         group = cfg.num_heads // cfg.num_kv_heads
-        return CascadeLevels(rows, group, self.pool.k.device) if rows_per_block(group) >= 2 else None
+        if rows_per_block(group) >= 2:
+            self.levels = CascadeLevels(len(self.rows), group, self.pool.k.device)
 
     def _level_plan(self, ends: list[Node | None] | None) -> LevelPlan | None:
         """The step's shared levels (the last step's where its rows' prompts end in the same nodes)."""

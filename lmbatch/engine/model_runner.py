@@ -98,9 +98,10 @@ class ModelRunner:
             from lmbatch.engine.graphs import DecodeGraphs
             # a row per token: a step's rows after jump-forwards may outnumber its requests
             scratch = int(self.pool.reserve(1)[0])
-            self.graphs = DecodeGraphs(cast(Transformer, model), self.pool, scratch, 2 * o.max_running,
-                                       cascade=REGISTRY[attention].cascade and not o.deterministic)
+            self.graphs = DecodeGraphs(cast(Transformer, model), self.pool, scratch, 2 * o.max_running)
             self.graphs.deterministic = o.deterministic
+            if REGISTRY[attention].cascade and not o.deterministic:
+                self.graphs.use_cascade()
 
     def capture_graphs(self) -> None:
         """Capture every decode graph now (a run that only scores never needs them)."""

@@ -28,9 +28,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Iterator, Sequence
 
-from lmbatch.engine.protocol import Handover, Progress, Request, Result, drain, remaining
+from lmbatch.engine.protocol import Handover, Progress, Request, Result, StreamArgs, drain, remaining
 from lmbatch.engine.worker import (
     Close,
     Compressed,
@@ -59,6 +59,7 @@ from lmbatch.scheduler.planner import posthoc_unique
 
 if TYPE_CHECKING:
     import torch
+    from typing_extensions import Unpack
 
     from lmbatch.engine.build import Attention
     from lmbatch.engine.options import EngineSpec
@@ -189,12 +190,13 @@ class ParallelEngine:
             progress: Progress | None = None) -> tuple[list[Result], RunStats]:
         return drain(self.stream(requests, schedule=schedule, seed=seed, progress=progress))
 
-    def stream(self, requests: Sequence[Request], *, schedule: str = "dfs", seed: int = 0, plan: Plan | None = None,
-               progress: Progress | None = None, handover_due: Callable[[], bool] | None = None,
-               groups: Sequence[Hashable] | None = None) -> Iterator[Handover]:
+    def stream(self, requests: Sequence[Request], **args: Unpack[StreamArgs]) -> Iterator[Handover]:
         """As `Engine.stream`, over the workers (`plan`: its sorted order is cut; each worker plans its
         chunks from it)."""
         t0 = time.perf_counter()
+        plan, progress, handover_due, groups = (args.get("plan"), args.get("progress"), args.get("handover_due"),
+                                                args.get("groups"))
+        schedule, seed = args.get("schedule", "dfs"), args.get("seed", 0)
         cut = self._cut(requests, plan, groups)
         dispatch = _Dispatch(cut.chunks, len(self.conns))
         gather = _Gather(requests, cut, progress, len(self.conns))

@@ -9,12 +9,13 @@ handover holds the rest. `run` is `stream` drained, for callers that want everyt
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Hashable, Iterator, NamedTuple, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Hashable, Iterator, NamedTuple, Protocol, Sequence, TypedDict, Union
 
 from lmbatch.requests import GenerateRequest, GenerateResult, RunStats, ScoreRequest, ScoreResult
 
 if TYPE_CHECKING:
     import torch
+    from typing_extensions import Unpack  # typing's from Python 3.11
 
     from lmbatch.model.config import ModelConfig
     from lmbatch.scheduler.planner import Plan
@@ -22,6 +23,20 @@ if TYPE_CHECKING:
 Request = Union[ScoreRequest, GenerateRequest]
 Result = Union[ScoreResult, GenerateResult]
 Progress = Callable[[int, RunStats], None]     # (request index, the run's counts so far): a request is done
+
+
+class StreamArgs(TypedDict, total=False):
+    """How `BatchEngine.stream` executes a batch, each key optional: `schedule` and `seed` order the plan
+    made from the requests ("dfs", 0) unless `plan` was made ahead (one engine uses it; several cut its
+    sorted order); `progress(i, stats)` is called as request i is done; `handover_due()` is asked
+    between batches and decode steps; `groups`: requests of one group run on one engine (a program's
+    calls)."""
+    schedule: str
+    seed: int
+    plan: Plan | None
+    progress: Progress | None
+    handover_due: Callable[[], bool] | None
+    groups: Sequence[Hashable] | None
 
 
 class Handover(NamedTuple):
@@ -71,11 +86,8 @@ class BatchEngine(Protocol):
         """Tokens of each sequence whose KV some engine's cache holds now."""
         ...
 
-    def stream(self, requests: Sequence[Request], *, schedule: str = "dfs", seed: int = 0, plan: Plan | None = None,
-               progress: Progress | None = None, handover_due: Callable[[], bool] | None = None,
-               groups: Sequence[Hashable] | None = None) -> Iterator[Handover]:
-        """Execute every request; `plan`: made ahead (one engine uses it); `groups`: requests of one
-        group run on one engine (a program's calls)."""
+    def stream(self, requests: Sequence[Request], **args: Unpack[StreamArgs]) -> Iterator[Handover]:
+        """Execute every request as `args` say (`StreamArgs`)."""
         ...
 
     def run(self, requests: Sequence[Request], *, schedule: str = "dfs", seed: int = 0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeAlias, cast
+from typing import TYPE_CHECKING, Callable, Sequence, TypeAlias, cast
 
 from lmbatch.errors import UserError
 from lmbatch.frontend.dsl import CallIds, Gen, Pending, Select, SelectIds
@@ -226,7 +226,7 @@ def engine_requests(calls: list[Pending], seed: int) -> tuple[list[EngineRequest
     return requests, owner
 
 
-def resolve(p: Pending, results: Sequence[Any]) -> None:
+def resolve(p: Pending, results: Sequence[ScoreResult | GenerateResult]) -> None:
     """Set a call's value and meta from its engine results (one per choice of a select)."""
     if isinstance(p.op, Select):
         scores = cast(Sequence[ScoreResult], results)

@@ -17,7 +17,7 @@ prompt ends the context).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,16 @@ def _delimit(prefix: str | None, suffix: str, delimiter: str) -> str:
     return prefix + suffix if prefix[-1].isspace() or suffix[0].isspace() else prefix + delimiter + suffix
 
 
+class Delimiters(NamedTuple):
+    """A task's delimiters (lm-eval's defaults): before an answer, and after each few-shot example."""
+    target: str = " "
+    fewshot: str = "\n\n"
+
+
 def render(tokenizer: Any, opts: ChatOptions, description: str, shots: Sequence[tuple[str, str]], question: str,
-           target_delimiter: str = " ", fewshot_delimiter: str = "\n\n") -> str:
+           delimiters: Delimiters = Delimiters()) -> str:
     """A task's context for one question: `shots` are (question, answer) pairs."""
+    target_delimiter, fewshot_delimiter = delimiters
     system = _delimit(opts.system_instruction, description, fewshot_delimiter)
     turns: list[tuple[str, str, str]] = []          # (role, content, delimiter as text)
     for q, a in shots:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import greenlet
 
@@ -12,13 +12,16 @@ from lmbatch.frontend.dsl import Gen, Pending, Select, State
 from lmbatch.frontend.workload import Instance
 from lmbatch.requests import TokenCounts
 
+if TYPE_CHECKING:
+    from lmbatch.frontend.tokenize import TextEncoder
+
 
 class Waves(Protocol):
     """What runs a program's calls (the `Interpreter`): the queue of every program's calls, and the
     greenlet that runs the waves."""
     ready: list[Pending]
     hub: greenlet.greenlet
-    encoder: Any                    # a TextEncoder: its `hf` tokenizer renders chat messages
+    encoder: TextEncoder            # its `hf` tokenizer renders chat messages
 
 
 class Status(Enum):

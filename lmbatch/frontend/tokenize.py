@@ -92,7 +92,6 @@ def _splittable(spec: dict) -> bool:
 
 
 _CACHED_TOKENIZERS = 32
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 
 
 def tokenizer_cache_file(model_dir: Path) -> Path:
@@ -100,12 +99,13 @@ def tokenizer_cache_file(model_dir: Path) -> Path:
     (AutoTokenizer consults it), its files other than weights, and the versions of transformers and
     tokenizers, which together decide what AutoTokenizer builds."""
     from lmbatch.cache import cache_dir
+    from lmbatch.model.identity import WEIGHT_SUFFIXES
 
     h = hashlib.sha256(str(model_dir.resolve()).encode())
     for lib in ("transformers", "tokenizers"):
         h.update(f"\0{lib}={importlib.metadata.version(lib)}".encode())
     for f in sorted(model_dir.iterdir()):
-        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES):
+        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES):
             h.update(b"\0" + f.name.encode() + b"\0" + f.read_bytes())
     return cache_dir() / "tokenizers" / f"{h.hexdigest()[:40]}.json"
 

@@ -135,8 +135,9 @@ def _write_problem(e: Exception) -> str | None:
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
     """Dequantize a GGUF into a float32 safetensors HF folder at out, then check the result.
 
-    Done by lmbatch.model.gguf_convert with numpy and tokenizers (~2 s) rather than by loading the GGUF
-    into a transformers model and saving it (~23 s): same files, weights bitwise equal.
+    Done by lmbatch.model.gguf_convert with numpy and tokenizers rather than by loading the GGUF into a
+    transformers model and saving it (several times slower: BENCHMARKS.md, "Figures behind rules in the
+    code"): same files, weights bitwise equal.
     """
     from lmbatch.model.gguf_convert import convert_gguf
 
@@ -254,7 +255,7 @@ def _json_object(path: Path, name: str) -> dict:
 
 def _check_weights(path: Path, native: bool) -> tuple[dict[str, TensorHeader], str]:
     """The folder's weights are there and their safetensors headers are whole, before any other work (a
-    truncated download used to fail only once the data was loaded and tokenized). Reads headers only;
+    truncated download would otherwise fail only once the data was loaded and tokenized). Reads headers only;
     returns every tensor's shape and file, and how to name the weights in a message."""
     index = path / "model.safetensors.index.json"
     if index.is_file():         # sharded: the shards the index names, as weights.py loads them

@@ -8,24 +8,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from lmbatch.model.architectures import ARCHITECTURES, Architecture, experts_of
+
 if TYPE_CHECKING:
     import torch
 
 
-# model_type -> what it is: the decoder-only families whose forward pass network.py implements
-ARCHITECTURES = {
-    "llama": "Llama",
-    "qwen2": "Qwen2 (q/k/v biases)",
-    "qwen3": "Qwen3 (per-head q/k RMSNorm)",
-    "qwen3_moe": "Qwen3-MoE (q/k norm, routed experts)",
-    "mistral": "Mistral (sliding-window attention)",
-    "mixtral": "Mixtral (routed experts, sliding window)",
-    "phi3": "Phi-3 (fused qkv and gate/up weights)",
-    "olmo2": "OLMo 2 (norms after attention and MLP, q/k norm over the projections)",
-    "gemma2": "Gemma 2 (norms around attention and MLP, soft-capped logits, alternating sliding windows)",
-    "gemma3_text": "Gemma 3 (Gemma 2 with q/k norms and a RoPE base of its own for sliding layers)",
-}
-GEMMA = ("gemma2", "gemma3_text")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 # the sizes the weights' shapes follow from: a native model's config.json must give them, as every saved
@@ -40,59 +28,38 @@ _INTEGER_FIELDS = REQUIRED_SIZES + (
 _NUMBER_FIELDS = ("rms_norm_eps", "rope_theta", "layer_norm_eps", "layer_norm_epsilon")
 
 
-# What transformers 5 fills in for fields a native model's config.json leaves out (each config class's
-# defaults; tests/unit/test_config_parse.py compares this parse with AutoConfig's on every family), so
-# that config.json is read without importing transformers (seconds: it imports torch)
-_LLAMA_LIKE = {"num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
-               "tie_word_embeddings": False, "attention_bias": False, "eos_token_id": 2, "hidden_act": "silu",
-               "rope_theta": 10000.0}
-_QWEN = {"num_key_value_heads": 32, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
-         "tie_word_embeddings": False, "eos_token_id": None, "hidden_act": "silu", "rope_theta": 10000.0,
-         "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}
-_GEMMA = {"num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
-          "attention_bias": False, "eos_token_id": 1, "hidden_activation": "gelu_pytorch_tanh",
-          "query_pre_attn_scalar": 256, "sliding_window": 4096}
-DEFAULTS: dict[str, dict] = {
-    "llama": _LLAMA_LIKE,
-    "qwen2": _QWEN,
-    "qwen3": {**_QWEN, "head_dim": 128, "attention_bias": False},
-    "qwen3_moe": {**_QWEN, "num_key_value_heads": 4, "attention_bias": False, "decoder_sparse_step": 1,
-                  "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_local_experts": 128,
-                  "norm_topk_prob": False, "mlp_only_layers": []},
-    "mistral": {**_LLAMA_LIKE, "num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096},
-    "mixtral": {**_LLAMA_LIKE, "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-                "sliding_window": None, "num_experts_per_tok": 2, "num_local_experts": 8, "rope_theta": 1000000.0},
-    "phi3": {**_LLAMA_LIKE, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "eos_token_id": 32000,
-             "sliding_window": None},
-    "olmo2": {**_LLAMA_LIKE, "rms_norm_eps": 1e-5, "eos_token_id": 50279},
-    "gemma2": {**_GEMMA, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,
-               "final_logit_softcapping": 30.0, "rope_theta": 10000.0},
-    "gemma3_text": {**_GEMMA, "max_position_embeddings": 131072, "attn_logit_softcapping": None,
-                    "final_logit_softcapping": None, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0},
-}
-
-
 def _with_defaults(raw: dict) -> dict:
-    """config.json's fields over its class's defaults, with what its class derives from them
-    (transformers' `__post_init__`s): KV heads, layer types, Qwen's sliding window."""
-    kind = raw["model_type"]
-    c = {**DEFAULTS[kind], **raw}
+    """config.json's fields over what transformers 5 fills in for those it leaves out (its architecture's
+    `defaults`, so that config.json is read without importing transformers: seconds, it imports torch;
+    tests/unit/test_config_parse.py compares this parse with AutoConfig's on every family), with what
+    the config class derives from them (transformers' `__post_init__`s): KV heads, layer types, Qwen's
+    sliding window."""
+    arch = ARCHITECTURES[raw["model_type"]]
+    c = {**arch.defaults, **raw}
     if "num_experts" in c:              # an alias of num_local_experts (the config classes' attribute_map)
         c["num_local_experts"] = c.pop("num_experts")
     if c.get("num_key_value_heads") is None:
         c["num_key_value_heads"] = c["num_attention_heads"]
-    if kind.startswith("qwen") and not c.get("use_sliding_window"):
+    if arch.sliding_switch and not c.get("use_sliding_window"):
         c["sliding_window"] = None
-    if kind in ("qwen2", "qwen3") and c.get("layer_types") is None:
-        c["layer_types"] = ["sliding_attention" if c["sliding_window"] is not None and i >= c["max_window_layers"]
-                            else "full_attention" for i in range(c["num_hidden_layers"])]
-    if kind in GEMMA and c.get("layer_types") is None:
-        every = 2 if kind == "gemma2" else int(c.get("sliding_window_pattern") or 6)
-        c["layer_types"] = ["sliding_attention" if (i + 1) % every else "full_attention"
-                            for i in range(c["num_hidden_layers"])]
-    if kind == "qwen3_moe" and c.get("mlp_only_layers") is None:
-        c["mlp_only_layers"] = []
+    if arch.layer_types and c.get("layer_types") is None:
+        c["layer_types"] = _layer_types(arch, c)
+    for name in arch.null_is_default:
+        if c.get(name) is None:
+            c[name] = arch.defaults[name]
     return c
+
+
+def _layer_types(arch: Architecture, c: dict) -> list[str]:
+    """Each layer's type as the config class derives it: Qwen's sliding layers from `max_window_layers`
+    on; else a full layer every `sliding_every`-th."""
+    n = c["num_hidden_layers"]
+    if arch.layer_types == "qwen":
+        return ["sliding_attention" if c["sliding_window"] is not None and i >= c["max_window_layers"]
+                else "full_attention" for i in range(n)]
+    every = int(c.get(arch.sliding_every_field) or arch.sliding_every) if arch.sliding_every_field else \
+        arch.sliding_every
+    return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
 
 
 def config_problem(raw: dict) -> str | None:
@@ -190,7 +157,7 @@ class ModelConfig:
     qkv_bias: bool
     rope_scaling: dict = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
-    # the architectures' deltas from Llama (see ARCHITECTURES)
+    # the architectures' deltas from Llama (see architectures.py)
     qk_norm: str = ""           # "head": RMSNorm of each head's q and k (qwen3); "proj": of the projections (olmo2)
     norm_layout: str = "pre"    # "pre": norm before attention and MLP (llama); "post": after each (olmo2)
     layer_windows: tuple[int | None, ...] = ()  # per layer: keys a query sees (itself included), None: all
@@ -220,7 +187,8 @@ class ModelConfig:
         if getattr(hf, "use_bidirectional_attention", False):
             raise ValueError("bidirectional attention is not supported (causal LMs only)")
         theta, rope_scaling, local_theta = _rope(hf)
-        gemma = kind in GEMMA
+        arch, routing = ARCHITECTURES[kind], experts_of(kind)
+        gemma = arch.gemma_scaling
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         experts = int(getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0)
@@ -237,18 +205,19 @@ class ModelConfig:
             rope_theta=theta,
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=kind == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+            qkv_bias=arch.qkv_bias or bool(getattr(hf, "attention_bias", False)),
             rope_scaling=rope_scaling,
             eos_token_ids=_eos(hf),
-            qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "proj", "gemma3_text": "head"}.get(kind, ""),
-            norm_layout="post" if kind == "olmo2" else "sandwich" if gemma else "pre",
+            qk_norm=arch.qk_norm,
+            norm_layout=arch.norm_layout,
             layer_windows=_layer_windows(hf),
             num_experts=experts,
             experts_per_token=int(getattr(hf, "num_experts_per_tok", 0) or 0) if experts else 0,
             moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size)
             if experts else 0,
-            norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)) if kind != "mixtral" else True,
-            router_weights_in_model_dtype=kind != "mixtral",
+            norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)) if routing.norm_topk_prob is None
+            else routing.norm_topk_prob,
+            router_weights_in_model_dtype=routing.router_weights_in_model_dtype,
             sparse_layers=_sparse_layers(hf, experts),
             norm_offset=1.0 if gemma else 0.0,
             embed_scale=hf.hidden_size ** 0.5 if gemma else 1.0,
@@ -277,14 +246,15 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, raw: dict) -> "ModelConfig":
-        """The native config of a supported model_type from config.json's fields (`DEFAULTS` filling in
-        what it leaves out), without transformers."""
+        """The native config of a supported model_type from config.json's fields (its architecture's defaults
+        filling in what it leaves out), without transformers."""
         return cls.from_hf(SimpleNamespace(**_with_defaults(raw)))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
         """The native config of a supported model_type, read from config.json by our own code (with the
-        defaults transformers would fill in, `DEFAULTS`); else the fallback's shape, read by transformers."""
+        defaults transformers would fill in, its architecture's `defaults`); else the fallback's shape,
+        read by transformers."""
         raw = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
         if isinstance(raw, dict) and raw.get("model_type") in ARCHITECTURES:
             return cls.from_json(raw)

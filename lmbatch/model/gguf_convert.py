@@ -1,8 +1,8 @@
 """Convert a llama GGUF into a float32 Hugging Face folder with numpy, safetensors and tokenizers alone.
 
 Why not transformers' own GGUF loading (`from_pretrained(gguf_file=...)` then `save_pretrained`): it
-builds a whole model and a slow tokenizer on the way, about 23 s for the embedded 135M model on a small
-CPU, where the job is a few array operations: parse the header, dequantize each tensor, undo
+builds a whole model and a slow tokenizer on the way (BENCHMARKS.md, "Figures behind rules in the
+code"), where the job is a few array operations: parse the header, dequantize each tensor, undo
 llama.cpp's Q/K row order, and write the weights, the config and the tokenizer. The result is the same
 folder, weights bitwise equal: tests/unit/test_models.py compares it with the transformers route.
 """
@@ -96,7 +96,7 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, np.ndarr
     """Metadata and raw tensors (ggml type, bytes shaped as the HF weight's rows) of a GGUF v2/v3 file.
 
     Our own parser rather than gguf.GGUFReader: that one makes several numpy views for each string of
-    the ~100k-entry vocabulary and merges arrays, about 2 s here, where this takes about 0.1 s.
+    the ~100k-entry vocabulary and merges arrays, an order of magnitude slower than this (BENCHMARKS.md).
     """
     buf = path.read_bytes()
     magic, version = buf[:4], struct.unpack_from("<I", buf, 4)[0]
@@ -132,7 +132,7 @@ def dequantize(data: np.ndarray, kind: int) -> np.ndarray:
 
     transformers dequantizes with gguf.quants.dequantize, which makes a float32 temporary at every
     step. Q4_1 (the embedded model's layers) and Q8_0 (its embeddings) are done here in fewer passes
-    (about 4x faster), with the same float32 operations in the same order so the bits do not change.
+    (faster: BENCHMARKS.md), with the same float32 operations in the same order so the bits do not change.
     """
     rows = data.shape[:-1]
     if kind == _Q4_1:  # blocks of 32: f16 scale d, f16 minimum m, 16 bytes of nibbles (low ones first)

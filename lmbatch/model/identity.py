@@ -2,7 +2,7 @@
 the content of each of its files, so that weights changed in place (same size, the modification time put
 back) are another model.
 
-A file's hash is SHA-256 (SHA-NI: about 1.4 GB/s a core) over segments of SEGMENT bytes, hashed in parallel
+A file's hash is SHA-256 (one core's throughput: BENCHMARKS.md) over segments of SEGMENT bytes, hashed in parallel
 threads (hashlib releases the GIL), then of the segments' digests: `sha256-seg256m:<hex>`. It is kept in
 `~/.cache/lmbatch/file-hashes/` under the file's real path, device, inode, size, modification time and
 change time (st_ctime_ns): a repeat reads no weights. The change time is what makes the shortcut safe:
@@ -28,6 +28,9 @@ BLOCK = 16 << 20        # bytes read at a time
 KIND = "sha256-seg256m"
 RACY_NS = 2_000_000_000
 KEEP = 1024             # kept hashes (a few bytes each); the least recently written go
+# the names of a model folder's weight files, whatever their format: what a key of the folder's other
+# files (its tokenizer's, a workload's) leaves out, the weights being large and deciding neither
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 
 
 def _stamp(st: os.stat_result) -> tuple[int, ...]:

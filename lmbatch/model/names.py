@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+from lmbatch.model.architectures import ARCHITECTURES, EXPERT_NAMINGS, STACKED_EXPERTS
 from lmbatch.model.config import ModelConfig
 
 # HF name suffix -> (our parameter suffix, index of the shard within a fused parameter)
@@ -17,13 +18,13 @@ FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
-# one expert's weight: Qwen3-MoE's names, then Mixtral's (w1 gate, w3 up, w2 down)
-EXPERT = re.compile(r"(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-                    r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
-EXPERT_PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": None, "w2": None}
-RENAMED = {"block_sparse_moe.gate.": "mlp.gate.",                  # Mixtral's router
-           "mlp.experts.gate_up_proj": "mlp.gate_up_proj",         # experts already stacked ([E, ...])
-           "mlp.experts.down_proj": "mlp.down_proj"}
+# one expert's weight, under any architecture's naming (architectures.py: Qwen3-MoE's, Mixtral's w1 gate,
+# w3 up, w2 down)
+EXPERT = re.compile(rf"(layers\.\d+)\.(?:{'|'.join(map(re.escape, EXPERT_NAMINGS))})\.experts\.(\d+)\."
+                    rf"({'|'.join(n for names in EXPERT_NAMINGS.values() for n in names)})\.weight")
+EXPERT_PART = {n: part for names in EXPERT_NAMINGS.values() for n, part in zip(names, (0, 1, None))}
+# every architecture's renames (Mixtral's router), then experts already stacked ([E, ...])
+RENAMED = {**{k: v for arch in ARCHITECTURES.values() for k, v in arch.renames.items()}, **STACKED_EXPERTS}
 _NORMS = {"pre": ("input_layernorm", "post_attention_layernorm"),
           "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
           "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",

@@ -1,5 +1,5 @@
 """Decoder-only transformer over the paged KV pool, read top to bottom: Llama and the families whose
-deltas `ModelConfig` names (config.ARCHITECTURES): q/k norms, norms after attention and MLP, sliding
+deltas `ModelConfig` names (model/architectures.py): q/k norms, norms after attention and MLP, sliding
 windows, routed experts.
 
 The residual stream is passed beside the hidden state (h, residual): the stream is their sum, and on

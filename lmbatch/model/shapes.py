@@ -1,15 +1,16 @@
 """A native checkpoint's tensor shapes against its config.json, read from the safetensors headers alone
 (never the tensors): vocabulary, hidden size, layers, attention and KV heads, MLP and expert sizes, for
 the tensor names and layouts lmbatch/model/weights.py loads (q/k/v and gate/up one by one, or fused as
-Phi-3 stores them; experts one by one under Qwen3-MoE's or Mixtral's names, or stacked). A config that
-disagreed with its weights used to fail only when the weights were copied into the model, after the
-data was loaded and tokenized, as a tensor-size RuntimeError."""
+Phi-3 stores them; experts one by one under Qwen3-MoE's or Mixtral's names, or stacked), so that a config
+that disagrees with its weights is one line before any other work, not a tensor-size RuntimeError once the
+weights are copied into the model, after the data was loaded and tokenized."""
 from __future__ import annotations
 
 import re
 from typing import NamedTuple
 
-from lmbatch.model.config import DEFAULTS, ModelConfig
+from lmbatch.model.architectures import ARCHITECTURES, EXPERT_NAMINGS, experts_of
+from lmbatch.model.config import ModelConfig
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -52,7 +53,7 @@ class _Shapes:
     def _head_dim(self) -> str:
         if self.raw.get("head_dim") is not None:
             return "head_dim"
-        if DEFAULTS[self.cfg.model_type].get("head_dim"):
+        if ARCHITECTURES[self.cfg.model_type].defaults.get("head_dim"):
             return "head_dim (not given: its default)"
         return "head_dim (hidden_size / num_attention_heads)"
 
@@ -153,17 +154,18 @@ class _Shapes:
         self.dims(p + "down_proj.weight", (hidden, "rows"), (inter, "columns"))
 
     def experts(self, i: int) -> None:
-        c = self.cfg
-        mixtral = f"layers.{i}.block_sparse_moe.gate.weight" in self.tensors or (
-            c.model_type == "mixtral" and f"layers.{i}.mlp.gate.weight" not in self.tensors)
-        block = f"layers.{i}.block_sparse_moe." if mixtral else f"layers.{i}.mlp."
+        c, own = self.cfg, experts_of(self.cfg.model_type)
+        # the naming whose router the checkpoint holds (another than the plain "mlp" first), else its own
+        named = next((b for b in sorted(EXPERT_NAMINGS, key=lambda b: b == "mlp")
+                      if f"layers.{i}.{b}.gate.weight" in self.tensors), own.block)
+        block = f"layers.{i}.{named}."
         n = self.size("num_experts" if "num_experts" in self.raw else "num_local_experts", c.num_experts)
-        field = "moe_intermediate_size" if c.model_type == "qwen3_moe" else "intermediate_size"
+        field = own.size_field
         inter = self.size(field, c.moe_intermediate_size)
         hidden = self.size("hidden_size", c.hidden_size)
         if block + "gate.weight" not in self.tensors:
             why = (f"yet config.json's mlp_only_layers and decoder_sparse_step make layer {i} one of routed experts"
-                   if c.model_type == "qwen3_moe" else f"and every layer of a {c.model_type} model routes to experts")
+                   if own.by_config else f"and every layer of a {c.model_type} model routes to experts")
             raise _Mismatch(f"there is no {self.prefix}{block}gate.weight (the experts' router) in {self.where}, {why}")
         self.dims(block + "gate.weight", (n, "rows (experts)"), (hidden, "columns"))
         stacked = f"layers.{i}.mlp.experts."
@@ -173,7 +175,7 @@ class _Shapes:
             self.dims(stacked + "gate_up_proj", (n, "experts"), (both, "rows per expert"), (hidden, "columns"))
             self.dims(stacked + "down_proj", (n, "experts"), (hidden, "rows per expert"), (inter, "columns"))
             return
-        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        gate, up, down = EXPERT_NAMINGS[named]
         for e in range(c.num_experts):
             x = f"{block}experts.{e}."
             self.dims(f"{x}{gate}.weight", (inter, "rows"), (hidden, "columns"))

@@ -20,6 +20,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers.models import BPE
 
 from lmbatch.errors import first_line
+from lmbatch.model.architectures import ARCHITECTURES
 
 # what a tokenizer is made of: AutoTokenizer needs at least one of these (tokenizer_config.json names
 # the class; the others hold the vocabulary of fast, GPT-2, SentencePiece or WordPiece tokenizers)
@@ -85,28 +86,31 @@ def real_tokenizer(tokenizer: Any) -> Any:
 # GPTNeoXTokenizer). A Qwen2 folder, say, gets Qwen2's pre-tokenizer whatever its tokenizer.json says.
 GENERIC = {"TokenizersBackend", "PreTrainedTokenizerFast", "PreTrainedTokenizer", "PythonBackend",
            "BloomTokenizer", "BloomTokenizerFast"}
-MISTRAL_TYPES = {"ministral", "ministral3", "mistral", "mistral3", "mistral_large4", "mixtral", "pixtral",
-                 "voxtral", "voxtral_realtime"}
-# model_type -> TOKENIZER_MAPPING_NAMES entry (transformers 5.24), for the types we know; "" = in CONFIG_MAPPING
-# but absent from TOKENIZER_MAPPING_NAMES (AutoTokenizer then defaults to TokenizersBackend).
+# transformers' mistral-common types besides the native ones (whose entries name their class)
+MISTRAL_TYPES = {"ministral", "ministral3", "mistral3", "mistral_large4", "pixtral", "voxtral", "voxtral_realtime"}
+# model_type -> TOKENIZER_MAPPING_NAMES entry (transformers 5.24), for the types we know (the native ones:
+# their entries in architectures.py); "" = in CONFIG_MAPPING but absent from TOKENIZER_MAPPING_NAMES
+# (AutoTokenizer then defaults to TokenizersBackend).
 MAPPING = {
-    "llama": "", "qwen2": "Qwen2Tokenizer", "qwen2_moe": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer",
-    "qwen3_moe": "Qwen2Tokenizer", "qwen3_next": "Qwen2Tokenizer", "phi3": "TokenizersBackend",
-    "phimoe": "TokenizersBackend", "olmo2": "TokenizersBackend", "olmo3": "TokenizersBackend",
+    "qwen2_moe": "Qwen2Tokenizer", "qwen3_next": "Qwen2Tokenizer",
+    "phimoe": "TokenizersBackend", "olmo3": "TokenizersBackend",
     "olmo": "GPTNeoXTokenizer", "olmoe": "GPTNeoXTokenizer", "gpt_neox": "GPTNeoXTokenizer",
-    "gemma": "GemmaTokenizer", "gemma2": "GemmaTokenizer", "gemma3": "GemmaTokenizer",
-    "gemma3_text": "GemmaTokenizer", "gpt2": "GPT2Tokenizer", "phi": "GPT2Tokenizer", "starcoder2": "GPT2Tokenizer",
+    "gemma": "GemmaTokenizer", "gemma3": "GemmaTokenizer",
+    "gpt2": "GPT2Tokenizer", "phi": "GPT2Tokenizer", "starcoder2": "GPT2Tokenizer",
     "granite": "TokenizersBackend", "stablelm": "TokenizersBackend",
     **{t: "MistralCommonBackend" for t in MISTRAL_TYPES},
+    **{kind: arch.tokenizer for kind, arch in ARCHITECTURES.items()},
 }
-# MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS (5.24) with their mapping where it is not TokenizersBackend
+# MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS (5.24) with their mapping where it is not TokenizersBackend (nor a
+# native entry's `tokenizer`)
 INCORRECT = {"arctic", "chatlm", "ernie4_5", "ernie4_5_moe", "fuyu", "h2ovl_chat", "hyperclovax", "hyperclovax_vlm",
              "hyperclovax_vision_v2", "internlm2", "internlm3", "iquestcoder", "jamba", "llava", "llava_next",
              "minicpm3", "minicpmv", "minimax_m2", "modernbert", "modernbert-decoder", "molmo", "molmo2", "nemotron",
-             "nvfp4", "opencua", "openvla", "paddleocr_vl", "phi3", "phi3_v", "phimoe", "qwen2", "qwen3_5",
+             "nvfp4", "opencua", "openvla", "paddleocr_vl", "phi3_v", "phimoe", "qwen3_5",
              "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp", "step3_vl", "vipllava", "cohere_asr",
-             "camembertv2-base", "siglip2", "smolvlm"}
-INCORRECT_MAPPED = {"qwen2": "Qwen2Tokenizer", "hyperclovax_vision_v2": "GPT2Tokenizer", "siglip2": "Siglip2Tokenizer",
+             "camembertv2-base", "siglip2", "smolvlm"} | {kind for kind, arch in ARCHITECTURES.items()
+                                                          if arch.hub_tokenizer_wrong}
+INCORRECT_MAPPED = {"hyperclovax_vision_v2": "GPT2Tokenizer", "siglip2": "Siglip2Tokenizer",
                     "qwen3_5": "Qwen3_5Tokenizer", "qwen3_5_moe": "Qwen3_5Tokenizer",
                     "qwen3_5_moe_text": "Qwen3_5Tokenizer", "qwen4_exp": "Qwen3_5Tokenizer"}
 MODEL_IDS_TO_TOKENIZERS_BACKEND = ["deepseek-ai/deepseek-r1-distill-llama-*", "deepseek-ai/deepseek-coder-*",

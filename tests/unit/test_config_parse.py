@@ -1,9 +1,10 @@
 """config.json read without transformers equals what transformers reads.
 
 A native model's config is parsed by our own code (`ModelConfig.from_dir`: the file over the defaults
-transformers' config class would fill in, `config.DEFAULTS`, with what the class derives from them),
-so a run imports no transformers. Each case below writes a config.json (saved by transformers, or
-written by hand with fields left out) and compares our parse with `ModelConfig.from_hf(AutoConfig...)`.
+transformers' config class would fill in, each entry's `defaults` in model/architectures.py, with what the
+class derives from them), so a run imports no transformers. Each case below writes a config.json (saved by
+transformers, or written by hand with fields left out) and compares our parse with
+`ModelConfig.from_hf(AutoConfig...)`.
 """
 from __future__ import annotations
 

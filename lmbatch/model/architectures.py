@@ -1,0 +1,114 @@
+"""The model_types lmbatch's own network runs, one entry each: everything that differs between them.
+
+An entry holds the defaults transformers' config class fills in for fields config.json leaves out, what
+the class derives from them (layer types), the network's deltas from Llama (q/k norms, norm layout,
+Gemma's scaling), the routed experts' names and sizes, and the tokenizer class AutoTokenizer maps the
+model_type to. config.py, names.py, shapes.py and tokenizer.py read these entries and name no model_type
+themselves. To add an architecture: one entry here, and its tiny model in tests/conftest.py's
+TINY_CONFIGS, which the parity tests (tests/unit/test_config_parse.py, tests/e2e/test_architectures.py)
+then run against transformers. Pure data: imported without torch or transformers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A sparse MLP's routed experts as the checkpoint names and sizes them."""
+    block: str = "mlp"              # the module holding the router (`gate`) and the experts
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")    # one expert's gate, up and down
+    size_field: str = "moe_intermediate_size"   # config.json's field of one expert's MLP width
+    by_config: bool = True          # its config has mlp_only_layers and decoder_sparse_step (else every layer routes)
+    norm_topk_prob: bool | None = None          # forced (None: config.json's)
+    router_weights_in_model_dtype: bool = True  # the routing weights rounded to the model dtype
+
+
+@dataclass(frozen=True)
+class Architecture:
+    what: str                       # the family, and its deltas from Llama, in words
+    defaults: dict = field(default_factory=dict)    # transformers 5's config class defaults
+    tokenizer: str = ""             # TOKENIZER_MAPPING_NAMES' class ("": none; AutoTokenizer's default)
+    hub_tokenizer_wrong: bool = False   # in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+    # what the config class derives: "" nothing; "qwen": sliding layers from max_window_layers, and
+    # `sliding_window` only when `use_sliding_window`; "pattern": every `sliding_every`-th layer full
+    layer_types: str = ""
+    sliding_switch: bool = False    # `use_sliding_window` off means no window (Qwen)
+    sliding_every: int = 0          # "pattern": the period, unless config.json's `sliding_every_field` gives it
+    sliding_every_field: str = ""
+    null_is_default: tuple[str, ...] = ()   # fields whose null in config.json is the default
+    # the network's deltas from Llama (ModelConfig's fields of the same names)
+    qkv_bias: bool = False          # q/k/v biases whatever `attention_bias` says
+    qk_norm: str = ""               # "head": RMSNorm of each head's q and k; "proj": of the projections
+    norm_layout: str = "pre"        # "pre", "post" (after attention and MLP) or "sandwich" (both)
+    gemma_scaling: bool = False     # RMSNorm times (1 + w), embeddings times sqrt(hidden), query_pre_attn_scalar
+    experts: Experts | None = None
+    renames: dict[str, str] = field(default_factory=dict)   # checkpoint name fragment -> ours
+
+
+_LLAMA_LIKE = {"num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+               "tie_word_embeddings": False, "attention_bias": False, "eos_token_id": 2, "hidden_act": "silu",
+               "rope_theta": 10000.0}
+_QWEN = {"num_key_value_heads": 32, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+         "tie_word_embeddings": False, "eos_token_id": None, "hidden_act": "silu", "rope_theta": 10000.0,
+         "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}
+_GEMMA = {"num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+          "attention_bias": False, "eos_token_id": 1, "hidden_activation": "gelu_pytorch_tanh",
+          "query_pre_attn_scalar": 256, "sliding_window": 4096}
+_MIXTRAL_EXPERTS = Experts(block="block_sparse_moe", names=("w1", "w3", "w2"), size_field="intermediate_size",
+                           by_config=False, norm_topk_prob=True, router_weights_in_model_dtype=False)
+
+# model_type -> its entry (transformers 5.24's defaults and tokenizer classes)
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture("Llama", _LLAMA_LIKE),
+    "qwen2": Architecture("Qwen2 (q/k/v biases)", _QWEN, "Qwen2Tokenizer", hub_tokenizer_wrong=True,
+                          layer_types="qwen", sliding_switch=True, qkv_bias=True),
+    "qwen3": Architecture("Qwen3 (per-head q/k RMSNorm)", {**_QWEN, "head_dim": 128, "attention_bias": False},
+                          "Qwen2Tokenizer", layer_types="qwen", sliding_switch=True, qk_norm="head"),
+    "qwen3_moe": Architecture(
+        "Qwen3-MoE (q/k norm, routed experts)",
+        {**_QWEN, "num_key_value_heads": 4, "attention_bias": False, "decoder_sparse_step": 1,
+         "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_local_experts": 128, "norm_topk_prob": False,
+         "mlp_only_layers": []},
+        "Qwen2Tokenizer", sliding_switch=True, null_is_default=("mlp_only_layers",), qk_norm="head",
+        experts=Experts()),
+    "mistral": Architecture("Mistral (sliding-window attention)",
+                            {**_LLAMA_LIKE, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                             "sliding_window": 4096}, "MistralCommonBackend"),
+    "mixtral": Architecture("Mixtral (routed experts, sliding window)",
+                            {**_LLAMA_LIKE, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                             "rms_norm_eps": 1e-5, "sliding_window": None, "num_experts_per_tok": 2,
+                             "num_local_experts": 8, "rope_theta": 1000000.0},
+                            "MistralCommonBackend", experts=_MIXTRAL_EXPERTS,
+                            renames={"block_sparse_moe.gate.": "mlp.gate."}),      # the router
+    "phi3": Architecture("Phi-3 (fused qkv and gate/up weights)",
+                         {**_LLAMA_LIKE, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "eos_token_id": 32000,
+                          "sliding_window": None}, "TokenizersBackend", hub_tokenizer_wrong=True),
+    "olmo2": Architecture("OLMo 2 (norms after attention and MLP, q/k norm over the projections)",
+                          {**_LLAMA_LIKE, "rms_norm_eps": 1e-5, "eos_token_id": 50279}, "TokenizersBackend",
+                          qk_norm="proj", norm_layout="post"),
+    "gemma2": Architecture("Gemma 2 (norms around attention and MLP, soft-capped logits, alternating sliding windows)",
+                           {**_GEMMA, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,
+                            "final_logit_softcapping": 30.0, "rope_theta": 10000.0},
+                           "GemmaTokenizer", layer_types="pattern", sliding_every=2, norm_layout="sandwich",
+                           gemma_scaling=True),
+    "gemma3_text": Architecture("Gemma 3 (Gemma 2 with q/k norms and a RoPE base of its own for sliding layers)",
+                                {**_GEMMA, "max_position_embeddings": 131072, "attn_logit_softcapping": None,
+                                 "final_logit_softcapping": None, "rope_theta": 1000000.0,
+                                 "rope_local_base_freq": 10000.0},
+                                "GemmaTokenizer", layer_types="pattern", sliding_every=6,
+                                sliding_every_field="sliding_window_pattern", qk_norm="head", norm_layout="sandwich",
+                                gemma_scaling=True),
+}
+# experts already stacked in the checkpoint ([E, ...], as transformers 5 saves Qwen3-MoE and Mixtral)
+STACKED_EXPERTS = {"mlp.experts.gate_up_proj": "mlp.gate_up_proj", "mlp.experts.down_proj": "mlp.down_proj"}
+# the experts of a model_type whose entry has none (a config.json that gives experts anyway gets them: the
+# layers its mlp_only_layers and decoder_sparse_step leave sparse route)
+NO_EXPERTS = Experts(size_field="intermediate_size", by_config=False)
+# every checkpoint naming of one expert's weights: its block -> (gate, up, down)
+EXPERT_NAMINGS = {e.block: e.names for e in [Experts()] + [a.experts for a in ARCHITECTURES.values() if a.experts]}
+
+
+def experts_of(model_type: str) -> Experts:
+    arch = ARCHITECTURES.get(model_type)
+    return arch.experts if arch is not None and arch.experts is not None else NO_EXPERTS
