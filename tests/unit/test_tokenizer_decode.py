@@ -166,3 +166,35 @@ def test_fallback_folder_decodes_with_transformers(folders, tmp_path):
     lazy.ready_to_decode()
     assert lazy.loaded
     assert lazy.decode([5, 6, 7]) == auto_tokenizer(folder).decode([5, 6, 7])
+
+
+def test_generation_imports_no_transformers():
+    """The engine's side of a run that generates without grammars (tree of thought): the sampler picks tokens,
+    searches stop strings and gives the output's text (the embedded model's tokenizer, as a run holds it)
+    without importing transformers, nor xgrammar (lmbatch.grammar imports both)."""
+    code = (
+        "import json, sys, torch\n"
+        "from lmbatch.engine.sampler import Sampler\n"
+        "from lmbatch.engine.state import Running\n"
+        "from lmbatch.frontend.tokenize import TextEncoder\n"
+        "from lmbatch.model.checkpoint import resolve_model\n"
+        "from lmbatch.model.config import ModelConfig\n"
+        "from lmbatch.requests import SamplingParams\n"
+        "folder = resolve_model(None)\n"
+        "enc = TextEncoder.for_model(folder)\n"
+        "cfg = ModelConfig.from_dir(folder)\n"
+        "sampler = Sampler(cfg, torch.device('cpu'), tokenizer=enc.hf_source)\n"
+        "ids = enc.encode(['Step 1: 3 * 12 = 36.\\nStep 2'])[0]\n"
+        "rows = [Running(0, None, None, 1, SamplingParams(max_new_tokens=50, stop=('\\n',))),\n"
+        "        Running(1, None, None, 1, SamplingParams(max_new_tokens=50, temperature=0.7, seed=3))]\n"
+        "for t in ids:\n"
+        "    logits = torch.full((2, cfg.vocab_size), -1e9)\n"
+        "    logits[:, t] = 0.0\n"
+        "    sampler.pick([r for r in rows if not r.finish], logits[:sum(not r.finish for r in rows)])\n"
+        "print(json.dumps({'modules': sorted(m for m in ('transformers', 'xgrammar', 'lmbatch.grammar')\n"
+        "                                    if m in sys.modules),\n"
+        "                  'texts': [sampler.text(r) for r in rows], 'finish': [r.finish for r in rows]}))\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == {"modules": [], "texts": ["Step 1: 3 * 12 = 36.", "Step 1: 3 * 12 = 36.\nStep 2"],
+                                      "finish": ["stop", ""]}
