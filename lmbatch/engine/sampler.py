@@ -61,10 +61,20 @@ class Sampler:
         Rows masked ahead (`_mask_ahead`) sample once; every other grammar row first takes its
         unconstrained pick, and only the rejected ones fill a mask and pick again (a second round on
         the device)."""
-        from lmbatch.grammar import accept_tokens
         grammar = [k for k, r in enumerate(rows) if r.constraint is not None and not r.thinking]
         ahead = self._mask_ahead(rows, grammar, logits) if grammar else []
         tokens = sample(logits, [r.params for r in rows], [r.steps for r in rows])
+        # lmbatch.grammar imports xgrammar and transformers (seconds): only where a row has a grammar
+        redo = self._redo_rejected(rows, grammar, logits, tokens) if grammar else []
+        for r, t in zip(rows, tokens):
+            r.steps += 1
+            self._append(r, t)
+        return Picked(len(ahead) + len(redo), len(redo))
+
+    def _redo_rejected(self, rows: list[Running], grammar: list[int], logits: torch.Tensor,
+                       tokens: list[int]) -> list[int]:
+        """The grammar rows whose pick their grammar rejected, picked again within their masks (in `tokens`)."""
+        from lmbatch.grammar import accept_tokens
         ok = accept_tokens(_constraints(rows, grammar), [tokens[k] for k in grammar])
         redo = [k for k, a in zip(grammar, ok) if not a]
         for k, a in zip(grammar, ok):
@@ -79,10 +89,7 @@ class Sampler:
             accept_tokens(_constraints(rows, redo), picked)
             for k, t in zip(redo, picked):
                 tokens[k] = t
-        for r, t in zip(rows, tokens):
-            r.steps += 1
-            self._append(r, t)
-        return Picked(len(ahead) + len(redo), len(redo))
+        return redo
 
     def launch(self, rows: list[Running], logits: torch.Tensor) -> Launched:
         """Sample each row's next token on the device and start its copy to the host, waiting for nothing:

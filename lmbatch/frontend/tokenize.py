@@ -124,7 +124,7 @@ class TextEncoder:
         self.spec = tokenizer.to_str()
         spec = json.loads(self.spec)
         self.splittable = _splittable(spec)
-        self.hf_source = hf             # what an engine holds for decoding: made only if it decodes
+        self.hf_source = hf             # what an engine holds for decoding (transformers' made only where needed)
         self._cut: dict[str, list[int]] = {}
         self._end: dict[str, list[int]] = {}
         self._bos: list[int] | None = None
@@ -156,9 +156,12 @@ class TextEncoder:
         check_tokenizer_files(model_dir)
         lazy = LazyTokenizer(model_dir)
         try:
-            return cls(build_tokenizer(model_dir), lazy)
+            built = build_tokenizer(model_dir)
         except Fallback:
-            pass
+            lazy.use_decoder(None)      # transformers decodes too
+        else:
+            lazy.use_decoder(built)     # generated text is decoded without transformers (shared: both only read it)
+            return cls(built, lazy)
         cached = tokenizer_cache_file(model_dir)
         if cached.is_file():
             from tokenizers import Tokenizer

@@ -76,7 +76,7 @@ class ModelLoader:
         try:
             runner.capture_graphs()
             if isinstance(self.tokenizer, LazyTokenizer):
-                self.tokenizer.get()        # the run decodes text: made here, not in its first step
+                self.tokenizer.ready_to_decode()    # the run decodes text: made ready here, not in its first step
         except BaseException as e:  # noqa: BLE001  raised on the run's thread
             self.error = e
         self.loaded.seconds["graphs"] = time.perf_counter() - t
@@ -130,7 +130,7 @@ class ModelLoader:
         engine = make_engine(spec, self.tokenizer, clock)
         if spec.graphs_ahead and isinstance(self.tokenizer, LazyTokenizer):
             with clock("tokenizer"):        # a run that generates decodes text: made here, not in its first step
-                self.tokenizer.get()
+                self.tokenizer.ready_to_decode()
         return Loaded(engine, spec, attention, dict(clock.seconds), layout)
 
     def result(self, longest: int) -> Loaded:
