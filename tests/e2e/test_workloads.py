@@ -22,14 +22,14 @@ def run(workload, args, kv=65536, wave_tokens=None):
 
 
 @pytest.mark.slow
-def test_hellaswag_matches_transformers_on_200_questions():
-    interp, insts, tok = run(hellaswag.WORKLOAD, dict(shots=1, limit=200))
+def test_hellaswag_matches_transformers_on_100_questions():
+    interp, insts, tok = run(hellaswag.WORKLOAD, dict(shots=1, limit=100))
     s = interp.stats
     assert s.hit_rate == pytest.approx(s.optimal_hit_rate, abs=1e-12) and interp.waves == 1
     ours = [r.state.meta("answer") for r in interp.runs]
     base = score_pairs(load_hf(embedded_model_dir()), first_selects(hellaswag.program, insts, tok), full_logits=False)
     agree = sum(o["index"] == p for o, p in zip(ours, base.predictions))
-    assert agree >= 198, f"{agree}/200 predictions agree with transformers"
+    assert agree >= 99, f"{agree}/100 predictions agree with transformers"
     worst = max(abs(a - b) for o, lps in zip(ours, base.logprobs) for a, b in zip(o["logprobs"], lps))
     assert worst < 5e-3, worst
     scores = [hellaswag.score(i, r.state) for i, r in zip(insts, interp.runs)]
