@@ -26,6 +26,7 @@ from typing import Any, Callable, NamedTuple, cast
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from lmbatch.cache import atomic_write
 from lmbatch.errors import UserError, first_line
 from lmbatch.frontend.workload import Instance, Workload
 from lmbatch.model.identity import model_identity
@@ -54,28 +55,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """`write(tmp)`, fsync, rename to `path`. On an error (a full disk) the temporary file goes; a
-    kill leaves it, and the next attempt removes it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _write_table(path: Path, rows: list[dict], schema: pa.Schema) -> None:
-    _write_atomic(path, lambda tmp: pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp))
+    atomic_write(path, lambda tmp: pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp), sync=True)
 
 
 def _write_json(path: Path, data: dict) -> None:
-    def write(tmp: Path) -> None:
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-    _write_atomic(path, write)
+    atomic_write(path, json.dumps(data, indent=2) + "\n", sync=True)
 
 
 INSTANCE_PART_SCHEMA = INSTANCE_SCHEMA.append(pa.field("attempt", pa.int32())).append(pa.field("number", pa.int64()))
@@ -380,9 +365,9 @@ class RunDir:
             rows = inst.to_pylist()
             final_inst = inst.drop_columns(["number"])
             _at("instances.parquet")
-            _write_atomic(self.path / "instances.parquet", lambda tmp: pq.write_table(final_inst, tmp))
+            atomic_write(self.path / "instances.parquet", lambda tmp: pq.write_table(final_inst, tmp), sync=True)
             _at("requests.parquet")
-            _write_atomic(self.path / "requests.parquet", lambda tmp: pq.write_table(reqs, tmp))
+            atomic_write(self.path / "requests.parquet", lambda tmp: pq.write_table(reqs, tmp), sync=True)
             this = record["attempts"][-1]
             this["seconds"] = round(time.time() - self.started, 3)
             this["instances"] = self.saved_now

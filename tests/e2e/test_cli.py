@@ -54,7 +54,7 @@ def test_run_writes_complete_outputs(tiny, tmp_path):
     assert [row["choices"] for row in reqs] == [[0, 1, 2, 3]] * 2
     assert sum(row["prompt_tokens"] for row in reqs) == s["tokens"]["prompt"]
     assert all(len(row["token_ids"]) == row["prompt_tokens"] for row in reqs)
-    assert not list(tmp_path.glob(".*partial*"))
+    assert not list(tmp_path.glob(".*.tmp")) and not list(d.glob(".*.tmp"))
 
 
 def _error(r, *needles):
