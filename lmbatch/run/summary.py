@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import lmbatch
 from lmbatch.requests import RunStats, optimal_hit_rate
 from lmbatch.results import task_results
+from lmbatch.results.stats import mean_stderr
 from lmbatch.timing import largest
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ def _metrics(w: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
         if r["subject"] and "acc" in r["metrics"]:
             by_subject[r["subject"]].append(r["metrics"]["acc"])
     primary = task_results.accuracy(w, rows)
-    return {"accuracy": _mean(primary), "accuracy_stderr": task_results.mean_stderr(primary),
+    return {"accuracy": _mean(primary), "accuracy_stderr": mean_stderr(primary),
             "metrics": task_results.metrics_block(ok),
             "metric_counts": {k: sum(k in r["metrics"] for r in ok) for k in names},
             "accuracy_by_subject": {s: sum(v) / len(v) for s, v in sorted(by_subject.items())},
