@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmbatch.errors import Interrupted, UserError, first_line
 from lmbatch.frontend.registry import get_workload
@@ -26,6 +26,10 @@ from lmbatch.run.prepare import ModelFiles, Preparation
 from lmbatch.run.progress import TokenProgress
 from lmbatch.rundir.rundir import RunDir, for_run
 from lmbatch.timing import Phases
+
+if TYPE_CHECKING:
+    from lmbatch.engine.protocol import BatchEngine
+    from lmbatch.frontend.interpreter import Interpreter
 
 PARALLEL_PART_S = 2.0       # seconds between parts at most, where workers run the model
 
@@ -137,7 +141,7 @@ def dry_run(o: RunOptions, w: Workload, model: ModelFiles, clock: Phases) -> dic
     return summary.dry_run(o, w, model.dir, model.shape, tasks, snap.figures, clock.total())
 
 
-def execute(o: RunOptions, w: Workload, interp: Any, engine: Any, rundir: RunDir, stop: Stop) -> None:
+def execute(o: RunOptions, w: Workload, interp: Interpreter, engine: BatchEngine, rundir: RunDir, stop: Stop) -> None:
     """Run every program; finished ones go to the run directory as parts every --checkpoint-s seconds of
     work, and at once when a stop is asked for (then the run raises Interrupted)."""
     parts = PartWriter(w, rundir, interp.tally, o.save_token_ids)
