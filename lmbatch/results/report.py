@@ -11,6 +11,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Iterable
 
 from lmbatch.errors import UserError, first_line
+from lmbatch.options import DECIDING
 from lmbatch.results.stats import MCNEMAR, Paired, holm, mean, mean_stderr, paired_test
 from lmbatch.results.task_results import STDERR
 
@@ -42,9 +43,7 @@ REQUIRED = ("run_id", "task", "model", "device", "counts.instances", "accuracy",
 # What decides a run's workload (and so its accuracy and speed): --compare refuses runs that differ in any
 # field both summaries have. The model is compared by its folder's name (the same model lives at other
 # paths on other machines).
-WORKLOAD = ("task", "model", "dtype", "counts.instances", "options.shots", "options.limit", "options.subjects",
-            "options.seed", "options.apply_chat_template", "options.system_instruction",
-            "options.fewshot_as_multiturn", "options.think_budget", "options.think_end", "options.truncate_left")
+WORKLOAD = ("task", "model", "dtype", "counts.instances", *(f"options.{name}" for name in DECIDING))
 
 
 def run_dir_of(path: Path) -> Path:

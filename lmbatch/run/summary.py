@@ -4,7 +4,6 @@ from __future__ import annotations
 import datetime as dt
 import subprocess
 from collections import defaultdict
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -109,8 +108,8 @@ def _shots(o: RunOptions, w: Workload) -> int | None:
     """The few-shot examples the prompts hold: a suite's, where every task ran with the same (OLMES's fixed
     5 and `--shots 5`: 5); None where its tasks differ."""
     if w.tasks is None or w.fixed_shots is not None:
-        return w.shots(o.shots)
-    each = {t.shots(o.shots) for t in w.tasks.values()}
+        return w.shots(o.workload.shots)
+    each = {t.shots(o.workload.shots) for t in w.tasks.values()}
     return each.pop() if len(each) == 1 else None
 
 
@@ -120,7 +119,7 @@ def build(o: RunOptions, w: Workload, run_id: str, loaded: Loaded, merged: Merge
     `workload`: where its workload came from, "cache", "child" or "here")."""
     stats, engine, spec = interp.stats, loaded.engine, loaded.spec
     rows, record = merged
-    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(o).items()}
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in o.flat().items()}
     attempt = len(record["attempts"])
     return {
         "run_id": run_id,

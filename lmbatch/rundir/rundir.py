@@ -30,7 +30,7 @@ from lmbatch.cache import atomic_write
 from lmbatch.errors import UserError, first_line
 from lmbatch.frontend.workload import Instance, Workload
 from lmbatch.model.identity import model_identity
-from lmbatch.options import RunOptions
+from lmbatch.options import RunOptions, deciding
 from lmbatch.rundir.layout import INSTANCE_SCHEMA, clean_stale, file_record, request_schema, sha256
 from lmbatch.rundir.place import MARKER, RunLock, clear, found, move_aside, refuse_foreign, run_path
 
@@ -83,20 +83,17 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 
 def fingerprint(o: RunOptions, w: Workload, model_dir: Path) -> dict[str, Any]:
-    """What decides a run's results (a resumed run must have the same): the task and its options,
-    the model's files (each by its content: model/identity.py), lmbatch's version. The dtype is checked
-    once the device is known."""
+    """What decides a run's results (a resumed run must have the same): the task and its options
+    (`options.deciding`), jump-forward decoding, whether requests keep their token ids, the model's files
+    (each by its content: model/identity.py), lmbatch's version. The dtype is checked once the device is
+    known."""
     import lmbatch
 
-    fp: dict[str, Any] = {"task": w.name, "shots": o.shots, "limit": o.limit, "subjects": o.subjects, "seed": o.seed,
-                          "truncate_left": o.truncate_left, "jump_forward": o.jump_forward,
-                          "save_token_ids": o.save_token_ids, "think_budget": o.think_budget, "think_end": o.think_end,
-                          "apply_chat_template": o.apply_chat_template, "system_instruction": o.system_instruction,
-                          "fewshot_as_multiturn": o.fewshot_as_multiturn,
-                          "lmbatch_version": lmbatch.__version__,
+    fp: dict[str, Any] = {"task": w.name, **deciding(o.workload), "jump_forward": o.engine.jump_forward,
+                          "save_token_ids": o.output.save_token_ids, "lmbatch_version": lmbatch.__version__,
                           "model": model_identity(model_dir)}
-    if o.task.endswith(".py"):
-        fp["program"] = sha256(Path(o.task))
+    if o.workload.task.endswith(".py"):
+        fp["program"] = sha256(Path(o.workload.task))
     return fp
 
 
@@ -111,11 +108,11 @@ def for_run(o: RunOptions, w: Workload, model_dir: Path) -> RunDir:
     """The run's directory, `--out`/`--run-id` (default: task-shots-model-time), inside --out and locked
     for this run, then checked: a complete run needs --overwrite, an incomplete one with the same
     fingerprint is resumed, a folder that is no run directory is never replaced."""
-    path = run_path(Path(o.out), o.run_id or default_run_id(w, o.shots, model_dir))
+    path = run_path(Path(o.output.out), o.output.run_id or default_run_id(w, o.workload.shots, model_dir))
     lock = RunLock(path).acquire()
     try:
-        return RunDir(path, fingerprint(o, w, model_dir), o.overwrite, o.save_token_ids,
-                      named=o.run_id is not None, lock=lock)
+        return RunDir(path, fingerprint(o, w, model_dir), o.output.overwrite, o.output.save_token_ids,
+                      named=o.output.run_id is not None, lock=lock)
     except BaseException:
         lock.release()
         raise
