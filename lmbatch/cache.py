@@ -1,5 +1,6 @@
 """Where lmbatch keeps what it can make again: converted models, workloads, lm-eval's task index, and
-the bytecode of the modules a command imports where Python is told not to write any beside them.
+the bytecode of the modules a command imports where Python is told not to write any beside them; and
+how lmbatch writes a file that a reader sees whole or not at all (`atomic_write`).
 Imports nothing beyond the standard library: the command line calls `keep_bytecode` before its imports."""
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 from types import CodeType
+from typing import Callable
 
 CHILDREN = "LMBATCH_KEEP_BYTECODE"      # set by `keep_bytecode`, for the processes the command starts
 
@@ -21,6 +23,35 @@ def cache_dir() -> Path:
         return Path(os.environ["LMBATCH_CACHE"]).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "lmbatch"
+
+
+def temporary_name(path: Path) -> Path:
+    """Where `atomic_write` writes `path` first: `.NAME.PID.tmp` beside it. Whoever cleans up what a killed
+    writer left matches `.NAME.*.tmp` (a run directory: any `.*.tmp`)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def atomic_write(path: Path, content: bytes | str | Callable[[Path], None], sync: bool = False) -> None:
+    """`content` (bytes, text as UTF-8, or `content(tmp)` writing the file itself) written to
+    `temporary_name(path)`, fsynced if `sync`, then renamed over `path`: a reader sees the whole file or
+    none. On an error (a full disk, a folder that cannot be written) the temporary file goes and the
+    error is raised; a kill leaves it, for its owner's cleanup."""
+    tmp = temporary_name(path)
+    try:
+        if callable(content):
+            content(tmp)
+        else:
+            tmp.write_bytes(content.encode() if isinstance(content, str) else content)
+        if sync:
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:         # its folder does not exist (LMBATCH_CACHE under a file, say)
+            pass
+        raise
 
 
 def keep_bytecode() -> str | None:

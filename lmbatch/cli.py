@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, List, NoReturn, Optional, Tuple, get_type
 import typer
 
 from lmbatch.errors import Interrupted, UserError, WorkerFailed
-from lmbatch.options import RunOptions
+from lmbatch.options import RECORDS, RunOptions, option_fields
 
 if TYPE_CHECKING:
     from lmbatch.results.report import Comparison, Run
@@ -65,8 +65,8 @@ def _worker_failed(e: WorkerFailed) -> NoReturn:
 
 
 def _param_name(f: dataclasses.Field) -> tuple[str, bool]:
-    """The `lmbatch run` parameter of a RunOptions field: its name, and whether it holds the field's
-    opposite (the flag --no-<field> of a true-by-default field, as jump_forward's)."""
+    """The `lmbatch run` parameter of an option (a field of RunOptions' records): its name, and whether it
+    holds the field's opposite (the flag --no-<field> of a true-by-default field, as jump_forward's)."""
     if f.metadata.get("flag") == "--no-" + f.name.replace("_", "-"):
         return "no_" + f.name, True
     return f.name, False
@@ -87,13 +87,18 @@ def _metavar(name: str, annotation: Any) -> str:
     return "" if annotation is bool else "N" if annotation in (int, Optional[int]) else "VALUE"
 
 
+def _hints() -> dict[str, Any]:
+    """Each option's type, by name."""
+    return {k: v for cls in RECORDS.values() for k, v in get_type_hints(cls).items()}
+
+
 def _run_parameters() -> list[inspect.Parameter]:
-    """`lmbatch run`'s parameters, one per `RunOptions` field (each option is declared once, in options.py),
-    in field order, each with its flag spelled out. A bool is a single flag: typer would otherwise add a
-    --no-... twin."""
-    hints = get_type_hints(RunOptions)
+    """`lmbatch run`'s parameters, one per field of `RunOptions`' records (each option is declared once, in
+    options.py), in `options.ORDER`, each with its flag spelled out. A bool is a single flag: typer would
+    otherwise add a --no-... twin."""
+    hints = _hints()
     params = []
-    for f in dataclasses.fields(RunOptions):
+    for _, f in option_fields():
         name, negated = _param_name(f)
         metavar = _metavar(f.name, hints[f.name])
         annotation = str if hints[f.name] is Path else hints[f.name]     # a path as given: '' is not '.'
@@ -110,9 +115,9 @@ def _run_parameters() -> list[inspect.Parameter]:
 
 def _options(values: dict[str, Any]) -> RunOptions:
     """`RunOptions` from the values of the parameters `_run_parameters` made."""
-    hints = get_type_hints(RunOptions)
+    hints = _hints()
     kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(RunOptions):
+    for _, f in option_fields():
         name, negated = _param_name(f)
         value = values[name]
         if hints[f.name] is Path:
@@ -121,7 +126,7 @@ def _options(values: dict[str, Any]) -> RunOptions:
                                 f"{f.default}; '.' is the current one)")
             value = Path(value)
         kwargs[f.name] = not value if negated else (value or None) if isinstance(value, list) else value
-    return RunOptions(**kwargs)
+    return RunOptions.of(**kwargs)
 
 
 def run(**values: Any) -> None:
@@ -130,7 +135,7 @@ def run(**values: Any) -> None:
 
     try:
         opts = _options(values)
-        if opts.dry_run:
+        if opts.output.dry_run:
             # the process ends at once after printing (main: os._exit): the cycle collector, back on after
             # the host phases, would first walk what the dry run left (a full OLMES suite's: 1-3 s)
             gc.disable()
@@ -144,7 +149,7 @@ def run(**values: Any) -> None:
         # process at exit; what finished is in the run directory's parts
         print(f"interrupted: {e or 'nothing written'}", file=sys.stderr, flush=True)
         os._exit(130)
-    typer.echo(json.dumps(result, indent=2) if opts.dry_run else str(result))
+    typer.echo(json.dumps(result, indent=2) if opts.output.dry_run else str(result))
 
 
 setattr(run, "__signature__", inspect.Signature(_run_parameters()))

@@ -1,9 +1,11 @@
-"""The options of `lmbatch run`, each declared once (`RunOptions`: the command's parameters are made
-from its fields), and their checks against the task, made before any work (`check`)."""
+"""The options of `lmbatch run`, each declared once, grouped by what they decide (`RunOptions`: the
+workload's, the engine's and the output's records; the command's parameters are made from their fields),
+what of them decides a run's workload (`deciding`), and their checks against the task, made before any
+work (`check`)."""
 from __future__ import annotations
 
 import unicodedata
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path, PureWindowsPath
 from typing import Any
 
@@ -21,16 +23,52 @@ def _option(default: Any, help: str, flag: str | None = None) -> Any:
 
 
 @dataclass
-class RunOptions:
-    """The options of one `lmbatch run`: `lmbatch.cli` makes the command's parameters from these
-    fields, in this order, with their defaults and the help in their metadata."""
+class WorkloadOptions:
+    """What decides a run's workload, and so what its scores mean: the task, which instances, their prompts
+    (shots, chat rendering, thinking, truncation) and the seed. Each field but `task` is in the run's
+    fingerprint, the workload cache's key and what `lmbatch report --compare` requires of two runs
+    (`deciding`); the task is there as the workload's name."""
 
     task: str = field(metadata={"help": "Task name (see `lmbatch tasks`) or a program file path/to/file.py.",
                                 "argument": True})
     shots: int = _option(0, "Few-shot examples per prompt (mmlu: 0 to 5; json and tot-gsm8k: 0).")
-    model: str | None = _option(None, "Local HF folder or hub id; default: the embedded SmolLM2-135M-Instruct.")
     limit: int | None = _option(None, "First N instances (per subject for mmlu, as lm-eval's --limit).")
     subjects: list[str] | None = _option(None, "Only these MMLU subjects (repeatable).")
+    seed: int = _option(0, "Seed for shots drawing, sampling and --schedule random.")
+    apply_chat_template: bool = _option(False, "mmlu, hellaswag: render prompts through the model's chat template, "
+                                               "as lm-eval's --apply_chat_template does.")
+    system_instruction: str | None = _option(None, "mmlu, hellaswag: a system message before the prompt (lm-eval's "
+                                                   "--system_instruction).")
+    fewshot_as_multiturn: bool = _option(False, "With --apply-chat-template: each few-shot example as its own user and "
+                                                "assistant turns (lm-eval's --fewshot_as_multiturn).")
+    think_budget: int | None = _option(None, "Thinking models: every gen first thinks, unconstrained, up to this many "
+                                             "tokens; its constraint applies after </think>.")
+    think_end: str | None = _option(None, "With --think-budget: the end-of-thinking marker (default: </think>, where "
+                                          "the tokenizer or its chat template has it).")
+    truncate_left: bool = _option(False, "Drop the oldest tokens of prompts longer than the model's context.")
+
+    def __post_init__(self) -> None:
+        if self.subjects:       # a subject given twice is one subject (its questions would run twice)
+            self.subjects = list(dict.fromkeys(self.subjects))
+
+
+# the workload options that decide a run beside its task (summary.json's "options" holds them by these names)
+DECIDING = tuple(f.name for f in fields(WorkloadOptions) if f.name != "task")
+
+
+def deciding(w: WorkloadOptions) -> dict[str, Any]:
+    """The options of `DECIDING` and their values: what the run's fingerprint, the workload cache's key and
+    `lmbatch report --compare` hold a run's workload to, beside its task."""
+    return {name: getattr(w, name) for name in DECIDING}
+
+
+@dataclass
+class EngineChoice:
+    """What runs the workload: the model, where and in what precision, the engine's budgets, parallelism,
+    kernels and order; the fingerprint holds the model (by content) and `jump_forward`, the dtype is checked
+    on resume, the rest may differ between attempts of one run."""
+
+    model: str | None = _option(None, "Local HF folder or hub id; default: the embedded SmolLM2-135M-Instruct.")
     device: str = _option("auto", "auto (CUDA when a GPU is visible, else CPU), cpu or cuda.")
     dtype: str | None = _option(None, "float32 (CPU default), bfloat16 (CUDA default) or float16.")
     attention: str = _option("auto", "Attention kernels: auto (Triton on CUDA, FlashInfer where its kernels for the "
@@ -51,36 +89,69 @@ class RunOptions:
                                            "fewest that hold it. Workers times this must not exceed the GPUs.")
     schedule: str = _option("dfs", "dfs (radix-tree order), fcfs or random: the last two for ablations.")
     no_cache: bool = _option(False, "Disable prefix caching (ablation).")
-    seed: int = _option(0, "Seed for shots drawing, sampling and --schedule random.")
+    jump_forward: bool = _option(True, "Decode grammar-forced text token by token (ablation).", "--no-jump-forward")
+
+
+@dataclass
+class OutputOptions:
+    """Where and how a run writes what it finds, and what it says meanwhile: none of it changes a score
+    (`save_token_ids`, a column of requests.parquet, is in the fingerprint: a resumed run's parts have it
+    or not)."""
+
     out: Path = _option(Path("results"), "Parent directory of run directories.")
     run_id: str | None = _option(None, "Run directory name (default: task-shots-model-time).")
     overwrite: bool = _option(False, "Replace an existing run directory (an incomplete one with other settings too; "
                                      "one with the same settings is resumed).")
     checkpoint_s: float = _option(30.0, "Seconds of work between result parts written while the run executes (also "
                                         "one per wave): at most what a crash or Ctrl-C loses.")
-    truncate_left: bool = _option(False, "Drop the oldest tokens of prompts longer than the model's context.")
     save_token_ids: bool = _option(False, "Store each request's token ids in requests.parquet.")
     quiet: bool = _option(False, "No progress bar or closing line.")
-    apply_chat_template: bool = _option(False, "mmlu, hellaswag: render prompts through the model's chat template, "
-                                               "as lm-eval's --apply_chat_template does.")
-    system_instruction: str | None = _option(None, "mmlu, hellaswag: a system message before the prompt (lm-eval's "
-                                                   "--system_instruction).")
-    fewshot_as_multiturn: bool = _option(False, "With --apply-chat-template: each few-shot example as its own user and "
-                                                "assistant turns (lm-eval's --fewshot_as_multiturn).")
-    think_budget: int | None = _option(None, "Thinking models: every gen first thinks, unconstrained, up to this many "
-                                             "tokens; its constraint applies after </think>.")
-    think_end: str | None = _option(None, "With --think-budget: the end-of-thinking marker (default: </think>, where "
-                                          "the tokenizer or its chat template has it).")
-    jump_forward: bool = _option(True, "Decode grammar-forced text token by token (ablation).", "--no-jump-forward")
     workload_cache: bool = _option(True, "Load, tokenize and plan the task again rather than take its cached "
                                          "workload (kept per task, options, data and tokenizer).",
                                    "--no-workload-cache")
     dry_run: bool = _option(False, "Load, tokenize and plan only; print the plan's figures as JSON (no weights "
                                    "loaded, nothing written).")
 
-    def __post_init__(self) -> None:
-        if self.subjects:       # a subject given twice is one subject (its questions would run twice)
-            self.subjects = list(dict.fromkeys(self.subjects))
+
+RECORDS: dict[str, type] = {"workload": WorkloadOptions, "engine": EngineChoice, "output": OutputOptions}
+# every `lmbatch run` option in the order its --help lists them and summary.json's "options" holds them
+ORDER = ("task", "shots", "model", "limit", "subjects", "device", "dtype", "attention", "max_tokens_per_batch",
+         "kv_cache_tokens", "data_parallel", "ray_address", "tensor_parallel", "schedule", "no_cache", "seed", "out",
+         "run_id", "overwrite", "checkpoint_s", "truncate_left", "save_token_ids", "quiet", "apply_chat_template",
+         "system_instruction", "fewshot_as_multiturn", "think_budget", "think_end", "jump_forward", "workload_cache",
+         "dry_run")
+
+
+def option_fields() -> list[tuple[str, Field[Any]]]:
+    """Each option's record (RECORDS' key) and field, in ORDER."""
+    found = {f.name: (record, f) for record, cls in RECORDS.items() for f in fields(cls)}
+    assert sorted(found) == sorted(ORDER), "ORDER names every option of RECORDS once"
+    return [found[name] for name in ORDER]
+
+
+@dataclass
+class RunOptions:
+    """The options of one `lmbatch run`, by what they decide: `lmbatch.cli` makes the command's parameters
+    from the records' fields (`option_fields`), with their defaults and the help in their metadata."""
+
+    workload: WorkloadOptions
+    engine: EngineChoice = field(default_factory=EngineChoice)
+    output: OutputOptions = field(default_factory=OutputOptions)
+
+    @classmethod
+    def of(cls, **options: Any) -> RunOptions:
+        """RunOptions from the options by name (`lmbatch run`'s, `task` among them)."""
+        where = {f.name: record for record, f in option_fields()}
+        unknown = sorted(set(options) - set(where))
+        if unknown:
+            raise TypeError(f"not an option of lmbatch run: {', '.join(unknown)}")
+        parts = {record: {k: v for k, v in options.items() if where[k] == record} for record in RECORDS}
+        return cls(WorkloadOptions(**parts["workload"]), EngineChoice(**parts["engine"]),
+                   OutputOptions(**parts["output"]))
+
+    def flat(self) -> dict[str, Any]:
+        """Every option by name, in ORDER."""
+        return {f.name: getattr(getattr(self, record), f.name) for record, f in option_fields()}
 
 
 RUN_ID_MAX = 200    # bytes of a run id: room for the `.NAME.old-PID` a replaced run is kept as (a name's limit is 255)
@@ -112,59 +183,60 @@ def check(o: RunOptions, w: Workload) -> None:
     """Every option a user can get wrong, before any work."""
     from lmbatch.scheduler.planner import SCHEDULES
 
-    _check_task_options(o, w)
-    if o.model is not None and not o.model.strip():     # Path('') is '.', the current folder
-        raise UserError(f"--model {o.model!r} is empty: name a model folder or hub id, or leave --model out for the "
+    e = o.engine
+    _check_task_options(o.workload, w, e.jump_forward)
+    if e.model is not None and not e.model.strip():     # Path('') is '.', the current folder
+        raise UserError(f"--model {e.model!r} is empty: name a model folder or hub id, or leave --model out for the "
                         "embedded model")
-    if o.run_id is not None and (problem := run_id_problem(o.run_id)) is not None:
-        raise UserError(f"--run-id {o.run_id!r} {problem}: a run id is one folder name inside --out")
-    if o.limit is not None and o.limit < 1:
+    if o.output.run_id is not None and (problem := run_id_problem(o.output.run_id)) is not None:
+        raise UserError(f"--run-id {o.output.run_id!r} {problem}: a run id is one folder name inside --out")
+    if o.workload.limit is not None and o.workload.limit < 1:
         raise UserError("--limit must be at least 1")
-    if o.device not in DEVICES:
-        raise UserError(f"--device {o.device}: use auto, cpu or cuda")
-    if o.dtype is not None and o.dtype not in DTYPES:
-        raise UserError(f"--dtype {o.dtype}: use one of {', '.join(DTYPES)}")
-    if o.attention not in ATTENTION:
-        raise UserError(f"--attention {o.attention}: use one of {', '.join(ATTENTION)}")
-    if o.max_tokens_per_batch is not None and o.max_tokens_per_batch < 1:
+    if e.device not in DEVICES:
+        raise UserError(f"--device {e.device}: use auto, cpu or cuda")
+    if e.dtype is not None and e.dtype not in DTYPES:
+        raise UserError(f"--dtype {e.dtype}: use one of {', '.join(DTYPES)}")
+    if e.attention not in ATTENTION:
+        raise UserError(f"--attention {e.attention}: use one of {', '.join(ATTENTION)}")
+    if e.max_tokens_per_batch is not None and e.max_tokens_per_batch < 1:
         raise UserError("--max-tokens-per-batch must be at least 1")
-    if not o.checkpoint_s > 0:
+    if not o.output.checkpoint_s > 0:
         raise UserError("--checkpoint-s must be more than 0")
-    if o.kv_cache_tokens is not None and o.kv_cache_tokens < 1:
+    if e.kv_cache_tokens is not None and e.kv_cache_tokens < 1:
         raise UserError("--kv-cache-tokens must be at least 1")
-    check_count("--data-parallel", o.data_parallel)
-    check_count("--tensor-parallel", o.tensor_parallel)
-    if o.schedule not in SCHEDULES:
-        raise UserError(f"--schedule {o.schedule}: use one of {', '.join(SCHEDULES)}")
+    check_count("--data-parallel", e.data_parallel)
+    check_count("--tensor-parallel", e.tensor_parallel)
+    if e.schedule not in SCHEDULES:
+        raise UserError(f"--schedule {e.schedule}: use one of {', '.join(SCHEDULES)}")
 
 
-def _check_shots(o: RunOptions, w: Workload) -> None:
+def _check_shots(shots: int, w: Workload) -> None:
     """--shots against the task; a suite's against each of its tasks that takes --shots (the others hold
     their own examples), and refused where none does."""
     if w.tasks is not None:
         free = [t for t in w.tasks.values() if t.fixed_shots is None]
         for t in free:
-            _check_shots(o, t)
-        if free or o.shots in (0, w.fixed_shots):
+            _check_shots(shots, t)
+        if free or shots in (0, w.fixed_shots):
             return
-        raise UserError(f"--shots {o.shots}: every task of {w.name} holds its own few-shot examples (OLMES's "
+        raise UserError(f"--shots {shots}: every task of {w.name} holds its own few-shot examples (OLMES's "
                         "curated 5; a suite's MMLU 5): leave --shots out")
-    if w.fixed_shots is not None and o.shots not in (0, w.fixed_shots):
-        raise UserError(f"--shots {o.shots}: {w.name} runs {w.fixed_shots}-shot (its prompts hold their examples "
+    if w.fixed_shots is not None and shots not in (0, w.fixed_shots):
+        raise UserError(f"--shots {shots}: {w.name} runs {w.fixed_shots}-shot (its prompts hold their examples "
                         "whatever --shots says): leave --shots out")
-    if w.max_shots is not None and (o.shots < 0 or o.shots > w.max_shots):
-        raise UserError(f"--shots {o.shots} is out of range: {w.name} takes 0 to {w.max_shots} few-shot examples")
-    if o.shots < 0:
+    if w.max_shots is not None and (shots < 0 or shots > w.max_shots):
+        raise UserError(f"--shots {shots} is out of range: {w.name} takes 0 to {w.max_shots} few-shot examples")
+    if shots < 0:
         raise UserError("--shots must be at least 0")
-    if o.shots > 0 and w.shot_pool is not None and o.shots >= (pool := w.shot_pool()):
-        raise UserError(f"--shots {o.shots} needs more than the {pool} {w.shot_pool_name}")
+    if shots > 0 and w.shot_pool is not None and shots >= (pool := w.shot_pool()):
+        raise UserError(f"--shots {shots} needs more than the {pool} {w.shot_pool_name}")
 
 
-def _check_task_options(o: RunOptions, w: Workload) -> None:
+def _check_task_options(o: WorkloadOptions, w: Workload, jump_forward: bool) -> None:
     """The options that must fit the task: shots, subjects, chat and thinking options (an option that
     would do nothing for the task is refused rather than ignored; for a suite, subjects must fit one of
     its tasks, chat options all of them)."""
-    _check_shots(o, w)
+    _check_shots(o.shots, w)
     if o.subjects:
         if w.subjects is None:
             raise UserError(f"--subjects applies to mmlu only, not to {w.name}")
@@ -184,7 +256,7 @@ def _check_task_options(o: RunOptions, w: Workload) -> None:
     if not w.generates:
         given = [flag for flag, on in (("--think-budget", o.think_budget is not None),
                                        ("--think-end", o.think_end is not None),
-                                       ("--no-jump-forward", not o.jump_forward)) if on]
+                                       ("--no-jump-forward", not jump_forward)) if on]
         if given:
             raise UserError(f"{given[0]} does nothing for {w.name}, which generates no text (it only scores "
                             "choices): leave it out")
@@ -193,8 +265,9 @@ def _check_task_options(o: RunOptions, w: Workload) -> None:
 def engine_spec(o: RunOptions, model_dir: Path, generates: bool) -> EngineSpec:
     """The engine the run asks for; what it leaves open is fitted once the device is known (build.fit).
     A workload that `generates` has its decode graphs captured while the host prepares it."""
-    options = EngineOptions(kv_cache_tokens=o.kv_cache_tokens, max_tokens_per_batch=o.max_tokens_per_batch,
-                            attention=o.attention, cache=not o.no_cache, jump_forward=o.jump_forward)
-    return EngineSpec(str(model_dir), o.device, o.dtype, options, data_parallel=o.data_parallel,
-                      tensor_parallel=o.tensor_parallel, ray_address=o.ray_address, relay_s=min(1.0, o.checkpoint_s),
-                      graphs_ahead=generates)
+    e = o.engine
+    options = EngineOptions(kv_cache_tokens=e.kv_cache_tokens, max_tokens_per_batch=e.max_tokens_per_batch,
+                            attention=e.attention, cache=not e.no_cache, jump_forward=e.jump_forward)
+    return EngineSpec(str(model_dir), e.device, e.dtype, options, data_parallel=e.data_parallel,
+                      tensor_parallel=e.tensor_parallel, ray_address=e.ray_address,
+                      relay_s=min(1.0, o.output.checkpoint_s), graphs_ahead=generates)

@@ -22,7 +22,6 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
-import os
 import pickle
 import sys
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from lmbatch.cache import cache_dir
+from lmbatch.cache import atomic_write, cache_dir
 from lmbatch.frontend.calls import KnownIds
 from lmbatch.frontend.workload import Instance
 from lmbatch.model.identity import WEIGHT_SUFFIXES
@@ -186,6 +185,12 @@ def load_scores(path: Path) -> tuple[list[ScoreRequest], Plan | None] | None:
     return requests, None if d["plan"] is None else plan_from_arrays(d["plan"])
 
 
+def _write_parts(path: Path, *parts: bytes) -> None:
+    with open(path, "wb") as fh:
+        for part in parts:
+            fh.write(part)
+
+
 def write_entry(path: Path, obj: dict[str, Any], temporary: bool = False, keep: int = KEEP,
                 cache: str = "workload", keeps: str = "prepared workloads", note: Any = None) -> bool:
     """`obj` pickled under a header (format, payload size and SHA-256, and `note`: what `read_note` gives
@@ -195,23 +200,15 @@ def write_entry(path: Path, obj: dict[str, Any], temporary: bool = False, keep: 
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     header = json.dumps({"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
                          "note": note}).encode()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as fh:
-            fh.write(FORMAT + len(header).to_bytes(4, "little") + header)
-            fh.write(payload)
-        os.replace(tmp, path)
+        atomic_write(path, lambda tmp: _write_parts(tmp, FORMAT + len(header).to_bytes(4, "little") + header, payload))
         if not temporary:
             entries = sorted(path.parent.glob("*.pkl"), key=lambda f: f.stat().st_mtime)
             for old in entries[:-keep]:
                 old.unlink(missing_ok=True)
         return True
     except OSError as e:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:         # its folder could not be made (LMBATCH_CACHE under a file, say)
-            pass
         if not temporary:
             print(f"lmbatch: the {cache} cache {path.parent} is not writable ({e.strerror or e}); set "
                   f"LMBATCH_CACHE to a writable folder to keep {keeps}", file=sys.stderr)

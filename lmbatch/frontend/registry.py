@@ -46,10 +46,6 @@ def workload_names() -> list[str]:
     return sorted(BUILTIN) + _olmes().task_names()
 
 
-def suite_names() -> list[str]:
-    return list(SUITES)
-
-
 def _task(name: str) -> Workload:
     if name in BUILTIN:
         return importlib.import_module(f"lmbatch.programs.{BUILTIN[name]}").WORKLOAD

@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -149,6 +148,7 @@ class TextEncoder:
         `model.tokenizer.build_tokenizer` makes it without importing transformers (seconds); where it
         cannot, transformers makes it and what it made is cached (`tokenizer_cache_file`), so that later
         runs load it with `tokenizers` alone. The transformers tokenizer itself (`hf`) is made on first use."""
+        from lmbatch.cache import atomic_write
         from lmbatch.model.checkpoint import check_tokenizer_files
         from lmbatch.model.tokenizer import Fallback, LazyTokenizer, build_tokenizer
 
@@ -174,9 +174,7 @@ class TextEncoder:
         enc.hf_source = lazy
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
-            tmp.write_text(enc.spec)
-            os.replace(tmp, cached)
+            atomic_write(cached, enc.spec)
             entries = sorted(cached.parent.glob("*.json"), key=lambda f: f.stat().st_mtime)
             for old in entries[:-_CACHED_TOKENIZERS]:      # the least recently made go
                 old.unlink(missing_ok=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import hashlib
 import logging
-import os
 import pickle
 import re
 import subprocess
@@ -30,7 +29,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Callable
 
-from lmbatch.cache import cache_dir
+from lmbatch.cache import atomic_write, cache_dir
 
 _INCLUDE = re.compile(r"^include:\s*['\"]?([^'\"#\n]+?)['\"]?\s*$", re.M)
 _AHEAD: dict[Path, subprocess.Popen[bytes]] = {}    # entry -> the process building it
@@ -113,21 +112,22 @@ def stored_index(root: Path, resolve_includes: bool, build: Callable[[], Any]) -
     except Exception:  # noqa: BLE001  absent, or not whole: built again
         pass
     index = build()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as fh:
-            pickle.dump(index, fh, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, path)
+        atomic_write(path, lambda tmp: _pickle_to(tmp, index))
         for old in sorted(path.parent.glob("index-*.pkl"), key=lambda f: f.stat().st_mtime)[:-KEEP]:
             old.unlink(missing_ok=True)
         for stale in path.parent.glob(".index-*.tmp"):     # a build ended while it wrote (`end_ahead`)
             if time.time() - stale.stat().st_mtime > 3600:
                 stale.unlink(missing_ok=True)
     except (OSError, pickle.PicklingError, TypeError, AttributeError):     # not writable, or not picklable
-        with suppress(OSError):
-            tmp.unlink(missing_ok=True)
+        pass
     return index
+
+
+def _pickle_to(path: Path, obj: Any) -> None:
+    with open(path, "wb") as fh:
+        pickle.dump(obj, fh, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 @contextmanager

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from lmbatch.cache import cache_dir
+from lmbatch.cache import atomic_write, cache_dir
 
 SEGMENT = 256 << 20     # bytes of a file one thread hashes
 BLOCK = 16 << 20        # bytes read at a time
@@ -54,9 +54,7 @@ def _keep(entry: Path, digest: str) -> None:
     """Writes the entry (atomically; a cache that cannot be written only costs the hash again)."""
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
-        tmp.write_text(digest + "\n")
-        os.replace(tmp, entry)
+        atomic_write(entry, digest + "\n")
         entries = sorted(entry.parent.iterdir(), key=lambda f: f.stat().st_mtime_ns)
         for old in entries[:-KEEP]:
             old.unlink(missing_ok=True)

@@ -11,7 +11,9 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Iterable
 
 from lmbatch.errors import UserError, first_line
+from lmbatch.options import DECIDING
 from lmbatch.results.stats import MCNEMAR, Paired, holm, mean, mean_stderr, paired_test
+from lmbatch.results.task_results import STDERR
 
 FORMATS = ("table", "markdown", "json")
 # a task's own metrics other than acc (HellaSwag's acc_norm, json's complete and valid) are columns too,
@@ -41,9 +43,7 @@ REQUIRED = ("run_id", "task", "model", "device", "counts.instances", "accuracy",
 # What decides a run's workload (and so its accuracy and speed): --compare refuses runs that differ in any
 # field both summaries have. The model is compared by its folder's name (the same model lives at other
 # paths on other machines).
-WORKLOAD = ("task", "model", "dtype", "counts.instances", "options.shots", "options.limit", "options.subjects",
-            "options.seed", "options.apply_chat_template", "options.system_instruction",
-            "options.fewshot_as_multiturn", "options.think_budget", "options.think_end", "options.truncate_left")
+WORKLOAD = ("task", "model", "dtype", "counts.instances", *(f"options.{name}" for name in DECIDING))
 
 
 def run_dir_of(path: Path) -> Path:
@@ -174,9 +174,6 @@ def hit_ratio(summary: dict) -> float:
 
 def _model_name(model: str) -> str:
     return PurePosixPath(model.replace("\\", "/")).name
-
-
-STDERR = "_stderr"      # summary.json's "<metric>_stderr" beside a metric is its standard error
 
 
 def split_stderr(metrics: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -838,9 +835,3 @@ def compare_runs(base: Run | dict, cand: Run | dict, max_slowdown: float | None 
     deltas, task_lines = _task_deltas(b, c, max_acc_drop, alpha)
     return Comparison(lines + task_lines, deltas)
 
-
-def compare(base: Run | dict, cand: Run | dict, max_slowdown: float | None = None, min_hit_ratio: float = 0.99,
-            max_acc_drop: float | None = None, alpha: float = 0.05) -> tuple[bool, list[str]]:
-    """`compare_runs` as (ok, lines)."""
-    found = compare_runs(base, cand, max_slowdown, min_hit_ratio, max_acc_drop, alpha)
-    return found.ok, found.lines

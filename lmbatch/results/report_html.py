@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from lmbatch.cache import atomic_write
 from lmbatch.errors import UserError
 from lmbatch.results.report import Comparison, Run, TaskDelta, cells, report_rows
 from lmbatch.timing import MAIN_LINE
@@ -348,13 +349,7 @@ def check_target(path: Path, runs: Sequence[Path]) -> None:
 def write_html(path: Path, runs: Sequence[Run], comparison: Comparison | None = None) -> None:
     """The report page written to `path` atomically: a temporary file beside it, synced, renamed over it."""
     text = render_html(runs, comparison)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write(path, text, sync=True)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise UserError(f"--html {path}: cannot write it ({e.strerror or e})") from None

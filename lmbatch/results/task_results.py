@@ -1,31 +1,20 @@
 """Metrics as summary.json reports them: each metric's mean over instances with its standard error, and
 the `tasks` block, one entry per task of the run (one for a single task, one per task of a suite).
 
-A standard error is lm-eval's for a mean of per-instance scores (`mean_stderr`): the sample standard
-deviation over the square root of the count, sqrt(sum((x - mean)^2) / (n - 1) / n); null where fewer
-than two instances have the metric.
+A standard error is lm-eval's for a mean of per-instance scores (`stats.mean_stderr`): the sample
+standard deviation over the square root of the count; null where fewer than two instances have the metric.
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any, Iterable
 
 from lmbatch.requests import TokenCounts, optimal_hit_rate
+from lmbatch.results.stats import mean_stderr
 
 if TYPE_CHECKING:
     from lmbatch.frontend.workload import Workload
 
 STDERR = "_stderr"          # the suffix of a metric's standard error in a metrics block
-
-
-def mean_stderr(values: Iterable[float]) -> float | None:
-    """lm-eval's `mean_stderr`: sample standard deviation / sqrt(n); None for fewer than 2 values."""
-    xs = list(values)
-    n = len(xs)
-    if n < 2:
-        return None
-    mean = sum(xs) / n
-    return math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1) / n)
 
 
 def metrics_block(rows: list[dict[str, Any]]) -> dict[str, float | None]:

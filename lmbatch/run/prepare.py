@@ -28,7 +28,7 @@ from lmbatch.frontend.interpreter import Interpreter
 from lmbatch.frontend.tokenize import TextEncoder
 from lmbatch.frontend.workload import LoadArgs, Workload
 from lmbatch.model.config import ModelConfig
-from lmbatch.options import RunOptions
+from lmbatch.options import RunOptions, deciding
 from lmbatch.requests import ScoreRequest
 from lmbatch.scheduler.planner import summarize
 from lmbatch.timing import Phases
@@ -43,10 +43,11 @@ class ModelFiles(NamedTuple):
 
 def _interpreter(o: RunOptions, model: ModelFiles) -> Interpreter:
     # a context length of 0: the config names none (ALiBi models run through transformers, e.g. BLOOM)
-    calls = CallOptions(max_len=model.shape.max_position_embeddings or 1 << 30, truncate_left=o.truncate_left,
-                        vocab_size=model.shape.vocab_size, jump_forward=o.jump_forward, think_budget=o.think_budget,
-                        think_end=o.think_end)
-    return Interpreter(model.encoder, calls, schedule=o.schedule, seed=o.seed)
+    wo = o.workload
+    calls = CallOptions(max_len=model.shape.max_position_embeddings or 1 << 30, truncate_left=wo.truncate_left,
+                        vocab_size=model.shape.vocab_size, jump_forward=o.engine.jump_forward,
+                        think_budget=wo.think_budget, think_end=wo.think_end)
+    return Interpreter(model.encoder, calls, schedule=o.engine.schedule, seed=wo.seed)
 
 
 def _figures(interp: Interpreter) -> dict[str, Any]:
@@ -74,10 +75,11 @@ def _move_tokenize(clock: Phases, interp: Interpreter, phase: str, before: float
 def build(o: RunOptions, w: Workload, model: ModelFiles, clock: Phases) -> tuple[Snapshot, Interpreter]:
     """Prepare the workload here: its snapshot, and the interpreter whose programs made it."""
     with clock("data"):
-        chat = ChatOptions(o.apply_chat_template, o.system_instruction, o.fewshot_as_multiturn)
+        wo = o.workload
+        chat = ChatOptions(wo.apply_chat_template, wo.system_instruction, wo.fewshot_as_multiturn)
         if chat.apply and not has_template(model.encoder.hf):
             raise UserError("--apply-chat-template: the model's tokenizer has no chat template")
-        instances = w.instances(LoadArgs(model.encoder, w.shots(o.shots), o.limit, o.subjects, o.seed, chat))
+        instances = w.instances(LoadArgs(model.encoder, w.shots(wo.shots), wo.limit, wo.subjects, wo.seed, chat))
         if not instances:
             raise UserError(f"{w.name} has no instances to run")
         for inst in instances:      # a suite's name theirs already
@@ -106,11 +108,10 @@ def start(o: RunOptions, w: Workload, model: ModelFiles, snap: Snapshot, numbers
 
 
 def cache_options(o: RunOptions, w: Workload, model: ModelFiles) -> dict[str, Any]:
-    """What decides a workload besides its files (the cache key's options)."""
-    return {"task": w.name, "shots": o.shots, "limit": o.limit, "subjects": o.subjects, "seed": o.seed,
-            "chat": [o.apply_chat_template, o.system_instruction, o.fewshot_as_multiturn],
-            "think": [o.think_budget, o.think_end], "truncate_left": o.truncate_left, "jump_forward": o.jump_forward,
-            "schedule": o.schedule, "max_len": model.shape.max_position_embeddings,
+    """What decides a workload besides its files (the cache key's options): the task and its options
+    (`options.deciding`), and what of the engine and model its calls and plan depend on."""
+    return {"task": w.name, **deciding(o.workload), "jump_forward": o.engine.jump_forward,
+            "schedule": o.engine.schedule, "max_len": model.shape.max_position_embeddings,
             "vocab_size": model.shape.vocab_size}
 
 
@@ -127,7 +128,7 @@ class Preparation:
         self.interp: Interpreter | None = None       # made here: its programs ran their first stage already
         self.path: Path | None = None
         self.child: _Child | None = None
-        if o.workload_cache and w.data_files is not None:
+        if o.output.workload_cache and w.data_files is not None:
             with clock("data"):
                 self.path = workload_cache.path_of(workload_cache.key(cache_options(o, w, model), w.data_files(),
                                                                       model.dir))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmbatch.errors import Interrupted, UserError, first_line
 from lmbatch.frontend.registry import get_workload
@@ -27,20 +27,24 @@ from lmbatch.run.progress import TokenProgress
 from lmbatch.rundir.rundir import RunDir, for_run
 from lmbatch.timing import Phases
 
+if TYPE_CHECKING:
+    from lmbatch.engine.protocol import BatchEngine
+    from lmbatch.frontend.interpreter import Interpreter
+
 PARALLEL_PART_S = 2.0       # seconds between parts at most, where workers run the model
 
 
 def run(o: RunOptions) -> Path | dict[str, Any]:
     """Run a task; returns its run directory, or with `dry_run` the plan's figures."""
     clock = Phases()
-    w = get_workload(o.task)
+    w = get_workload(o.workload.task)
     check(o, w)
     stop = Stop()
     try:
         with HostGC() as host_gc, stop:
             with clock("model_files"):
                 model = open_model(o)
-            if o.dry_run:
+            if o.output.dry_run:
                 return dry_run(o, w, model, clock)
             with clock("model_files"):
                 rundir = stop.rundir = for_run(o, w, model.dir)
@@ -55,13 +59,14 @@ def run(o: RunOptions) -> Path | dict[str, Any]:
 def run_in(o: RunOptions, w: Workload, model: ModelFiles, rundir: RunDir, stop: Stop, host_gc: HostGC,
            clock: Phases) -> Path:
     """The run itself, into its run directory: workload and engine side by side, then execute, then summary."""
-    say = (lambda text: None) if o.quiet else (lambda text: print(f"lmbatch: {text}", file=sys.stderr))
+    say = (lambda text: None) if o.output.quiet else (lambda text: print(f"lmbatch: {text}", file=sys.stderr))
     if rundir.resuming:
         say(f"resuming {rundir.path}: {len(rundir.saved)} instances kept from earlier attempts")
     prep = Preparation(o, w, model, clock, fork=True)       # before the model's thread: it may fork
     spec = engine_spec(o, model.dir, w.generates)
     try:
-        with ModelLoader(spec, model.encoder.hf_source, o.kv_cache_tokens is not None, model_work(w, prep)) as loader:
+        user_pool = o.engine.kv_cache_tokens is not None
+        with ModelLoader(spec, model.encoder.hf_source, user_pool, model_work(w, prep)) as loader:
             say(f"{w.name}: " + ("reading the cached workload" if prep.source == "cache" else
                                  "loading, tokenizing and planning the instances") + ", the model loading meanwhile")
             if prep.source == "cache":      # seconds of imports on the model's thread go first: with this
@@ -74,7 +79,7 @@ def run_in(o: RunOptions, w: Workload, model: ModelFiles, rundir: RunDir, stop: 
                 say(f"waiting for the model ({model.dir.name})")
             with clock("load"):
                 loaded = loader.result(interp.longest_ready())
-            if not rundir.check_dtype(str(loaded.spec.dtype), o.overwrite):    # --overwrite of another dtype's run
+            if not rundir.check_dtype(str(loaded.spec.dtype), o.output.overwrite):   # --overwrite of another dtype's
                 interp = prep.interpreter(rundir.unsaved(instances))
             host_gc.model_work()
             tokenized = interp.tokenize_s
@@ -88,7 +93,7 @@ def run_in(o: RunOptions, w: Workload, model: ModelFiles, rundir: RunDir, stop: 
             rundir.finish(result)
     finally:
         prep.close()
-    if not o.quiet:
+    if not o.output.quiet:
         print(f"{summary.closing_line(result)}  -> {rundir.path}", file=sys.stderr)
     return rundir.path
 
@@ -109,7 +114,7 @@ def open_model(o: RunOptions) -> ModelFiles:
     from lmbatch.model.checkpoint import resolve_model
     from lmbatch.model.config import ModelConfig
 
-    model_dir = resolve_model(o.model)
+    model_dir = resolve_model(o.engine.model)
     encoder = TextEncoder.for_model(model_dir)
     try:
         shape = ModelConfig.from_dir(model_dir)
@@ -118,12 +123,12 @@ def open_model(o: RunOptions) -> ModelFiles:
     except AttributeError as e:  # no attention shape (e.g. a state-space model)
         raise UserError(f"model at {model_dir} has no attention shape lmbatch's KV cache can hold ({e}): "
                         "lmbatch runs decoder-only attention models") from None
-    if o.tensor_parallel != "auto" and int(o.tensor_parallel) > 1:
+    if o.engine.tensor_parallel != "auto" and int(o.engine.tensor_parallel) > 1:
         from lmbatch.model.tensor_parallel import shard_config
         try:
-            shard_config(shape, int(o.tensor_parallel))
+            shard_config(shape, int(o.engine.tensor_parallel))
         except ValueError as e:
-            raise UserError(f"--tensor-parallel {o.tensor_parallel}: {first_line(e)}") from None
+            raise UserError(f"--tensor-parallel {o.engine.tensor_parallel}: {first_line(e)}") from None
     return ModelFiles(model_dir, encoder, shape)
 
 
@@ -137,14 +142,14 @@ def dry_run(o: RunOptions, w: Workload, model: ModelFiles, clock: Phases) -> dic
     return summary.dry_run(o, w, model.dir, model.shape, tasks, snap.figures, clock.total())
 
 
-def execute(o: RunOptions, w: Workload, interp: Any, engine: Any, rundir: RunDir, stop: Stop) -> None:
+def execute(o: RunOptions, w: Workload, interp: Interpreter, engine: BatchEngine, rundir: RunDir, stop: Stop) -> None:
     """Run every program; finished ones go to the run directory as parts every --checkpoint-s seconds of
     work, and at once when a stop is asked for (then the run raises Interrupted)."""
-    parts = PartWriter(w, rundir, interp.tally, o.save_token_ids)
-    progress = TokenProgress("execute", disable=o.quiet)
+    parts = PartWriter(w, rundir, interp.tally, o.output.save_token_ids)
+    progress = TokenProgress("execute", disable=o.output.quiet)
     # workers' results come to this process as they finish: a part written meanwhile costs their GPUs nothing,
     # and what is left to write when the last ends is small
-    every = o.checkpoint_s if engine.data_parallel == 1 else min(o.checkpoint_s, PARALLEL_PART_S)
+    every = o.output.checkpoint_s if engine.data_parallel == 1 else min(o.output.checkpoint_s, PARALLEL_PART_S)
     stop.executing = True
     try:
         for finished in interp.stream(engine, handover_due=Every(every, stop), progress=progress):

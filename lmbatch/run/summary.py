@@ -4,13 +4,13 @@ from __future__ import annotations
 import datetime as dt
 import subprocess
 from collections import defaultdict
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 import lmbatch
 from lmbatch.requests import RunStats, optimal_hit_rate
 from lmbatch.results import task_results
+from lmbatch.results.stats import mean_stderr
 from lmbatch.timing import largest
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ def _metrics(w: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
         if r["subject"] and "acc" in r["metrics"]:
             by_subject[r["subject"]].append(r["metrics"]["acc"])
     primary = task_results.accuracy(w, rows)
-    return {"accuracy": _mean(primary), "accuracy_stderr": task_results.mean_stderr(primary),
+    return {"accuracy": _mean(primary), "accuracy_stderr": mean_stderr(primary),
             "metrics": task_results.metrics_block(ok),
             "metric_counts": {k: sum(k in r["metrics"] for r in ok) for k in names},
             "accuracy_by_subject": {s: sum(v) / len(v) for s, v in sorted(by_subject.items())},
@@ -108,8 +108,8 @@ def _shots(o: RunOptions, w: Workload) -> int | None:
     """The few-shot examples the prompts hold: a suite's, where every task ran with the same (OLMES's fixed
     5 and `--shots 5`: 5); None where its tasks differ."""
     if w.tasks is None or w.fixed_shots is not None:
-        return w.shots(o.shots)
-    each = {t.shots(o.shots) for t in w.tasks.values()}
+        return w.shots(o.workload.shots)
+    each = {t.shots(o.workload.shots) for t in w.tasks.values()}
     return each.pop() if len(each) == 1 else None
 
 
@@ -119,7 +119,7 @@ def build(o: RunOptions, w: Workload, run_id: str, loaded: Loaded, merged: Merge
     `workload`: where its workload came from, "cache", "child" or "here")."""
     stats, engine, spec = interp.stats, loaded.engine, loaded.spec
     rows, record = merged
-    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(o).items()}
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in o.flat().items()}
     attempt = len(record["attempts"])
     return {
         "run_id": run_id,

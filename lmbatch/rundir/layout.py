@@ -1,4 +1,4 @@
-"""The run directory's tables (docs/outputs.md) and what a killed writer of an earlier version left beside it;
+"""The run directory's tables (docs/outputs.md) and what a killed `--overwrite` left beside it;
 the run directory itself: lmbatch/rundir/rundir.py."""
 from __future__ import annotations
 
@@ -20,29 +20,27 @@ def _alive(pid: int) -> bool:
 
 
 def clean_stale(final: Path) -> list[Path]:
-    """What a killed writer of `final` left beside it (its process is gone): a half-written
-    `.NAME.partial-PID` is removed; a `.NAME.old-PID` holds the previous complete run, put back into place
-    if the kill came while it was moved aside (`final` holds no run: neither summary.json nor
-    INCOMPLETE), kept while the run replacing it is incomplete, else removed. Returns what it
-    removed/restored."""
+    """What a killed `--overwrite` of `final` left beside it (its process is gone): a `.NAME.old-PID`
+    holds the previous complete run, put back into place if the kill came while it was moved aside
+    (`final` holds no run: neither summary.json nor INCOMPLETE), kept while the run replacing it is
+    incomplete, else removed. Returns what it removed/restored."""
     touched = []
-    for kind in ("old", "partial"):
-        for p in sorted(final.parent.glob(f".{final.name}.{kind}-*")):
-            pid = p.name.rsplit("-", 1)[-1]
-            if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
-                continue
-            if kind == "old" and not final.exists():
-                p.rename(final)
-            elif kind == "old" and not (final / "summary.json").is_file() and not (final / "INCOMPLETE").is_file():
-                for f in sorted(p.iterdir()):
-                    if not (final / f.name).exists():
-                        f.rename(final / f.name)
-                shutil.rmtree(p, ignore_errors=True)
-            elif kind == "old" and (final / "INCOMPLETE").is_file():
-                continue            # the run a killed --overwrite replaces: kept until that one completes
-            else:
-                shutil.rmtree(p, ignore_errors=True)
-            touched.append(p)
+    for p in sorted(final.parent.glob(f".{final.name}.old-*")):
+        pid = p.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        if not final.exists():
+            p.rename(final)
+        elif not (final / "summary.json").is_file() and not (final / "INCOMPLETE").is_file():
+            for f in sorted(p.iterdir()):
+                if not (final / f.name).exists():
+                    f.rename(final / f.name)
+            shutil.rmtree(p, ignore_errors=True)
+        elif (final / "INCOMPLETE").is_file():
+            continue            # the run a killed --overwrite replaces: kept until that one completes
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+        touched.append(p)
     return touched
 
 

@@ -20,7 +20,8 @@ from lmbatch.errors import UserError
 
 LOCK = ".lock"
 MARKER = "INCOMPLETE"
-# what a run directory holds while it runs and once complete; `.NAME.tmp` files are a killed write's
+# what a run directory holds while it runs and once complete; `.NAME.PID.tmp` files (`cache.temporary_name`)
+# are a killed write's
 RUN_FILES = ("summary.json", "instances.parquet", "requests.parquet", MARKER, "run.json", "parts", LOCK)
 
 

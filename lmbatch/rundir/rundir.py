@@ -26,10 +26,11 @@ from typing import Any, Callable, NamedTuple, cast
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from lmbatch.cache import atomic_write
 from lmbatch.errors import UserError, first_line
 from lmbatch.frontend.workload import Instance, Workload
 from lmbatch.model.identity import model_identity
-from lmbatch.options import RunOptions
+from lmbatch.options import RunOptions, deciding
 from lmbatch.rundir.layout import INSTANCE_SCHEMA, clean_stale, file_record, request_schema, sha256
 from lmbatch.rundir.place import MARKER, RunLock, clear, found, move_aside, refuse_foreign, run_path
 
@@ -54,28 +55,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """`write(tmp)`, fsync, rename to `path`. On an error (a full disk) the temporary file goes; a
-    kill leaves it, and the next attempt removes it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _write_table(path: Path, rows: list[dict], schema: pa.Schema) -> None:
-    _write_atomic(path, lambda tmp: pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp))
+    atomic_write(path, lambda tmp: pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp), sync=True)
 
 
 def _write_json(path: Path, data: dict) -> None:
-    def write(tmp: Path) -> None:
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-    _write_atomic(path, write)
+    atomic_write(path, json.dumps(data, indent=2) + "\n", sync=True)
 
 
 INSTANCE_PART_SCHEMA = INSTANCE_SCHEMA.append(pa.field("attempt", pa.int32())).append(pa.field("number", pa.int64()))
@@ -98,20 +83,17 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 
 def fingerprint(o: RunOptions, w: Workload, model_dir: Path) -> dict[str, Any]:
-    """What decides a run's results (a resumed run must have the same): the task and its options,
-    the model's files (each by its content: model/identity.py), lmbatch's version. The dtype is checked
-    once the device is known."""
+    """What decides a run's results (a resumed run must have the same): the task and its options
+    (`options.deciding`), jump-forward decoding, whether requests keep their token ids, the model's files
+    (each by its content: model/identity.py), lmbatch's version. The dtype is checked once the device is
+    known."""
     import lmbatch
 
-    fp: dict[str, Any] = {"task": w.name, "shots": o.shots, "limit": o.limit, "subjects": o.subjects, "seed": o.seed,
-                          "truncate_left": o.truncate_left, "jump_forward": o.jump_forward,
-                          "save_token_ids": o.save_token_ids, "think_budget": o.think_budget, "think_end": o.think_end,
-                          "apply_chat_template": o.apply_chat_template, "system_instruction": o.system_instruction,
-                          "fewshot_as_multiturn": o.fewshot_as_multiturn,
-                          "lmbatch_version": lmbatch.__version__,
+    fp: dict[str, Any] = {"task": w.name, **deciding(o.workload), "jump_forward": o.engine.jump_forward,
+                          "save_token_ids": o.output.save_token_ids, "lmbatch_version": lmbatch.__version__,
                           "model": model_identity(model_dir)}
-    if o.task.endswith(".py"):
-        fp["program"] = sha256(Path(o.task))
+    if o.workload.task.endswith(".py"):
+        fp["program"] = sha256(Path(o.workload.task))
     return fp
 
 
@@ -126,11 +108,11 @@ def for_run(o: RunOptions, w: Workload, model_dir: Path) -> RunDir:
     """The run's directory, `--out`/`--run-id` (default: task-shots-model-time), inside --out and locked
     for this run, then checked: a complete run needs --overwrite, an incomplete one with the same
     fingerprint is resumed, a folder that is no run directory is never replaced."""
-    path = run_path(Path(o.out), o.run_id or default_run_id(w, o.shots, model_dir))
+    path = run_path(Path(o.output.out), o.output.run_id or default_run_id(w, o.workload.shots, model_dir))
     lock = RunLock(path).acquire()
     try:
-        return RunDir(path, fingerprint(o, w, model_dir), o.overwrite, o.save_token_ids,
-                      named=o.run_id is not None, lock=lock)
+        return RunDir(path, fingerprint(o, w, model_dir), o.output.overwrite, o.output.save_token_ids,
+                      named=o.output.run_id is not None, lock=lock)
     except BaseException:
         lock.release()
         raise
@@ -380,9 +362,9 @@ class RunDir:
             rows = inst.to_pylist()
             final_inst = inst.drop_columns(["number"])
             _at("instances.parquet")
-            _write_atomic(self.path / "instances.parquet", lambda tmp: pq.write_table(final_inst, tmp))
+            atomic_write(self.path / "instances.parquet", lambda tmp: pq.write_table(final_inst, tmp), sync=True)
             _at("requests.parquet")
-            _write_atomic(self.path / "requests.parquet", lambda tmp: pq.write_table(reqs, tmp))
+            atomic_write(self.path / "requests.parquet", lambda tmp: pq.write_table(reqs, tmp), sync=True)
             this = record["attempts"][-1]
             this["seconds"] = round(time.time() - self.started, 3)
             this["instances"] = self.saved_now

@@ -78,7 +78,7 @@ def test_hellaswag_prompts_are_lm_evals(tasks, tok):
 
 
 def test_chat_run_keeps_the_shared_prefix_optimal(tmp_path):
-    d = run(RunOptions(task="mmlu", shots=5, limit=2, subjects=["anatomy", "virology"], out=tmp_path, run_id="c",
+    d = run(RunOptions.of(task="mmlu", shots=5, limit=2, subjects=["anatomy", "virology"], out=tmp_path, run_id="c",
                        device="cpu", quiet=True, apply_chat_template=True, fewshot_as_multiturn=True,
                        system_instruction="Answer with one letter."))
     summary = json.loads((d / "summary.json").read_text())

@@ -54,7 +54,7 @@ def test_run_writes_complete_outputs(tiny, tmp_path):
     assert [row["choices"] for row in reqs] == [[0, 1, 2, 3]] * 2
     assert sum(row["prompt_tokens"] for row in reqs) == s["tokens"]["prompt"]
     assert all(len(row["token_ids"]) == row["prompt_tokens"] for row in reqs)
-    assert not list(tmp_path.glob(".*partial*"))
+    assert not list(tmp_path.glob(".*.tmp")) and not list(d.glob(".*.tmp"))
 
 
 def _error(r, *needles):
@@ -122,12 +122,13 @@ def test_shots_limit_and_subjects_are_checked_once_before_any_work(tmp_path):
 
 
 def test_run_options_are_the_fields_of_RunOptions():
-    """Each `lmbatch run` option is declared once, as a RunOptions field: flag, default and help come from it."""
+    """Each `lmbatch run` option is declared once, as a field of one of RunOptions' records (workload, engine,
+    output): flag, default and help come from it."""
     import dataclasses
 
     import typer.main
 
-    from lmbatch.options import RunOptions
+    from lmbatch.options import option_fields
 
     negated = ("jump_forward", "workload_cache")        # flags --no-jump-forward, --no-workload-cache
 
@@ -135,8 +136,9 @@ def test_run_options_are_the_fields_of_RunOptions():
         return "no_" + f.name if f.name in negated else f.name
 
     params = {p.name: p for p in typer.main.get_command(app).commands["run"].params}
-    assert [p for p in params if p != "help"] == [name(f) for f in dataclasses.fields(RunOptions)]
-    for f in dataclasses.fields(RunOptions):
+    fields = [f for _, f in option_fields()]
+    assert [p for p in params if p != "help"] == [name(f) for f in fields]
+    for f in fields:
         p = params[name(f)]
         assert p.help == f.metadata["help"] and p.help
         assert p.default == (None if f.name == "task" else False if f.name in negated else f.default)

@@ -18,7 +18,7 @@ def test_a_model_with_nan_weights_fails_its_instances_and_warns(tmp_path, capsys
     with torch.no_grad():
         m.model.norm.weight[0] = float("nan")           # every position's logits NaN
     m.save_pretrained(model)
-    out = run(RunOptions(task="mmlu", shots=1, limit=2, subjects=["anatomy", "virology"], model=str(model),
+    out = run(RunOptions.of(task="mmlu", shots=1, limit=2, subjects=["anatomy", "virology"], model=str(model),
                          out=tmp_path / "runs", run_id="nan", device="cpu"))
     s = json.loads((out / "summary.json").read_text())
     assert (s["counts"]["instances"], s["counts"]["failed_instances"]) == (4, 4)

@@ -53,7 +53,7 @@ def _run(tmp_path, case: str, workers: int, program_path, model=None) -> tuple[l
         kw["task"] = str(program_path)
     if kw.get("model") == "TINY":
         kw["model"] = str(model)
-    d = run(RunOptions(**kw, out=tmp_path, run_id=f"{case}-{workers}", device="cpu", quiet=True,
+    d = run(RunOptions.of(**kw, out=tmp_path, run_id=f"{case}-{workers}", device="cpu", quiet=True,
                        data_parallel=str(workers), checkpoint_s=1e-6, max_tokens_per_batch=256))
     return (pq.read_table(d / "instances.parquet").to_pylist(), json.loads((d / "summary.json").read_text()),
             pq.read_table(d / "requests.parquet").to_pylist())
@@ -114,7 +114,7 @@ def test_tensor_parallel_run_equals_one_process(tmp_path):
     """`lmbatch run --tensor-parallel 2` (gloo on CPU) on a tiny model: MMLU's predictions and scores
     as one process gives them, to float32 reduction order."""
     model = make_tiny_with_tokenizer(tmp_path / "tiny", 2048)
-    dirs = [run(RunOptions(task="mmlu", shots=2, limit=2, subjects=["anatomy", "virology"], model=str(model),
+    dirs = [run(RunOptions.of(task="mmlu", shots=2, limit=2, subjects=["anatomy", "virology"], model=str(model),
                            out=tmp_path, run_id=f"tp{t}", device="cpu", quiet=True, tensor_parallel=t))
             for t in (1, 2)]
     one, two = (pq.read_table(d / "instances.parquet").to_pylist() for d in dirs)
@@ -222,7 +222,7 @@ def test_a_worker_killed_mid_run_is_one_line_and_the_run_resumes(tmp_path):
     cmd = [sys.executable, "-c", "from lmbatch.cli import main; main()", "run", "mmlu", "--shots", "5", "--limit", "4",
            "--model", str(model), "--out", str(tmp_path), "--device", "cpu", "--quiet", "--checkpoint-s", "1e-6",
            "--max-tokens-per-batch", "16"]
-    one = run(RunOptions(task="mmlu", shots=5, limit=4, model=str(model), out=tmp_path, run_id="one", device="cpu",
+    one = run(RunOptions.of(task="mmlu", shots=5, limit=4, model=str(model), out=tmp_path, run_id="one", device="cpu",
                          quiet=True, data_parallel="1", max_tokens_per_batch=256))
     p = subprocess.Popen(cmd + ["--run-id", "two", "--data-parallel", "2"], stderr=subprocess.PIPE, text=True)
     parts = tmp_path / "two" / "parts"
@@ -252,7 +252,7 @@ def test_a_worker_killed_mid_run_is_one_line_and_the_run_resumes(tmp_path):
 
 def test_auto_is_one_process_on_cpu(tmp_path):
     """Left to auto (the default), a CPU run is one engine in the command's own process, and says why."""
-    d = run(RunOptions(task="mmlu", limit=1, subjects=["anatomy"], out=tmp_path, run_id="auto", device="cpu",
+    d = run(RunOptions.of(task="mmlu", limit=1, subjects=["anatomy"], out=tmp_path, run_id="auto", device="cpu",
                        quiet=True))
     s = json.loads((d / "summary.json").read_text())
     assert (s["options"]["data_parallel"], s["options"]["tensor_parallel"]) == ("auto", "auto")

@@ -54,7 +54,7 @@ def _options(task, model, out, run_id, **kw):
                 max_tokens_per_batch=64)
     if task == "mmlu":
         base.update(shots=1, limit=2, subjects=["anatomy", "virology", "astronomy"])
-    return RunOptions(task=str(task), **{**base, **kw})
+    return RunOptions.of(task=str(task), **{**base, **kw})
 
 
 def _instances(d):
@@ -367,7 +367,7 @@ def test_an_empty_run_id_is_refused_before_any_work(tmp_path):
     from lmbatch.options import check
 
     with pytest.raises(UserError, match="--run-id '' is empty"):
-        check(RunOptions(task="mmlu", run_id=""), get_workload("mmlu"))
+        check(RunOptions.of(task="mmlu", run_id=""), get_workload("mmlu"))
 
 
 def test_a_handover_with_nothing_finished_is_not_due_again_at_once():

@@ -46,8 +46,8 @@ def test_a_suite_gives_each_task_what_it_gives_alone(tmp_path):
     the instances are the same with the same logprobs, and the suite reaches the optimum of the union,
     which its dry run printed."""
     common = dict(limit=2, out=tmp_path, device="cpu", quiet=True)
-    dry = run(RunOptions(task=",".join(SUITE), dry_run=True, workload_cache=False, **common))
-    suite = run(RunOptions(task=",".join(SUITE), run_id="suite", **common))
+    dry = run(RunOptions.of(task=",".join(SUITE), dry_run=True, workload_cache=False, **common))
+    suite = run(RunOptions.of(task=",".join(SUITE), run_id="suite", **common))
     s = _summary(suite)
     assert s["hit_rate"] == pytest.approx(s["optimal_hit_rate"], abs=1e-12)
     assert (dry["optimal_hit_rate"], dry["prompt_tokens"]) == (pytest.approx(s["optimal_hit_rate"], abs=1e-12),
@@ -56,7 +56,7 @@ def test_a_suite_gives_each_task_what_it_gives_alone(tmp_path):
     assert list(s["tasks"]) == SUITE
     rows = _rows(suite)
     for task in SUITE:
-        alone = run(RunOptions(task=task, run_id=task.replace(":", "-"), **common))
+        alone = run(RunOptions.of(task=task, run_id=task.replace(":", "-"), **common))
         a, t = _summary(alone), s["tasks"][task]
         assert list(a["tasks"]) == [task] and a["tasks"][task]["metrics"] == a["metrics"]
         assert t["metrics"] == a["metrics"], task
@@ -83,7 +83,7 @@ def tiny(tmp_path_factory):
 
 
 def _tiny_run(tiny, out, run_id, **kw):
-    return run(RunOptions(task=TINY_SUITE, model=str(tiny), out=out, run_id=run_id, device="cpu", quiet=True,
+    return run(RunOptions.of(task=TINY_SUITE, model=str(tiny), out=out, run_id=run_id, device="cpu", quiet=True,
                           checkpoint_s=1e-6, max_tokens_per_batch=256, **{**TINY, **kw}))
 
 
@@ -105,7 +105,7 @@ def test_a_suite_resumes_runs_on_two_workers_and_is_cached_whole(tiny, tmp_path,
     assert _summary(again)["workload"] == "cache"
     _same_rows(_rows(again), _rows(ref))
     entries = set((tmp_path / "cache" / "workloads").glob("*.pkl"))
-    run(RunOptions(task="arc_easy:mc,winogrande:rc", model=str(tiny), out=tmp_path, run_id="two", device="cpu",
+    run(RunOptions.of(task="arc_easy:mc,winogrande:rc", model=str(tiny), out=tmp_path, run_id="two", device="cpu",
                    quiet=True, limit=2))
     assert len(set((tmp_path / "cache" / "workloads").glob("*.pkl")) - entries) == 1
     # killed after its second part, then the same command: every instance once, as the uninterrupted run

@@ -34,7 +34,7 @@ def cache(tmp_path, monkeypatch):
 def _run(tiny, out, run_id, **kw):
     o = dict(shots=2, limit=2, subjects=["anatomy", "virology"], model=str(tiny), out=out, run_id=run_id,
              device="cpu", quiet=True, save_token_ids=True)
-    return run(RunOptions(task="mmlu", **{**o, **kw}))
+    return run(RunOptions.of(task="mmlu", **{**o, **kw}))
 
 
 def _entries(cache: Path) -> set[str]:
@@ -116,8 +116,8 @@ def test_a_damaged_entry_is_made_again_with_one_line(tiny, cache, tmp_path, capf
 def test_dry_run_of_a_cached_workload(tiny, cache, tmp_path):
     o = dict(shots=2, limit=2, subjects=["anatomy", "virology"], model=str(tiny), device="cpu", quiet=True,
              dry_run=True)
-    first = run(RunOptions(task="mmlu", **o))
-    second = run(RunOptions(task="mmlu", **o))
+    first = run(RunOptions.of(task="mmlu", **o))
+    second = run(RunOptions.of(task="mmlu", **o))
     assert isinstance(first, dict) and isinstance(second, dict)
     assert {k: v for k, v in first.items() if k != "time_s"} == {k: v for k, v in second.items() if k != "time_s"}
     assert len(_entries(cache)) == 1

@@ -32,7 +32,7 @@ def test_data_parallel_run_on_two_gpus(tmp_path, dtype):
     model = make_tiny_with_tokenizer(tmp_path / "tiny", 16384)
     rows = {}
     for dp in ("1", "2"):
-        d = run(RunOptions(task="mmlu", shots=2, limit=3, model=str(model), out=tmp_path, run_id=f"dp{dp}",
+        d = run(RunOptions.of(task="mmlu", shots=2, limit=3, model=str(model), out=tmp_path, run_id=f"dp{dp}",
                            device="cuda", dtype=dtype, data_parallel=dp, quiet=True))
         rows[dp] = pq.read_table(d / "instances.parquet").to_pylist()
         summary = json.loads((d / "summary.json").read_text())
@@ -51,9 +51,9 @@ def test_auto_takes_every_gpu(tmp_path, monkeypatch):
     model = make_tiny_with_tokenizer(tmp_path / "tiny", 16384)
     kw = dict(task="mmlu", shots=2, limit=2, model=str(model), out=tmp_path, device="cuda", dtype="float32",
               quiet=True)
-    auto = run(RunOptions(**kw, run_id="auto"))          # nothing cached: the job's size is not known
-    one = run(RunOptions(**kw, run_id="one", data_parallel="1"))
-    small = json.loads((run(RunOptions(**kw, run_id="small")) / "summary.json").read_text())["data_parallel"]
+    auto = run(RunOptions.of(**kw, run_id="auto"))          # nothing cached: the job's size is not known
+    one = run(RunOptions.of(**kw, run_id="one", data_parallel="1"))
+    small = json.loads((run(RunOptions.of(**kw, run_id="small")) / "summary.json").read_text())["data_parallel"]
     assert small["workers"] == 1 and small["why"].endswith("1 worker: a small job (0 TFLOP of model work)")
     s = json.loads((auto / "summary.json").read_text())
     dp = s["data_parallel"]

@@ -19,7 +19,8 @@ import torch
 
 from lmbatch.data import package_dir
 from lmbatch.programs.olmes import context_groups, predictions
-from lmbatch.results.task_results import mean_stderr, metrics_block
+from lmbatch.results.stats import mean_stderr
+from lmbatch.results.task_results import metrics_block
 
 VOCAB = 64
 

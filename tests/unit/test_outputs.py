@@ -1,5 +1,5 @@
 """What a killed writer leaves beside a run directory (issue 22, item 6): the run a killed --overwrite
-moved aside comes back, or stays while the run replacing it is incomplete; half-written copies go."""
+moved aside comes back, or stays while the run replacing it is incomplete, and goes once that one is complete."""
 from __future__ import annotations
 
 import subprocess
@@ -22,8 +22,7 @@ def _run_dir(path, text):
 def test_a_kill_between_the_renames_gets_the_previous_run_back(tmp_path):
     final, pid = tmp_path / "run", _dead_pid()
     _run_dir(tmp_path / f".run.old-{pid}", "previous")          # moved aside, the new one never landed
-    _run_dir(tmp_path / f".run.partial-{pid}", "half")
-    assert len(clean_stale(final)) == 2
+    assert len(clean_stale(final)) == 1
     assert (final / "summary.json").read_text() == "previous"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
@@ -32,12 +31,11 @@ def test_stale_copies_go_and_a_live_writers_stay(tmp_path):
     final, pid = tmp_path / "run", _dead_pid()
     _run_dir(final, "current")
     _run_dir(tmp_path / f".run.old-{pid}", "older")
-    _run_dir(tmp_path / f".run.partial-{pid}", "half")
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        _run_dir(tmp_path / f".run.partial-{live.pid}", "being written")
-        assert len(clean_stale(final)) == 2
-        assert sorted(p.name for p in tmp_path.iterdir()) == [f".run.partial-{live.pid}", "run"]
+        _run_dir(tmp_path / f".run.old-{live.pid}", "being replaced")
+        assert len(clean_stale(final)) == 1
+        assert sorted(p.name for p in tmp_path.iterdir()) == [f".run.old-{live.pid}", "run"]
     finally:
         live.kill()
 

@@ -9,7 +9,13 @@ import pytest
 from conftest import assert_self_contained_html as assert_self_contained
 
 from lmbatch.errors import UserError
-from lmbatch.results.report import compare, load_summary, render, report_rows
+from lmbatch.results.report import compare_runs, load_summary, render, report_rows
+
+
+def compare(base, cand, **kw) -> tuple[bool, list[str]]:
+    """`compare_runs`, as `lmbatch report --compare` calls it, as (ok, lines)."""
+    found = compare_runs(base, cand, **kw)
+    return found.ok, found.lines
 
 
 def make_summary(run_id="mmlu-a", task="mmlu", instances=570, accuracy=0.31, hit_rate=0.86,

@@ -18,4 +18,4 @@ from lmbatch.run.summary import _shots
     ("olmes", 5, 5),
 ])
 def test_a_suites_shots_are_its_tasks_where_they_agree(task, shots, want):
-    assert _shots(RunOptions(task=task, shots=shots), get_workload(task)) == want
+    assert _shots(RunOptions.of(task=task, shots=shots), get_workload(task)) == want

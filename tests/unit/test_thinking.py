@@ -136,7 +136,7 @@ def test_run_level_think_budget_for_a_built_in_task(tiny_tok, tmp_path):
     tok.chat_template += "{# a thinking model closes its thoughts with </think> #}"
     tok.save_pretrained(model)
     marker = len(AutoTokenizer.from_pretrained(str(model)).encode(MARKER, add_special_tokens=False))
-    d = run(RunOptions(task="json", limit=3, model=str(model), out=tmp_path, run_id="t", device="cpu", quiet=True,
+    d = run(RunOptions.of(task="json", limit=3, model=str(model), out=tmp_path, run_id="t", device="cpu", quiet=True,
                        think_budget=6))
     summary = json.loads((d / "summary.json").read_text())
     assert summary["counts"]["instances"] == 3 and summary["counts"]["failed_instances"] == 0
