@@ -65,8 +65,8 @@ def deciding(w: WorkloadOptions) -> dict[str, Any]:
 @dataclass
 class EngineChoice:
     """What runs the workload: the model, where and in what precision, the engine's budgets, parallelism,
-    kernels and order; the fingerprint holds the model (by content) and `jump_forward`, the dtype is checked
-    on resume, the rest may differ between attempts of one run."""
+    kernels and order; the fingerprint holds the model (by content), `jump_forward` and `deterministic`, the
+    dtype is checked on resume, the rest may differ between attempts of one run."""
 
     model: str | None = _option(None, "Local HF folder or hub id; default: the embedded SmolLM2-135M-Instruct.")
     device: str = _option("auto", "auto (CUDA when a GPU is visible, else CPU), cpu or cuda.")
@@ -88,6 +88,9 @@ class EngineChoice:
                                            "MLP and vocabulary slices; auto: 1 where the model fits one GPU, else the "
                                            "fewest that hold it. Workers times this must not exceed the GPUs.")
     schedule: str = _option("dfs", "dfs (radix-tree order), fcfs or random: the last two for ablations.")
+    deterministic: bool = _option(False, "Every logprob and token the same, bit for bit, whatever the batch budget, "
+                                         "pool, cache, workers, schedule, resume point or suite (README: what it "
+                                         "costs, what tensor parallelism changes).")
     no_cache: bool = _option(False, "Disable prefix caching (ablation).")
     jump_forward: bool = _option(True, "Decode grammar-forced text token by token (ablation).", "--no-jump-forward")
 
@@ -116,7 +119,8 @@ class OutputOptions:
 RECORDS: dict[str, type] = {"workload": WorkloadOptions, "engine": EngineChoice, "output": OutputOptions}
 # every `lmbatch run` option in the order its --help lists them and summary.json's "options" holds them
 ORDER = ("task", "shots", "model", "limit", "subjects", "device", "dtype", "attention", "max_tokens_per_batch",
-         "kv_cache_tokens", "data_parallel", "ray_address", "tensor_parallel", "schedule", "no_cache", "seed", "out",
+         "kv_cache_tokens", "data_parallel", "ray_address", "tensor_parallel", "schedule", "deterministic", "no_cache",
+         "seed", "out",
          "run_id", "overwrite", "checkpoint_s", "truncate_left", "save_token_ids", "quiet", "apply_chat_template",
          "system_instruction", "fewshot_as_multiturn", "think_budget", "think_end", "jump_forward", "workload_cache",
          "dry_run")
@@ -267,7 +271,8 @@ def engine_spec(o: RunOptions, model_dir: Path, generates: bool) -> EngineSpec:
     A workload that `generates` has its decode graphs captured while the host prepares it."""
     e = o.engine
     options = EngineOptions(kv_cache_tokens=e.kv_cache_tokens, max_tokens_per_batch=e.max_tokens_per_batch,
-                            attention=e.attention, cache=not e.no_cache, jump_forward=e.jump_forward)
+                            attention=e.attention, cache=not e.no_cache, jump_forward=e.jump_forward,
+                            deterministic=e.deterministic)
     return EngineSpec(str(model_dir), e.device, e.dtype, options, data_parallel=e.data_parallel,
                       tensor_parallel=e.tensor_parallel, ray_address=e.ray_address,
                       relay_s=min(1.0, o.output.checkpoint_s), graphs_ahead=generates)

@@ -53,8 +53,9 @@ class LMBatch(TemplateLM):
     """`--model lmbatch --model_args pretrained=DIR,dtype=...,device=...` (plus lmbatch's own
     `max_tokens_per_batch`, `kv_cache_tokens`, `schedule`, and `data_parallel`, `tensor_parallel`,
     `ray_address` as `lmbatch run` has them: each call's batch is cut along whole subtrees, never
-    handed out round-robin; and `score_cache`: false computes a loglikelihood call's scores even where
-    the same call on the same model files and numerics kept them, caches/scores.py)."""
+    handed out round-robin; `score_cache`: false computes a loglikelihood call's scores even where
+    the same call on the same model files and numerics kept them, caches/scores.py; and `deterministic`,
+    as `lmbatch run --deterministic`)."""
 
     backend = "causal"
 
@@ -64,7 +65,7 @@ class LMBatch(TemplateLM):
                  kv_cache_tokens: int | None = None, schedule: str = "dfs", batch_size: Any = None,
                  max_batch_size: Any = None, data_parallel: int | str = "auto", tensor_parallel: int | str = "auto",
                  ray_address: str | None = None, attention: str = "auto", score_cache: bool = True,
-                 think_end_token: str | int | None = None, **unused: Any):
+                 think_end_token: str | int | None = None, deterministic: bool = False, **unused: Any):
         super().__init__()
         start = time.perf_counter()
         from transformers import AutoTokenizer
@@ -79,7 +80,8 @@ class LMBatch(TemplateLM):
         check_model_args({"dtype": dtype, "device": device, "max_length": max_length, "add_bos_token": add_bos_token,
                           "prefix_token_id": prefix_token_id, "max_tokens_per_batch": max_tokens_per_batch,
                           "kv_cache_tokens": kv_cache_tokens, "schedule": schedule, "data_parallel": data_parallel,
-                          "tensor_parallel": tensor_parallel, "attention": attention, "score_cache": score_cache})
+                          "tensor_parallel": tensor_parallel, "attention": attention, "score_cache": score_cache,
+                          "deterministic": deterministic})
         if batch_size not in (None, 1, "1") or max_batch_size is not None:
             log.info("lmbatch: batch_size/max_batch_size have no effect: each call's requests run as one batch, "
                      "in token-budgeted forward passes, and scores do not depend on batching")
@@ -96,7 +98,7 @@ class LMBatch(TemplateLM):
         spec = engine_spec(model_dir, {"device": device, "dtype": dtype, "kv_cache_tokens": kv_cache_tokens,
                                        "max_tokens_per_batch": max_tokens_per_batch, "attention": attention,
                                        "data_parallel": data_parallel, "tensor_parallel": tensor_parallel,
-                                       "ray_address": ray_address})
+                                       "ray_address": ray_address, "deterministic": deterministic})
         self._loader = loader_for(spec, self.tokenizer)
         self._engine: Loaded | None = None
         self._model_dir = Path(model_dir)
@@ -417,7 +419,7 @@ def check_model_args(args: dict[str, Any]) -> None:
             raise bad(name, f"use {what} (at least 1) or auto")
     if args.get("prefix_token_id") is not None and not _whole(args["prefix_token_id"], 0):
         raise bad("prefix_token_id", "use a token id (a whole number, at least 0)")
-    for name in ("add_bos_token", "score_cache"):
+    for name in ("add_bos_token", "score_cache", "deterministic"):
         if args.get(name) not in (None, True, False):
             raise bad(name, "use true or false")
 

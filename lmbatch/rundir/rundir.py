@@ -84,14 +84,16 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 def fingerprint(o: RunOptions, w: Workload, model_dir: Path) -> dict[str, Any]:
     """What decides a run's results (a resumed run must have the same): the task and its options
-    (`options.deciding`), jump-forward decoding, whether requests keep their token ids, the model's files
-    (each by its content: model/identity.py), lmbatch's version. The dtype is checked once the device is
-    known."""
+    (`options.deciding`), jump-forward decoding, deterministic mode, whether requests keep their token ids,
+    the model's files (each by its content: model/identity.py), lmbatch's version. The dtype is checked once
+    the device is known."""
     import lmbatch
 
     fp: dict[str, Any] = {"task": w.name, **deciding(o.workload), "jump_forward": o.engine.jump_forward,
                           "save_token_ids": o.output.save_token_ids, "lmbatch_version": lmbatch.__version__,
                           "model": model_identity(model_dir)}
+    if o.engine.deterministic:          # a resume may not mix its bits with another attempt's numerics
+        fp["deterministic"] = True
     if o.workload.task.endswith(".py"):
         fp["program"] = sha256(Path(o.workload.task))
     return fp

@@ -1,0 +1,119 @@
+"""`--deterministic` (issue 50): a score is a property of the model and the task, not of how the run was
+executed. MMLU, a suite with MMLU inside, a program that samples and tree of thought, each run with other
+batch budgets, another pool, two data-parallel workers, another schedule, killed at half and resumed,
+give every logprob and every token bit for bit the same (CPU, float32: what CI can check; the GPU suite
+runs the same on CUDA)."""
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+from conftest import make_tiny_with_tokenizer
+
+from lmbatch.options import RunOptions
+from lmbatch.run.run import run
+from lmbatch.rundir import rundir as rd
+
+# a sampled gen (its seed the instance's), then a select over the text it wrote
+PROGRAM = '''from lmbatch.frontend import gen, select
+
+def instances():
+    return [{"id": f"q{k}", "n": k} for k in range(8)]
+
+def program(s, n):
+    s += f"Question {n}: what comes after {n}? " * (1 + n % 3)
+    s += gen("thought", max_tokens=5, temperature=0.9)
+    s += " So the answer is" + select("answer", [" one", " two", " three"])
+'''
+MMLU = dict(shots=1, limit=2, subjects=["anatomy", "virology", "astronomy"])
+VARIANTS = {"budget": dict(max_tokens_per_batch=37), "pool": dict(kv_cache_tokens=1100, max_tokens_per_batch=100),
+            "fcfs": dict(schedule="fcfs"), "workers": dict(data_parallel="2")}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_with_tokenizer(tmp_path_factory.mktemp("tiny"), 2048)
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prog") / "sampled.py"
+    path.write_text(PROGRAM)
+    return path
+
+
+def _run(tiny, out, run_id, task, **kw):
+    base = dict(model=str(tiny), out=out, run_id=run_id, device="cpu", quiet=True, deterministic=True,
+                checkpoint_s=1e-6, max_tokens_per_batch=4096)
+    if "mmlu" in task:
+        base.update(MMLU)
+    return run(RunOptions.of(task=task, **{**base, **kw}))
+
+
+def _bits(d):
+    """Each instance's id, task, prediction, generated outputs and logprobs, as written."""
+    rows = pq.read_table(d / "instances.parquet").to_pylist()
+    return [(r.get("task"), r["id"], r["prediction"], r["error"], json.loads(r["outputs"]), r["logprobs"])
+            for r in rows]
+
+
+class _Kill(BaseException):
+    pass
+
+
+def _killed_then_resumed(tiny, out, task, **kw):
+    seen = []
+
+    def kill(step):
+        seen.append(step)
+        if seen.count("part instances") == 2:
+            raise _Kill(step)
+    rd.fault = kill
+    try:
+        with pytest.raises(_Kill):
+            _run(tiny, out, "resumed", task, **kw)
+    finally:
+        rd.fault = None
+    d = _run(tiny, out, "resumed", task, max_tokens_per_batch=53)    # the rest in other batches
+    assert json.loads((d / "summary.json").read_text())["counts"]["resumed_instances"] >= 1
+    return d
+
+
+@pytest.mark.parametrize("task", ["mmlu", "program", "arc_easy:mc,mmlu"])
+def test_every_bit_the_same_however_the_run_executes(tiny, program, tmp_path, task):
+    task = str(program) if task == "program" else task
+    ref = _bits(_run(tiny, tmp_path, "ref", task))
+    assert ref and all(r[3] is None for r in ref)
+    for name, kw in VARIANTS.items():
+        assert _bits(_run(tiny, tmp_path, name, task, **kw)) == ref, name
+    assert _bits(_killed_then_resumed(tiny, tmp_path, task, checkpoint_s=1e-6)) == ref
+    if task == "arc_easy:mc,mmlu":        # a task inside a suite: its rows as the task alone gives them
+        alone = _bits(_run(tiny, tmp_path, "alone", "mmlu"))
+        assert [r[1:] for r in ref if r[0] == "mmlu"] == [r[1:] for r in alone]
+
+
+def test_tree_of_thought_tokens_do_not_depend_on_the_batch(tiny, tmp_path):
+    ref = _bits(_run(tiny, tmp_path, "ref", "tot-gsm8k", limit=1))
+    assert _bits(_run(tiny, tmp_path, "small", "tot-gsm8k", limit=1, max_tokens_per_batch=61,
+                      kv_cache_tokens=3000)) == ref
+
+
+def test_a_resume_does_not_mix_deterministic_and_default_numerics(tiny, tmp_path):
+    """The fingerprint holds the mode: the other mode on an incomplete run is refused, as changed settings are."""
+    from lmbatch.errors import UserError
+
+    seen = []
+
+    def kill(step):
+        seen.append(step)
+        if seen.count("part instances") == 1:
+            raise _Kill(step)
+    rd.fault = kill
+    try:
+        with pytest.raises(_Kill):
+            _run(tiny, tmp_path, "mixed", "mmlu")
+    finally:
+        rd.fault = None
+    with pytest.raises(UserError, match="deterministic"):
+        _run(tiny, tmp_path, "mixed", "mmlu", deterministic=False)
