@@ -14,6 +14,7 @@ from lmbatch.results.stats import mean_stderr
 from lmbatch.timing import largest
 
 if TYPE_CHECKING:
+    from lmbatch.engine.options import EngineSpec
     from lmbatch.frontend.interpreter import Interpreter
     from lmbatch.frontend.workload import Workload
     from lmbatch.model.config import ModelConfig
@@ -162,7 +163,19 @@ def build(o: RunOptions, w: Workload, run_id: str, loaded: Loaded, merged: Merge
         "throughput": throughput(rows, record),
         "attempts": record["attempts"],
         "data_parallel": _data_parallel(loaded, stats),
+        "deterministic": _deterministic(spec),
     }
+
+
+def _deterministic(spec: EngineSpec) -> dict[str, Any] | None:
+    """What --deterministic holds this run to (None: off): the same bits whatever the batch budget, pool,
+    cache, workers, schedule, resume point or suite, on this device kind, tensor-parallel degree and these
+    library versions; another tensor-parallel degree sums across devices in another order."""
+    if not spec.options.deterministic:
+        return None
+    return {"same_bits_across": ["max_tokens_per_batch", "kv_cache_tokens", "cache", "data_parallel", "schedule",
+                                 "resume", "suite"],
+            "given": {"device": spec.device, "dtype": spec.dtype, "tensor_parallel": spec.ranks}}
 
 
 def _scores(summary: dict[str, Any]) -> str:

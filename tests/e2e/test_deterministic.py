@@ -83,8 +83,11 @@ def _killed_then_resumed(tiny, out, task, **kw):
 @pytest.mark.parametrize("task", ["mmlu", "program", "arc_easy:mc,mmlu"])
 def test_every_bit_the_same_however_the_run_executes(tiny, program, tmp_path, task):
     task = str(program) if task == "program" else task
-    ref = _bits(_run(tiny, tmp_path, "ref", task))
+    d = _run(tiny, tmp_path, "ref", task)
+    ref = _bits(d)
     assert ref and all(r[3] is None for r in ref)
+    said = json.loads((d / "summary.json").read_text())["deterministic"]
+    assert "data_parallel" in said["same_bits_across"] and said["given"]["tensor_parallel"] == 1
     for name, kw in VARIANTS.items():
         assert _bits(_run(tiny, tmp_path, name, task, **kw)) == ref, name
     assert _bits(_killed_then_resumed(tiny, tmp_path, task, checkpoint_s=1e-6)) == ref
