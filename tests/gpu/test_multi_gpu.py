@@ -90,3 +90,26 @@ def test_tensor_parallel_over_nccl(tmp_path, kind, dtype):
             assert a.logprob == pytest.approx(b.logprob, abs=tol * max(1, b.num_tokens))
     gens = [(a.token_ids, b.token_ids) for a, b in zip(got, want) if not hasattr(b, "logprob")]
     assert sum(x == y for x, y in gens) >= (len(gens) if dtype == "float32" else len(gens) - 2)
+
+
+def test_deterministic_run_is_the_same_bits_on_one_and_two_gpus(tmp_path):
+    """--deterministic in bf16 on CUDA: one GPU, two data-parallel workers, another batch budget: every
+    logprob and generated token the same bits (a sampling program beside MMLU: a suite)."""
+    model = make_tiny_with_tokenizer(tmp_path / "tiny", 16384)
+    prog = tmp_path / "sampled.py"
+    prog.write_text("from lmbatch.frontend import gen, select\n\ndef instances():\n"
+                    "    return [{'id': f'q{k}', 'n': k} for k in range(12)]\n\ndef program(s, n):\n"
+                    "    s += f'Question {n}: what comes after {n}?' * (1 + n % 3)\n"
+                    "    s += gen('thought', max_tokens=8, temperature=0.9)\n"
+                    "    s += ' So' + select('answer', [' one', ' two', ' three'])\n")
+    got = {}
+    for name, kw in {"one": dict(data_parallel="1"), "two": dict(data_parallel="2"),
+                     "budget": dict(data_parallel="1", max_tokens_per_batch=97)}.items():
+        for task in ("mmlu", str(prog)):
+            extra = dict(shots=2, limit=3) if task == "mmlu" else {}
+            d = run(RunOptions.of(task=task, model=str(model), out=tmp_path, run_id=f"{name}-{len(got)}",
+                                  device="cuda", dtype="bfloat16", deterministic=True, quiet=True, **extra, **kw))
+            rows = pq.read_table(d / "instances.parquet").to_pylist()
+            got[name, task] = [(r["id"], r["prediction"], r["outputs"], r["logprobs"]) for r in rows]
+    for task in ("mmlu", str(prog)):
+        assert got["two", task] == got["one", task] and got["budget", task] == got["one", task], task
