@@ -62,19 +62,24 @@ class _Kill(BaseException):
     pass
 
 
-def _killed_then_resumed(tiny, out, task, **kw):
+def _killed_at_part(parts, tiny, out, run_id, task, **kw):
+    """The run killed (as SIGKILL would leave it) once it has written `parts` result parts."""
     seen = []
 
     def kill(step):
         seen.append(step)
-        if seen.count("part instances") == 2:
+        if seen.count("part instances") == parts:
             raise _Kill(step)
     rd.fault = kill
     try:
         with pytest.raises(_Kill):
-            _run(tiny, out, "resumed", task, **kw)
+            _run(tiny, out, run_id, task, **kw)
     finally:
         rd.fault = None
+
+
+def _killed_then_resumed(tiny, out, task, **kw):
+    _killed_at_part(2, tiny, out, "resumed", task, **kw)
     d = _run(tiny, out, "resumed", task, max_tokens_per_batch=53)    # the rest in other batches
     assert json.loads((d / "summary.json").read_text())["counts"]["resumed_instances"] >= 1
     return d
@@ -106,17 +111,6 @@ def test_a_resume_does_not_mix_deterministic_and_default_numerics(tiny, tmp_path
     """The fingerprint holds the mode: the other mode on an incomplete run is refused, as changed settings are."""
     from lmbatch.errors import UserError
 
-    seen = []
-
-    def kill(step):
-        seen.append(step)
-        if seen.count("part instances") == 1:
-            raise _Kill(step)
-    rd.fault = kill
-    try:
-        with pytest.raises(_Kill):
-            _run(tiny, tmp_path, "mixed", "mmlu")
-    finally:
-        rd.fault = None
+    _killed_at_part(1, tiny, tmp_path, "mixed", "mmlu")
     with pytest.raises(UserError, match="deterministic"):
         _run(tiny, tmp_path, "mixed", "mmlu", deterministic=False)
