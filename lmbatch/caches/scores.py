@@ -28,10 +28,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from lmbatch.cache import cache_dir
-from lmbatch.caches.workloads import hash_source, read_entry, write_entry
+from lmbatch.caches.workloads import Store, hash_source, read_entry, write_entry
 from lmbatch.model.identity import model_identity
 
 KEEP = 64       # entries kept (a few kB each); the least recently written go
+SCORES = Store(KEEP, "score", "the scores of lm-eval calls")
 
 
 def _version(dist: str) -> str:
@@ -85,8 +86,7 @@ def store(path: Path, scores: Sequence[tuple[float, bool]]) -> bool:
     """A call's (logprob, is_greedy) pairs, as the workload cache writes an entry."""
     logprobs = np.fromiter((lp for lp, _ in scores), np.float64, len(scores))
     greedy = np.fromiter((g for _, g in scores), np.bool_, len(scores))
-    return write_entry(path, {"logprobs": logprobs, "greedy": greedy}, keep=KEEP, cache="score",
-                       keeps="the scores of lm-eval calls")
+    return write_entry(path, {"logprobs": logprobs, "greedy": greedy}, store=SCORES)
 
 
 def load(path: Path, n: int) -> list[tuple[float, bool]] | None:

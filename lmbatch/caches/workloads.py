@@ -191,12 +191,24 @@ def _write_parts(path: Path, *parts: bytes) -> None:
             fh.write(part)
 
 
-def write_entry(path: Path, obj: dict[str, Any], temporary: bool = False, keep: int = KEEP,
-                cache: str = "workload", keeps: str = "prepared workloads", note: Any = None) -> bool:
+@dataclass(frozen=True)
+class Store:
+    """A cache folder's rules: how many entries it keeps, its name and what it keeps (for messages)."""
+    keep: int
+    cache: str
+    keeps: str
+
+
+WORKLOADS = Store(KEEP, "workload", "prepared workloads")
+
+
+def write_entry(path: Path, obj: dict[str, Any], temporary: bool = False, store: Store = WORKLOADS,
+                note: Any = None) -> bool:
     """`obj` pickled under a header (format, payload size and SHA-256, and `note`: what `read_note` gives
     without reading the rest), to a temporary name, then renamed: a reader sees a whole file or none. The
-    `keep` most recent entries of its folder stay. A folder that cannot be written is said (naming the
-    `cache` and what it `keeps`) and left alone: False. A `temporary` file (not in a cache) is only written."""
+    `store.keep` most recent entries of its folder stay. A folder that cannot be written is said (naming
+    the store) and left alone: False. A `temporary` file (not in a cache) is only written."""
+    keep, cache, keeps = store.keep, store.cache, store.keeps
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     header = json.dumps({"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
                          "note": note}).encode()

@@ -46,7 +46,9 @@ class Svg:
         self.height, self.label = height, label
         self.parts: list[str] = []
 
-    def rect(self, x: float, y: float, w: float, h: float, fill: str, tip: str = "", opacity: float = 1.0) -> None:
+    def rect(self, box: tuple[float, float, float, float], fill: str, tip: str = "", opacity: float = 1.0) -> None:
+        """A rectangle at `box` (x, y, width, height)."""
+        x, y, w, h = box
         title = f"<title>{esc(tip)}</title>" if tip else ""
         self.parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(w, 0.0):.1f}" height="{h:.1f}" fill="{fill}"'
                           f'{f" fill-opacity={chr(34)}{opacity}{chr(34)}" if opacity < 1 else ""}>{title}</rect>')
@@ -63,7 +65,7 @@ class Svg:
         """Colored squares and their names along the top."""
         x = 4.0
         for color, name in entries:
-            self.rect(x, 6, 10, 10, color)
+            self.rect((x, 6, 10, 10), color)
             self.text(x + 14, 15, name)
             x += 24 + 6.5 * len(name)
 
@@ -81,9 +83,10 @@ def nice(x: float) -> float:
     return next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= x * (1 - 1e-12))
 
 
-def _axis(svg: Svg, top: float, bottom: float, lo: float, hi: float, fmt: Callable[[float], str],
+def _axis(svg: Svg, rows: tuple[float, float], span: tuple[float, float], fmt: Callable[[float], str],
           intervals: int = 5) -> None:
-    """Gridlines and their values from lo to hi."""
+    """Gridlines from rows' top to bottom, and their values from span's lo to hi."""
+    (top, bottom), (lo, hi) = rows, span
     for i in range(intervals + 1):
         v = lo + (hi - lo) * i / intervals
         x = LABEL_W + PLOT_W * (v - lo) / (hi - lo)
@@ -98,7 +101,7 @@ def hbars(label: str, groups: Sequence[tuple[str, Sequence[Bar]]], series: Seque
     height = TOP + sum(len(bars) * BAR_H + GAP for _, bars in groups) + 20
     svg = Svg(max(height, TOP + 40), label)
     svg.legend([*((SERIES[i % len(SERIES)], s) for i, s in enumerate(series)), *notes])
-    _axis(svg, TOP - 4, height - 18, 0.0, top, fmt)
+    _axis(svg, (TOP - 4, height - 18), (0.0, top), fmt)
     scale = PLOT_W / top
     y = float(TOP)
     for name, bars in groups:
@@ -106,9 +109,9 @@ def hbars(label: str, groups: Sequence[tuple[str, Sequence[Bar]]], series: Seque
         for i, bar in enumerate(bars):
             color = SERIES[i % len(SERIES)]
             if bar.back is not None:
-                svg.rect(LABEL_W, y + 1, bar.back * scale, BAR_H - 2, color, bar.tip, 0.3)
+                svg.rect((LABEL_W, y + 1, bar.back * scale, BAR_H - 2), color, bar.tip, 0.3)
             if bar.value is not None:
-                svg.rect(LABEL_W, y + 1, bar.value * scale, BAR_H - 2, color, bar.tip)
+                svg.rect((LABEL_W, y + 1, bar.value * scale, BAR_H - 2), color, bar.tip)
             if bar.err and bar.value is not None:
                 lo, hi = LABEL_W + (bar.value - bar.err) * scale, LABEL_W + (bar.value + bar.err) * scale
                 svg.line(max(lo, LABEL_W), y + BAR_H / 2, min(hi, LABEL_W + PLOT_W), y + BAR_H / 2)
@@ -194,14 +197,14 @@ def time_chart(runs: Sequence[Run]) -> str:
     height = TOP + len(runs) * (BAR_H + GAP) + 20
     svg = Svg(height, "where the time went")
     svg.legend([(PHASES[k], k) for k in PHASES if any(k == name for p in totals for name, _ in p)])
-    _axis(svg, TOP - 4, height - 18, 0.0, top, lambda v: f"{v:g}s")
+    _axis(svg, (TOP - 4, height - 18), (0.0, top), lambda v: f"{v:g}s")
     y = float(TOP)
     for r, phases in zip(runs, totals):
         svg.text(LABEL_W - 6, y + BAR_H - 3, r.run_id, "end")
         x = float(LABEL_W)
         for name, seconds in phases:
             w = PLOT_W * seconds / top
-            svg.rect(x, y, w, BAR_H, PHASES[name], f"{r.run_id}: {name} {seconds:.2f}s")
+            svg.rect((x, y, w, BAR_H), PHASES[name], f"{r.run_id}: {name} {seconds:.2f}s")
             x += w
         svg.text(LABEL_W + PLOT_W + 6, y + BAR_H - 3, f"{sum(s for _, s in phases):.2f}s", size=10)
         y += BAR_H + GAP
@@ -224,14 +227,14 @@ def delta_chart(deltas: Sequence[TaskDelta]) -> str:
     height = TOP + len(deltas) * (BAR_H + GAP) + 20
     svg = Svg(height, "candidate minus base per task")
     svg.legend([(REGRESSION, "regression"), (NEUTRAL, "no regression")])
-    _axis(svg, TOP - 4, height - 18, -half, half, lambda v: f"{v:+g}" if v else "0", intervals=4)
+    _axis(svg, (TOP - 4, height - 18), (-half, half), lambda v: f"{v:+g}" if v else "0", intervals=4)
     mid, scale = LABEL_W + PLOT_W / 2, PLOT_W / (2 * half)
     svg.line(mid, TOP - 4, mid, height - 18, "#444")
     y = float(TOP)
     for d in deltas:
         p, color = d.paired, REGRESSION if d.regression else NEUTRAL
         svg.text(LABEL_W - 6, y + BAR_H - 3, f"{d.task} {d.metric}", "end")
-        svg.rect(min(mid, mid + p.delta * scale), y, abs(p.delta) * scale, BAR_H, color,
+        svg.rect((min(mid, mid + p.delta * scale), y, abs(p.delta) * scale, BAR_H), color,
                  f"{d.task} {d.metric}: {p.delta:+.4f}, {p.test} p={p.p:.3g}")
         if p.delta_stderr:
             lo, hi = mid + (p.delta - Z95 * p.delta_stderr) * scale, mid + (p.delta + Z95 * p.delta_stderr) * scale

@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lmbatch.errors import Interrupted, UserError, first_line
 from lmbatch.frontend.registry import get_workload
@@ -49,16 +49,23 @@ def run(o: RunOptions) -> Path | dict[str, Any]:
             with clock("model_files"):
                 rundir = stop.rundir = for_run(o, w, model.dir)
             try:
-                return run_in(o, w, model, rundir, stop, host_gc, clock)
+                return run_in(o, w, model, rundir, Watch(stop, host_gc, clock))
             finally:
                 rundir.release()
     except KeyboardInterrupt:
         raise Interrupted(stop.kept()) from None
 
 
-def run_in(o: RunOptions, w: Workload, model: ModelFiles, rundir: RunDir, stop: Stop, host_gc: HostGC,
-           clock: Phases) -> Path:
+class Watch(NamedTuple):
+    """What watches over a run: its Ctrl-C handling, the host's garbage collection, its phase clock."""
+    stop: Stop
+    host_gc: HostGC
+    clock: Phases
+
+
+def run_in(o: RunOptions, w: Workload, model: ModelFiles, rundir: RunDir, watch: Watch) -> Path:
     """The run itself, into its run directory: workload and engine side by side, then execute, then summary."""
+    stop, host_gc, clock = watch
     say = (lambda text: None) if o.output.quiet else (lambda text: print(f"lmbatch: {text}", file=sys.stderr))
     if rundir.resuming:
         say(f"resuming {rundir.path}: {len(rundir.saved)} instances kept from earlier attempts")
@@ -89,7 +96,8 @@ def run_in(o: RunOptions, w: Workload, model: ModelFiles, rundir: RunDir, stop: 
             clock.add("execute", interp.stats.execute_s)
             with clock("write"):
                 merged = rundir.merge(interp.stats.execute_s)
-            result = summary.build(o, w, rundir.path.name, loaded, merged, interp, clock.total(), prep.source)
+            result = summary.build(o, w, loaded, merged, interp,
+                                   summary.RunFacts(rundir.path.name, clock.total(), prep.source))
             rundir.finish(result)
     finally:
         prep.close()
@@ -139,7 +147,7 @@ def dry_run(o: RunOptions, w: Workload, model: ModelFiles, clock: Phases) -> dic
     tasks: dict[str, int] = {}
     for inst in snap.instances:
         tasks[inst.task] = tasks.get(inst.task, 0) + 1
-    return summary.dry_run(o, w, model.dir, model.shape, tasks, snap.figures, clock.total())
+    return summary.dry_run(o, w, model, tasks, snap.figures, clock.total())
 
 
 def execute(o: RunOptions, w: Workload, interp: Interpreter, engine: BatchEngine, rundir: RunDir, stop: Stop) -> None:

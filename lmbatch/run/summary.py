@@ -5,7 +5,7 @@ import datetime as dt
 import subprocess
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
 
 import lmbatch
 from lmbatch.requests import RunStats, optimal_hit_rate
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from lmbatch.model.config import ModelConfig
     from lmbatch.options import RunOptions
     from lmbatch.run.loading import Loaded
+    from lmbatch.run.prepare import ModelFiles
     from lmbatch.rundir.rundir import Merged
 
 MODEL_SIDE = ("spawn", "imports", "cuda_init", "weights", "compile", "graphs", "tokenizer", "workers")
@@ -48,11 +49,11 @@ def estimate_flops(cfg: ModelConfig, unique_tokens: int, attended_keys: int, log
     return 2.0 * cfg.active_linear_params() * unique_tokens + attention + 2.0 * d * cfg.vocab_size * logit_rows
 
 
-def dry_run(o: RunOptions, w: Workload, model_dir: Path, cfg: ModelConfig, tasks: dict[str, int],
-            figures: dict[str, Any], time_s: dict[str, float]) -> dict[str, Any]:
+def dry_run(o: RunOptions, w: Workload, model: ModelFiles, tasks: dict[str, int], figures: dict[str, Any],
+            time_s: dict[str, float]) -> dict[str, Any]:
     """The plan's figures for every first-stage call (later stages depend on generated text), over every
     task of the run at once (`tasks`: each one's instances)."""
-    f = figures
+    f, model_dir, cfg = figures, model.dir, model.shape
     return {"task": w.name, "model": str(model_dir), "shots": _shots(o, w), "instances": sum(tasks.values()),
             "tasks": tasks, "calls": f["calls"], "requests": f["requests"], "executed_requests": f["executed_requests"],
             "prompt_tokens": f["prompt_tokens"], "unique_tokens": f["unique_tokens"],
@@ -114,10 +115,18 @@ def _shots(o: RunOptions, w: Workload) -> int | None:
     return each.pop() if len(each) == 1 else None
 
 
-def build(o: RunOptions, w: Workload, run_id: str, loaded: Loaded, merged: Merged, interp: Interpreter,
-          time_s: dict[str, float], workload: str) -> dict[str, Any]:
-    """summary.json of a completed run (`merged`: every instance's row, of every attempt, and run.json;
-    `workload`: where its workload came from, "cache", "child" or "here")."""
+class RunFacts(NamedTuple):
+    """What a summary says of the run beside its results: its id, its phases' seconds, and where its
+    workload came from ("cache", "child" or "here")."""
+    run_id: str
+    time_s: dict[str, float]
+    workload: str
+
+
+def build(o: RunOptions, w: Workload, loaded: Loaded, merged: Merged, interp: Interpreter,
+          facts: RunFacts) -> dict[str, Any]:
+    """summary.json of a completed run (`merged`: every instance's row, of every attempt, and run.json)."""
+    run_id, time_s, workload = facts
     stats, engine, spec = interp.stats, loaded.engine, loaded.spec
     rows, record = merged
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in o.flat().items()}

@@ -162,8 +162,10 @@ def test_new_packages_init_is_a_docstring():
 
 
 # functions whose parameters are someone else's convention: lm-eval's model_args; the DSL's gen, whose keywords
-# are SGLang's; in kernels/, Triton kernels and their launchers, whose parameters are the kernel's arguments
-MANY_PARAMETERS = {("lmbatch.lm_eval.backend", "__init__"), ("lmbatch.frontend.dsl", "gen")}
+# are SGLang's; the CLI's commands, whose parameters are their options; in kernels/, Triton kernels and their
+# launchers, whose parameters are the kernel's arguments
+MANY_PARAMETERS = {("lmbatch.lm_eval.backend", "__init__"), ("lmbatch.frontend.dsl", "gen"), ("lmbatch.cli", "report")}
+MAX_PARAMETERS = 6
 
 
 KERNELS = "lmbatch.kernels"
@@ -171,7 +173,7 @@ KERNELS = "lmbatch.kernels"
 
 def test_classes_and_functions_stay_small():
     """One responsibility each: no class over 250 lines, no function over 60 (docstrings included) or with
-    more than 8 parameters (but those of MANY_PARAMETERS and Triton kernels)."""
+    more than MAX_PARAMETERS parameters (but those of MANY_PARAMETERS and Triton kernels)."""
     big = []
     for name, path in MODULES.items():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -182,6 +184,7 @@ def test_classes_and_functions_stay_small():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 a = node.args
                 params = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs if p.arg not in ("self", "cls")]
-                if len(params) > 8 and (name, node.name) not in MANY_PARAMETERS and not name.startswith(KERNELS):
+                if len(params) > MAX_PARAMETERS and (name, node.name) not in MANY_PARAMETERS and \
+                        not name.startswith(KERNELS):
                     big.append(f"{name}.{node.name}: {len(params)} parameters")
     assert not big
