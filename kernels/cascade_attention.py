@@ -99,10 +99,11 @@ def _merge_kernel(OwnO, OwnL, MidO, MidL, levels, O, stride_ot, stride_oh,  # ty
     t = tl.arange(0, SPLITS)
     for level in tl.static_range(LEVELS):
         mid = ((row * LEVELS + level) * num_heads + head) * SPLITS + t
-        lse_l = tl.load(MidL + mid, mask=level < n, other=float("-inf"))
+        on = (t * 0 + level) < n        # [SPLITS]: whether the row has this level (a mask of the block's shape)
+        lse_l = tl.load(MidL + mid, mask=on, other=float("-inf"))
         mx_l = tl.maximum(mx, tl.max(lse_l, axis=0))
         w_l = tl.exp(lse_l - mx_l)
-        o_l = tl.load(MidO + mid[:, None] * HEAD_DIM + dims[None, :], mask=dim_ok[None, :] & (level < n), other=0.0)
+        o_l = tl.load(MidO + mid[:, None] * HEAD_DIM + dims[None, :], mask=on[:, None] & dim_ok[None, :], other=0.0)
         alpha = tl.exp(mx - mx_l)
         den = den * alpha + tl.sum(w_l, axis=0)
         acc = acc * alpha + tl.sum(w_l[:, None] * o_l, axis=0)
