@@ -17,7 +17,7 @@ VALUES: dict[str, Any] = {
     "task": "mmlu", "shots": 3, "model": "some/model-dir", "limit": 2, "subjects": ["anatomy", "virology"],
     "device": "cpu", "dtype": "float32", "attention": "torch", "max_tokens_per_batch": 1024,
     "kv_cache_tokens": 5000, "data_parallel": "2", "ray_address": "localhost:6379", "tensor_parallel": "2",
-    "schedule": "fcfs", "no_cache": True, "seed": 7, "out": Path("smoke-out"), "run_id": "smoke",
+    "schedule": "fcfs", "deterministic": True, "no_cache": True, "seed": 7, "out": Path("smoke-out"), "run_id": "smoke",
     "overwrite": True, "checkpoint_s": 2.5, "truncate_left": True, "save_token_ids": True, "quiet": True,
     "apply_chat_template": True, "system_instruction": "Be brief.", "fewshot_as_multiturn": True,
     "think_budget": 5, "think_end": "</t>", "jump_forward": False, "workload_cache": False, "dry_run": True,
