@@ -12,6 +12,7 @@ import torch
 from lmbatch.attention.base import ForwardBatch, default_backend, make_backend
 from lmbatch.attention.kv_pool import KVPool, Slots
 from lmbatch.attention.registry import REGISTRY
+from lmbatch.errors import UserError
 from lmbatch.model.network import Transformer
 
 if TYPE_CHECKING:
@@ -79,7 +80,8 @@ class ModelRunner:
         dtype = next(model.parameters()).dtype
         native = cfg.runtime == "native"
         if o.deterministic and not native:
-            raise ValueError("deterministic mode needs lmbatch's own model, not the transformers fallback")
+            raise UserError(f"--deterministic needs a model lmbatch runs itself; {cfg.model_type} runs on the "
+                            "transformers fallback")
         # the transformers fallback attends by itself: of the backend it uses only the pool and plan
         attention = (o.attention or default_backend(self.device, dtype)) if native else "torch"
         # decode steps replay CUDA graphs (not for the torch reference backend, which stays eager, nor
