@@ -18,7 +18,8 @@ be (`per_row_roofline_tok_s`: the same with the prefix read once per row, as pla
 `--kernels` compares variants side by side over the same cached prompts, graphs captured afresh for
 each: `decode` (what runs by default: kernels/decode_attention.py, each row's keys on their own, steps
 overlapped with the host), `cascade` (`--attention cascade`: kernels/cascade_attention.py reads the
-prefixes rows share once a step), `sync` (each step waits for the host to see the last one's tokens)
+prefixes rows share once a step), `deterministic` (`--deterministic`: GEMMs in fixed row blocks, the
+extend kernel's fixed key blocks), `sync` (each step waits for the host to see the last one's tokens)
 and `extend` (the extend kernel, one query per row).
 """
 from __future__ import annotations
@@ -84,12 +85,15 @@ def _extend_forward(qo: torch.Tensor):
 
 def recapture(engine, kernel: str) -> None:
     """Graphs captured afresh for a variant: `decode` (what runs by default), `cascade` (shared prefixes
-    read once a step), `sync` (decode, each step waiting for the last one's tokens on the host: no
-    overlap), `extend` (the extend kernel for attention)."""
+    read once a step), `deterministic` (`--deterministic`'s GEMMs and attention), `sync` (decode, each
+    step waiting for the last one's tokens on the host: no overlap), `extend` (the extend kernel for attention)."""
     from lmbatch.engine import graphs
     from lmbatch.engine.sampler import Sampler
 
     Sampler.plain = staticmethod(_PLAIN if kernel != "sync" else (lambda r: False))
+    det = kernel == "deterministic"
+    engine.model.set_deterministic(det)
+    engine.attn.deterministic = engine.model_runner.graphs.deterministic = det
     graphs._GraphAttention.forward = (_ORIGINAL if kernel != "extend" else
                                       _extend_forward(torch.arange(1025, dtype=torch.int32, device="cuda")))
     g = engine.model_runner.graphs
@@ -103,6 +107,25 @@ def recapture(engine, kernel: str) -> None:
     g.capture_all()
 
 
+def profile(engine, prompts: list[list[int]], steps: int, kernel: str) -> None:
+    """`steps` decode steps under torch.profiler: the wall, the device's busy time (sum of its kernels'
+    times) and the 10 kernels that take most of it."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from lmbatch.requests import GenerateRequest, SamplingParams
+
+    reqs = [GenerateRequest(p, SamplingParams(max_new_tokens=steps, ignore_eos=True)) for p in prompts]
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _, stats = engine.generate(reqs)
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in events) / 1e3
+    print(f"profile {kernel}: {steps} steps, execute {stats.execute_s * 1e3:.1f} ms, device busy {busy:.1f} ms",
+          flush=True)
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:10]:
+        print(f"  {e.self_device_time_total / 1e3:9.2f} ms  {e.count:6d}x  {e.key[:100]}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", default="qwen2.5-1.5b")
@@ -113,6 +136,8 @@ def main() -> None:
     ap.add_argument("--kernels", default="decode,extend")
     ap.add_argument("--memory-fraction", type=float, default=0.7, help="of the free memory, for the KV pool")
     ap.add_argument("--out", default=None, help="a JSONL file, a line per measurement")
+    ap.add_argument("--profile", type=int, default=0, help="then N steps of each variant under torch.profiler: "
+                    "the device's busy time against the wall, and its top kernels")
     args = ap.parse_args()
 
     from lmbatch.engine import Engine
@@ -167,6 +192,8 @@ def main() -> None:
                     if args.out:
                         with open(args.out, "a") as f:
                             f.write(json.dumps(row) + "\n")
+                    if args.profile:
+                        profile(eng, prompts, args.profile, kernel)
         recapture(eng, "decode")
         del eng, model
         torch.cuda.empty_cache()

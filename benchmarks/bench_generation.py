@@ -10,7 +10,9 @@ process (or bench_decode.py's), random bf16 weights, side by side in one call.
 - cot: lm-eval's gsm8k_cot (8-shot fixed chain-of-thought prompt, all 1,319): `lmbatch lm-eval` and
   `lm_eval --model hf --batch_size 64`;
 - sc16: lm-eval's gsm8k_cot_self_consistency with `repeats: 16` (temperature sampling), `lmbatch lm-eval`;
-- json: `lmbatch run json --think-budget 256`, Qwen3-8B shape.
+- json: `lmbatch run json --think-budget 256`, Qwen3-8B shape;
+- det-mmlu-1.5b, det-mmlu-8b, det-decode (issue 50): `--deterministic`'s cost on full MMLU 5-shot
+  (bench_deterministic.py) and on decode at 64 / 256 rows x 1,000 tokens (bench_decode.py).
 Writes OUT/generation.jsonl (a line per measurement) and OUT/DONE.
 """
 from __future__ import annotations
@@ -92,24 +94,47 @@ def main() -> None:
 
     for job in args.jobs.split(","):
         print(f"--- {job}", flush=True)
-        if job == "tot":
-            for k in range(2):
-                job_run(args, out, "tot-gsm8k", model("smollm2-135m"), f"tot-{k}", [])
-        elif job == "decode":
-            job_decode(out, "decode", ["--rows", "256", "--contexts", "100", "--shared-prefix", "2000",
-                                       "--new-tokens", "256", "--kernels", "decode,cascade"])
-        elif job == "long":
-            job_decode(out, "long", ["--rows", "256", "--contexts", "256", "--new-tokens", "4096",
-                                     "--kernels", "decode"])
-        elif job == "cot":
-            job_lm_eval(out, model("qwen2.5-1.5b"), "gsm8k_cot_offline", ["lmbatch", "hf"])
-        elif job == "sc16":
-            job_lm_eval(out, model("qwen2.5-1.5b"), "gsm8k_cot_sc16_offline", ["lmbatch"])
-        elif job == "json":
-            job_run(args, out, "json", model("qwen3-8b"), "json-think",
-                    ["--think-budget", "256", "--think-end", "</think>"])
+        try:
+            run_job(args, out, job, model)
+        except SystemExit as e:         # a failed job is recorded, the others still run
+            print(f"--- {job} failed: {e}", flush=True)
+            record(out, {"job": job, "error": str(e)[-2000:]}, "generation.jsonl")
     (out / "DONE").touch()
 
+
+def job_deterministic(out: Path, name: str, model: Path) -> None:
+    """bench_deterministic.py: full MMLU 5-shot with and without `--deterministic`, fresh processes."""
+    cmd = [sys.executable, str(HERE / "bench_deterministic.py"), "--model", str(model), "--args", "mmlu --shots 5",
+           "--rounds", "2", "--out", str(out / "runs" / name)]
+    timed(cmd, out / f"{name}.log")
+    row = json.loads((out / f"{name}.log").read_text().strip().splitlines()[-1])
+    record(out, {"job": name, **row}, "generation.jsonl")
+
+
+def run_job(args, out: Path, job: str, model) -> None:
+    if job == "tot":
+        for k in range(2):
+            job_run(args, out, "tot-gsm8k", model("smollm2-135m"), f"tot-{k}", [])
+    elif job == "decode":
+        job_decode(out, "decode", ["--rows", "256", "--contexts", "100", "--shared-prefix", "2000",
+                                   "--new-tokens", "256", "--kernels", "decode,cascade"])
+    elif job == "long":
+        job_decode(out, "long", ["--rows", "256", "--contexts", "256", "--new-tokens", "4096",
+                                 "--kernels", "decode"])
+    elif job == "cot":
+        job_lm_eval(out, model("qwen2.5-1.5b"), "gsm8k_cot_offline", ["lmbatch", "hf"])
+    elif job == "sc16":
+        job_lm_eval(out, model("qwen2.5-1.5b"), "gsm8k_cot_sc16_offline", ["lmbatch"])
+    elif job == "json":
+        job_run(args, out, "json", model("qwen3-8b"), "json-think",
+                ["--think-budget", "256", "--think-end", "</think>"])
+    elif job in ("det-mmlu-1.5b", "det-mmlu-8b"):         # issue 50's cost table
+        job_deterministic(out, job, model("qwen2.5-1.5b" if job.endswith("1.5b") else "llama-3.1-8b"))
+    elif job == "det-decode":
+        job_decode(out, job, ["--rows", "64,256", "--contexts", "1000", "--new-tokens", "256",
+                              "--kernels", "decode,deterministic"])
+    else:
+        raise SystemExit(f"no job {job}")
 
 if __name__ == "__main__":
     main()
