@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-det-"))
+    out.mkdir(parents=True, exist_ok=True)
     base = cli() + ["run", *shlex.split(args.args), "--device", args.device, "--quiet", "--overwrite",
                     "--out", str(out)] + (["--model", args.model] if args.model else [])
     got: dict[str, list[tuple[float, float]]] = {"default": [], "deterministic": []}

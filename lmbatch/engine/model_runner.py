@@ -125,7 +125,7 @@ class ModelRunner:
         if self.graphs is not None:
             self.capture_graphs()
             toks, positions, seqs, last, src = [], [], [], [], []
-            ends: list[Node | None] = []
+            ends: list[Node | None] | None = [] if self.graphs.levels is not None else None     # cascade
             for r in rows:
                 start = r.prompt_len + r.fed
                 slots = r.slots
@@ -142,7 +142,8 @@ class ModelRunner:
                         seqs.append(slots[:start + j + 1])
                         src.append(-1)
                     r.fed = len(r.out)
-                ends += [r.node] * (len(toks) - len(ends))
+                if ends is not None:
+                    ends += [r.node] * (len(toks) - len(ends))
                 last.append(len(toks) - 1)
             feed = (np.array(src), pending) if pending is not None else None
             return self.graphs.run(toks, positions, seqs, last, feed, ends)
