@@ -203,6 +203,14 @@ class MoE(nn.Module):
         return _reduce(out, self.tp)
 
 
+def _first_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's input norm and the stream after it: the first block's input is the stream itself; a
+    later one adds the last block's output to the residual in the norm's kernel."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
+
+
 class Block(nn.Module):
     """Norm, attention, add; norm, MLP, add (pre-norm, as Llama). The stream is residual + x."""
 
@@ -216,10 +224,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
                 attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = _first_norm(self.input_layernorm, x, residual)
         h = self.self_attn(h, rope, attn)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
@@ -241,10 +246,7 @@ class SandwichBlock(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
                 attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = _first_norm(self.input_layernorm, x, residual)
         h = self.post_attention_layernorm(self.self_attn(h, rope, attn))
         h, residual = self.pre_feedforward_layernorm(h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
