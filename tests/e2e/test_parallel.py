@@ -95,7 +95,11 @@ def test_two_workers_give_one_process_results(case, tmp_path, program_path, tiny
         assert s1["hit_rate"] == pytest.approx(s1["optimal_hit_rate"], abs=1e-12)
         assert s2["hit_rate"] == pytest.approx(dp["optimal_hit_rate"], abs=1e-12)
         assert s2["tokens"]["computed"] == s1["tokens"]["computed"] + dp["duplicated_tokens"]
-        assert dp["duplicated_tokens"] < s1["tokens"]["prompt"] * 0.01
+        # the cut duplicates under 1%; a chunk an idle worker takes from the other's share (how many depends
+        # on the machine's load) adds at most the path down to its first subtree: a prompt's length
+        taken = sum(w["chunks_taken"] for w in load)
+        longest = max(r["prompt_tokens"] for r in reqs)
+        assert dp["duplicated_tokens"] < s1["tokens"]["prompt"] * 0.01 + taken * longest, (taken, longest)
     if case == "program":   # the select after each gen found its program's text cached on its worker
         selects = [r for r in reqs if r["kind"] == "select"]
         assert selects and all(r["cached_tokens"] >= r["prompt_tokens"] - 8 for r in selects)
