@@ -270,11 +270,29 @@ def posthoc_unique(prompts: list[list[int]], generated: list[tuple[list[int], in
     unless a generation produced it by decoding (its KV exists then without prefill). Without
     generations this is the sum of edge lengths of the prompts' radix tree (Theorem 3.1).
     """
+    return posthoc_figures(prompts, generated)[0]
+
+
+def posthoc_figures(prompts: list[list[int]], generated: list[tuple[list[int], int]]) -> tuple[int, int]:
+    """`posthoc_unique`, and the unique tokens of the prompts' own tree (`summarize(prompts)`'s), from
+    one sort of every sequence: the prompts' adjacent common prefixes are the least of the sorted
+    sequences' between them (`sub_lcps`)."""
     seqs = list(prompts) + [s for s, _ in generated]
     if not seqs:
-        return 0
-    root, ends, _ = build_tree(seqs)
+        return 0, 0
+    order, lcps = sorted_lcps(seqs)
+    root, ends = tree_from_sorted([len(s) for s in seqs], order, lcps.tolist())
     n = len(prompts)
+    at = np.asarray(order, dtype=np.int64)
+    ranks = np.flatnonzero(at < n)
+    lens = np.fromiter((len(seqs[i]) for i in at[ranks]), dtype=np.int64, count=len(ranks))
+    plain = int((lens - sub_lcps(lcps, ranks)).sum())
+    return _fold_posthoc(root, ends, n, generated), plain
+
+
+def _fold_posthoc(root: PlanNode, ends: list[PlanNode], n: int, generated: list[tuple[list[int], int]]) -> int:
+    """Over the tree of every sequence (the first `n` prompts, then the generations): each edge's tokens
+    that some prompt below it needs and no generation below it decoded."""
     has_prompt: dict[int, bool] = {}
     gen_start: dict[int, float] = {}
     for i, node in enumerate(ends):  # mark where each sequence ends, then fold up the tree below

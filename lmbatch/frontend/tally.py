@@ -10,7 +10,7 @@ import numpy as np
 from lmbatch.frontend.calls import EngineRequest
 from lmbatch.frontend.dsl import Gen, Pending, Select
 from lmbatch.requests import GenerateResult, RunStats, ScoreResult, TokenCounts, optimal_hit_rate
-from lmbatch.scheduler.planner import posthoc_unique, sub_lcps, summarize
+from lmbatch.scheduler.planner import posthoc_figures, posthoc_unique, sub_lcps, summarize
 
 
 @dataclass
@@ -101,11 +101,11 @@ class Tally:
         of one wave without generation has it already: its batch's tree is that tree (an engine reports
         the whole batch's, however many workers ran it)."""
         s = self.stats
-        if len(self.waves) == 1 and not self._generated:
-            plain = self.waves[0]
+        if self._generated:         # one sort gives both: the post-hoc optimum, the prompts' own tree's
+            s.unique_tokens, plain = posthoc_figures(self._prompts, self._generated)
         else:
-            plain = summarize(self._prompts).unique_tokens     # the prompts' own tree (Theorem 3.1)
-        s.unique_tokens = posthoc_unique(self._prompts, self._generated) if self._generated else plain
+            plain = self.waves[0] if len(self.waves) == 1 else summarize(self._prompts).unique_tokens
+            s.unique_tokens = plain     # the prompts' own tree (Theorem 3.1)
         s.optimal_hit_rate = optimal_hit_rate(s.unique_tokens, s.prompt_tokens)
         s.engine_optimal_hit_rate = s.optimal_hit_rate
         self.prompt_tree_optimal_hit_rate = optimal_hit_rate(plain, s.prompt_tokens)

@@ -19,7 +19,7 @@ from lmbatch.frontend.interpreter import Interpreter
 from lmbatch.frontend.workload import Instance
 from lmbatch.programs.mmlu import encode_choices
 from lmbatch.requests import GenerateRequest, SamplingParams
-from lmbatch.scheduler.planner import posthoc_unique
+from lmbatch.scheduler.planner import posthoc_figures, posthoc_unique, summarize
 
 PREFIX = "You are a careful assistant. Answer every question briefly and precisely. " * 3
 
@@ -121,6 +121,9 @@ def test_posthoc_optimum_is_exact(prompts, gens):
     generated = [(p + o, len(p)) for p, o in gens]
     prompts = prompts + [p for p, _ in gens]
     assert posthoc_unique(prompts, generated) == brute_optimum(prompts, generated)
+    # the prompts' own tree from the same sort: Theorem 3.1's figure, as summarize makes it
+    assert posthoc_figures(prompts, generated)[1] == summarize(prompts).unique_tokens == \
+        len({tuple(p[:k]) for p in prompts for k in range(1, len(p) + 1)})
 
 
 USER_FILE = '''"""Capitals: a user program."""
