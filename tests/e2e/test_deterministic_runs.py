@@ -27,6 +27,7 @@ def program(s, n):
     s += " So the answer is" + select("answer", [" one", " two", " three"])
 '''
 MMLU = dict(shots=1, limit=2, subjects=["anatomy", "virology", "astronomy"])
+ON = dict(device="cpu")      # where the runs go: tests/gpu/test_gpu.py runs these tests in bf16 on CUDA
 VARIANTS = {"budget": dict(max_tokens_per_batch=37), "pool": dict(kv_cache_tokens=1100, max_tokens_per_batch=100),
             "fcfs": dict(schedule="fcfs"), "workers": dict(data_parallel="2")}
 
@@ -44,8 +45,8 @@ def program(tmp_path_factory):
 
 
 def _run(tiny, out, run_id, task, **kw):
-    base = dict(model=str(tiny), out=out, run_id=run_id, device="cpu", quiet=True, deterministic=True,
-                checkpoint_s=1e-6, max_tokens_per_batch=4096)
+    base = dict(model=str(tiny), out=out, run_id=run_id, quiet=True, deterministic=True, checkpoint_s=1e-6,
+                max_tokens_per_batch=4096, **ON)
     if "mmlu" in task:
         base.update(MMLU)
     return run(RunOptions.of(task=task, **{**base, **kw}))

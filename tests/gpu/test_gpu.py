@@ -596,3 +596,29 @@ def test_deterministic_engine_bits_do_not_depend_on_the_batch(tmp_path, kind):
     assert got[1] == got[0] and got[2] == got[0]
     plain = [r.logprob for r in _engine(tmp_path, "triton").score(score)[0]]
     assert max(abs(a - b) for a, b in zip(plain, got[0][0])) < 0.05
+
+
+@pytest.mark.parametrize("task", ["mmlu", "program", "arc_easy:mc,mmlu", "tot"])
+def test_deterministic_runs_are_the_same_bits_on_cuda(tmp_path, task, monkeypatch):
+    """tests/e2e/test_deterministic_runs.py in bf16 on CUDA (graphs on): MMLU, a sampling program, a suite
+    and tree of thought give every logprob and token bit for bit the same across batch budgets, a pool,
+    fcfs, two data-parallel workers (where two GPUs are visible) and a kill and resume."""
+    import importlib.util
+    from pathlib import Path
+
+    from conftest import make_tiny_with_tokenizer
+
+    spec = importlib.util.spec_from_file_location(
+        "deterministic_runs", Path(__file__).parents[1] / "e2e" / "test_deterministic_runs.py")
+    cpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cpu)
+    monkeypatch.setattr(cpu, "ON", dict(device="cuda", dtype="bfloat16"))
+    if torch.cuda.device_count() < 2:       # a worker a GPU: two workers need a machine of two
+        monkeypatch.setattr(cpu, "VARIANTS", {k: v for k, v in cpu.VARIANTS.items() if k != "workers"})
+    tiny = make_tiny_with_tokenizer(tmp_path / "tiny", 2048)
+    if task == "tot":
+        cpu.test_tree_of_thought_tokens_do_not_depend_on_the_batch(tiny, tmp_path)
+        return
+    program = tmp_path / "sampled.py"
+    program.write_text(cpu.PROGRAM)
+    cpu.test_every_bit_the_same_however_the_run_executes(tiny, program, tmp_path, task)
