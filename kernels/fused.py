@@ -1,7 +1,8 @@
 """Fused small ops for the GPU forward pass (Triton). Each rounds where the plain PyTorch bf16 ops
 round, so results match the reference path: residual add, RMSNorm (normalize in float32, round,
 then scale by the weight; or, with an offset as Gemma's, scale by offset + weight in float32 and round
-once), SiLU(gate) * up or GELU-tanh(gate) * up, and rotate-half RoPE on q and k in place."""
+once), SiLU(gate) * up or GELU-tanh(gate) * up, and rotate-half RoPE with the KV pool's store (q rotated in
+place, the rotated keys and the values written to their slots: one kernel where it took three)."""
 from __future__ import annotations
 
 import torch
@@ -70,28 +71,42 @@ def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
 
 
 @triton.jit
-def _rope_kernel(Q, K, COS, SIN, stride_qt, stride_kt,  # type: ignore[no-untyped-def]
-                 NQ: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+def _rope_store_kernel(Q, K, V, COS, SIN, KP, VP, SLOTS, stride_qt, stride_kt, stride_vt,  # type: ignore[no-untyped-def]
+                       stride_ps, NQ: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK)
     ok = d < HALF
     cos = tl.load(COS + t * HALF + d, mask=ok, other=0.0)
     sin = tl.load(SIN + t * HALF + d, mask=ok, other=0.0)
-    if h < NQ:
-        base = Q + t * stride_qt + h * 2 * HALF
-    else:
-        base = K + t * stride_kt + (h - NQ) * 2 * HALF
-    x1 = tl.load(base + d, mask=ok, other=0.0)
-    x2 = tl.load(base + HALF + d, mask=ok, other=0.0)
+    if h < NQ:          # a query head: rotated in place
+        src = Q + t * stride_qt + h * 2 * HALF
+        dst = src
+    else:               # a KV head: its key rotated into the pool, its value copied there
+        kv = h - NQ
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        src = K + t * stride_kt + kv * 2 * HALF
+        dst = KP + slot * stride_ps + kv * 2 * HALF
+        vsrc = V + t * stride_vt + kv * 2 * HALF
+        vdst = VP + slot * stride_ps + kv * 2 * HALF
+        tl.store(vdst + d, tl.load(vsrc + d, mask=ok), mask=ok)
+        tl.store(vdst + HALF + d, tl.load(vsrc + HALF + d, mask=ok), mask=ok)
+    x1 = tl.load(src + d, mask=ok, other=0.0)
+    x2 = tl.load(src + HALF + d, mask=ok, other=0.0)
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(base + d, (f1 * cos - f2 * sin).to(x1.dtype), mask=ok)
-    tl.store(base + HALF + d, (f2 * cos + f1 * sin).to(x1.dtype), mask=ok)
+    tl.store(dst + d, (f1 * cos - f2 * sin).to(x1.dtype), mask=ok)
+    tl.store(dst + HALF + d, (f2 * cos + f1 * sin).to(x1.dtype), mask=ok)
 
 
-def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate-half RoPE in place. q: [T, H, D], k: [T, KVH, D] (row strides may differ, heads
-    contiguous); cos/sin: [T, D/2] float32."""
+def rope_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> None:
+    """Rotate-half RoPE and the KV pool's store in one kernel: q [T, H, D] rotated in place; token t's key (rotated)
+    and value written to slot slots[t] of k_pool / v_pool ([slots, KVH, D], one layer's). k and v [T, KVH, D]
+    (row strides may differ, heads contiguous) are left as they are; cos/sin: [T, D/2] float32. The rotation in
+    float32 as network.apply_rope computes it, rounded once (a multiply-add the compiler fuses may change
+    a last bit), the value copied as it is."""
     T, H, D = q.shape
-    _rope_kernel[(T, H + k.shape[1])](q, k, cos, sin, q.stride(0), k.stride(0), NQ=H, HALF=D // 2,
-                                      BLOCK=triton.next_power_of_2(D // 2), num_warps=1)
+    assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1 and k_pool.stride(1) == D
+    _rope_store_kernel[(T, H + k.shape[1])](q, k, v, cos, sin, k_pool, v_pool, slots, q.stride(0), k.stride(0),
+                                            v.stride(0), k_pool.stride(0), NQ=H, HALF=D // 2,
+                                            BLOCK=triton.next_power_of_2(D // 2), num_warps=1)

@@ -63,16 +63,28 @@ class AttentionBackend(ABC):
     def plan(self, batch: ForwardBatch) -> None:
         self.batch = batch
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def store(self, layer: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
+        """The new tokens' keys and values into the pool (None: `rope_store` put them there already)."""
+        if k is None or v is None:
+            return
         slots = self.batch.out_slots
         self.pool.k[layer, slots] = k
         self.pool.v[layer, slots] = v
 
+    def rope_store(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """RoPE on q (in place) and k, and k and v into the pool, in one kernel (CUDA): `forward` then
+        takes k = v = None. The same bits as rotating, then storing."""
+        from lmbatch.kernels.fused import rope_store_
+
+        rope_store_(q, k, v, rope[0], rope[1], self.pool.k[layer], self.pool.v[layer], self.batch.out_slots)
+
     @abstractmethod
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 window: int | None = None) -> torch.Tensor:
         """Attention output of the batch's new tokens at `layer` ([T, heads, head_dim]). With a
-        `window`, a token sees only the last `window` positions up to its own (sliding-window layers)."""
+        `window`, a token sees only the last `window` positions up to its own (sliding-window layers).
+        k = v = None: the new tokens' KV is in the pool already (`rope_store`)."""
 
 
 def default_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:

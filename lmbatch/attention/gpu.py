@@ -32,7 +32,7 @@ class TritonBackend(_DeviceMeta):
         self.qo_dev = to_device(self.qo_indptr, dev)
         self.kv_dev = to_device(self.kv_indptr, dev)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 window: int | None = None) -> torch.Tensor:
         """One new token per sequence (a decode step): the split decode kernel, as the decode graphs run it;
         otherwise, and in deterministic mode, the extend kernel (a query's keys in blocks from its first key,
@@ -81,7 +81,7 @@ class FlashInferBackend(_DeviceMeta):
             q_data_type=self.pool.k.dtype, kv_data_type=self.pool.k.dtype)
         self._planned.add(window)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 window: int | None = None) -> torch.Tensor:
         if window not in self._planned:      # each window's plan once per batch, at its first layer
             self._plan(window)

@@ -72,7 +72,7 @@ class TorchBackend(AttentionBackend):
     the two are merged by their log-sum-exp, as cascade attention does.
     """
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 window: int | None = None) -> torch.Tensor:
         # Store every new token's KV first: a sequence may read KV that another sequence of the
         # same batch writes (a shared prefix inserted into the tree earlier in this batch).

@@ -149,11 +149,11 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(T * self.nh, self.hd))
             k = self.k_norm(k.reshape(T * self.nkv, self.hd))
         q, k, v = q.view(T, self.nh, self.hd), k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd)
-        if (kern := _use_fused(x)) is not None:
-            kern.rope_(q, k, cos, sin)
+        if _use_fused(x) is not None:       # RoPE and the KV store, one kernel: attention reads k, v from the pool
+            attn.rope_store(self.layer, q, k, v, (cos, sin))
+            o = attn.forward(self.layer, q, None, None, window=self.window)
         else:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attn.forward(self.layer, q, k, v, window=self.window)
+            o = attn.forward(self.layer, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, window=self.window)
         return _reduce(self.o_proj(o.reshape(T, self.nh * self.hd)), self.tp)
 
 
