@@ -9,10 +9,12 @@ for it. Plain decode reads that prefix once per row; here it is read once per bl
   ranges of the level's keys. The block's rows' query heads of that KV head are the rows of one
   matrix (ROWS x GROUP of them), so each key block feeds one tensor-core dot for the whole block.
   It writes each row's softmax-weighted values and log-sum-exp for its level;
-- each row's own keys (past its deepest shared level: its output tokens) go through the split
-  decode kernel (kernels/decode_attention.py), which skips the row's first `skip[row]` keys;
-- a merge per (row, head) weighs the own ranges and the row's levels by their log-sum-exp, as
-  FlashInfer's cascade attention and Hydragen merge a prefix's attention with a suffix's.
+- each row's own keys (past its deepest shared level: its output tokens) go through the decode kernel
+  (kernels/decode_attention.py), which skips the row's first `skip[row]` keys, and the row's levels
+  are weighed in by their log-sum-exp, as FlashInfer's cascade attention and Hydragen merge a prefix's
+  attention with a suffix's: where rows fill the GPU, in the same program as the own keys (one
+  (row, KV head) a program, `_whole_kernel`); where they are few, the own keys in ranges of their own
+  and a merge per (row, head) after.
 
 The level table lives on the device and is read by a fixed grid (PROGRAMS programs walk the blocks),
 so a CUDA graph captures a step once whatever the sharing; with no level the step is plain decode.
@@ -24,18 +26,32 @@ import torch
 import triton
 import triton.language as tl
 
-from lmbatch.kernels.decode_attention import decode_partials
+from lmbatch.kernels.decode_attention import decode_partials, splits_for, whole
 from lmbatch.kernels.extend_attention import attend_block
 
 LEVELS = 3          # shared levels a row may have (deeper sharing is read as the row's own keys)
-BLOCK_M = 64        # query rows of a shared program: ROWS rows x GROUP query heads
-SHARED_SPLITS = 8   # key ranges per (block, KV head) of a shared level
+# measured side by side (benchmarks/bench_decode_attention.py, H200, 1.5B shape, 2026-11-28): query rows of
+# 128 on 8 warps beat 64 on 4 by 10-20% at 256-512 rows; a level's keys cut into as many ranges as give
+# about TARGET_PROGRAMS programs (4 at 256 rows, 2 at 512: 53 and 95 us a layer, against 65 and 122 with 8)
+BLOCK_M = 128       # query rows of a shared program: ROWS rows x GROUP query heads
+SHARED_SPLITS = 8   # the most key ranges per (block, KV head) of a shared level
+TARGET_PROGRAMS = 128
 PROGRAMS = 64       # programs walking the level blocks, per (KV head, key range)
+SHARED_BLOCK_N, SHARED_WARPS, SHARED_STAGES = 64, 8, 2      # the shared program's key block, warps, stages
 
 
 def rows_per_block(group: int) -> int:
     """Rows a shared program takes: as many as fill BLOCK_M query rows with their GROUP heads."""
     return BLOCK_M // group
+
+
+def shared_splits(rows: int, group: int, kv_heads: int) -> int:
+    """Key ranges a shared level is cut into for a step of `rows` rows: a power of two (at most SHARED_SPLITS)
+    that gives about TARGET_PROGRAMS programs where every row shares one level. Fewer ranges mean fewer
+    partials to write and merge; more, more programs to read the level."""
+    blocks = -(-rows // rows_per_block(group)) * kv_heads
+    want = max(1, TARGET_PROGRAMS // blocks)
+    return min(SHARED_SPLITS, 1 << (want.bit_length() - 1))
 
 
 @triton.jit
@@ -118,19 +134,23 @@ def cascade_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     T, H, D = q.shape
     kvh = k_pool.shape[1]
     group = H // kvh
-    own_o, own_l, splits = decode_partials(q, k_pool, v_pool, kv_indices, kv_indptr, scale, None, softcap,
-                                           skip=levels.skip[:T])
-    mid_o = torch.empty((T, LEVELS, H, SHARED_SPLITS, D), dtype=torch.float32, device=q.device)
-    mid_l = torch.empty((T, LEVELS, H, SHARED_SPLITS), dtype=torch.float32, device=q.device)
+    ranges = shared_splits(T, group, kvh)
+    mid_o = torch.empty((T, LEVELS, H, ranges, D), dtype=torch.float32, device=q.device)
+    mid_l = torch.empty((T, LEVELS, H, ranges), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(D)
-    _shared_kernel[(PROGRAMS, kvh, SHARED_SPLITS)](
+    _shared_kernel[(PROGRAMS, kvh, ranges)](
         q, k_pool, v_pool, mid_o, mid_l, kv_indices, levels.blocks, levels.block_rows, levels.n_blocks, scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), SOFTCAP=float(softcap), GROUP=group,
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=BLOCK_M, ROWS=rows_per_block(group), BLOCK_N=64,
-        SPLITS=SHARED_SPLITS, LEVELS=LEVELS, PROGRAMS=PROGRAMS, num_warps=4, num_stages=2)
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=BLOCK_M, ROWS=rows_per_block(group), BLOCK_N=SHARED_BLOCK_N,
+        SPLITS=ranges, LEVELS=LEVELS, PROGRAMS=PROGRAMS, num_warps=SHARED_WARPS, num_stages=SHARED_STAGES)
+    if splits_for(T, kvh) == 1:     # rows fill the GPU: own keys and the merge in one program a (row, KV head)
+        return whole(q, k_pool, v_pool, kv_indices, kv_indptr, scale, None, softcap,
+                     (levels.skip[:T], levels.levels[:T], mid_o, mid_l))
+    own_o, own_l, splits = decode_partials(q, k_pool, v_pool, kv_indices, kv_indptr, scale, None, softcap,
+                                           skip=levels.skip[:T])
     out = torch.empty_like(q)
     _merge_kernel[(T, H)](own_o, own_l, mid_o, mid_l, levels.levels, out, out.stride(0), out.stride(1),
-                          HEAD_DIM=D, BLOCK_D=block_d, OWN_SPLITS=splits, SPLITS=SHARED_SPLITS, LEVELS=LEVELS)
+                          HEAD_DIM=D, BLOCK_D=block_d, OWN_SPLITS=splits, SPLITS=ranges, LEVELS=LEVELS)
     return out
 
 
@@ -147,3 +167,11 @@ class CascadeLevels:
         self.blocks = torch.zeros((self.max_blocks, 4), dtype=torch.int32, device=device)
         self.block_rows = torch.zeros((self.max_blocks, self.per_block), dtype=torch.int32, device=device)
         self.n_blocks = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def clear(self) -> None:
+        """No level (every row's keys its own): the tables a capture runs over. A capture's warm-up runs
+        the kernels on its bucket's rows, which the last step's tables (rows and keys of a larger step)
+        would read and write past."""
+        self.n_blocks.zero_()
+        self.skip.zero_()
+        self.levels.zero_()

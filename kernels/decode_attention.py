@@ -8,6 +8,12 @@ ranges of the row's keys; it writes that range's softmax-weighted values and log
 second kernel merges the ranges of each (row, head). SPLITS is fixed per call, so a CUDA graph
 captures it; a short row leaves its last ranges empty (they weigh nothing in the merge).
 
+Where rows are many (every SM holds several programs without splitting keys), one program per (row, KV
+head) walks all of the row's keys and writes the output itself (`_whole_kernel`): no partials to write and
+read back, one kernel instead of two (a decode step's kernels are short: each launch and drain is a
+few microseconds of a step's few milliseconds). The same kernel ends cascade attention: it merges the
+partials of a row's shared levels (kernels/cascade_attention.py) into its own keys' softmax.
+
 WINDOW and SOFTCAP as in the extend kernel: the row's query sits at its last position.
 """
 from __future__ import annotations
@@ -78,10 +84,89 @@ def _merge_kernel(MidO, MidL, O, stride_ot, stride_oh,  # type: ignore[no-untype
     tl.store(O + row * stride_ot + head * stride_oh + dims, out.to(O.dtype.element_ty), mask=dim_ok)
 
 
+@triton.jit
+def _whole_kernel(Q, K, V, O, MidO, MidL, kv_indices, kv_indptr, kv_skip, levels,  # type: ignore[no-untyped-def]
+                  scale, window, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh,
+                  SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, LEVELS: tl.constexpr, SPLITS: tl.constexpr):
+    """One (row, KV head): the row's keys past its first skip[row] (its shared levels', LEVELS > 0) in one
+    online softmax, then the levels' partials MidO/MidL [row, level, head, split] merged in, then the output."""
+    row, kv_head = tl.program_id(0), tl.program_id(1)
+    kv_start = tl.load(kv_indptr + row)
+    kv_len = tl.load(kv_indptr + row + 1) - kv_start
+    begin = 0
+    if LEVELS > 0:
+        begin = tl.load(kv_skip + row)
+    if window > 0:
+        begin = tl.maximum(kv_len - window, 0)
+    h = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + h
+    head_ok = h < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(begin, kv_len, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < kv_len
+        slots = tl.load(kv_indices + kv_start + cols, mask=col_ok, other=0).to(tl.int64)
+        kv_off = slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
+        m_i, l_i, acc = attend_block(q, K, V, kv_off, col_ok[:, None] & dim_ok[None, :], col_ok[None, :], scale, m_i,
+                                     l_i, acc, SOFTCAP)
+    if LEVELS > 0:      # each shared level's key ranges: normalized values and log-sum-exp, weighed in
+        n = tl.load(levels + row)
+        num_heads = GROUP * tl.num_programs(1)
+        for level in tl.static_range(LEVELS):
+            on = head_ok & ((h * 0 + level) < n)     # a mask of the block's shape (interpreters refuse a scalar one)
+            for split in tl.static_range(SPLITS):
+                mid = ((row * LEVELS + level) * num_heads + heads) * SPLITS + split
+                lse = tl.load(MidL + mid, mask=on, other=float("-inf"))
+                part = tl.load(MidO + mid[:, None] * HEAD_DIM + dims[None, :], mask=on[:, None] & dim_ok[None, :],
+                               other=0.0)
+                m_new = tl.maximum(m_i, lse)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha, beta = tl.exp(m_i - m_safe), tl.exp(lse - m_safe)
+                l_i = l_i * alpha + beta
+                acc = acc * alpha[:, None] + beta[:, None] * part
+                m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(O + row * stride_ot + heads[:, None] * stride_oh + dims[None, :], out.to(O.dtype.element_ty),
+             mask=head_ok[:, None] & dim_ok[None, :])
+
+
+# programs (rows x KV heads) from which a row's keys stay in one program (`_whole_kernel`): H200, 1.5B
+# shape (benchmarks/bench_decode_attention.py, issue 55's step table)
+WHOLE_FROM = 512
+
+
 def splits_for(rows: int, kv_heads: int) -> int:
-    """Key ranges per (row, KV head): enough programs to fill a large GPU when rows are few."""
+    """Key ranges per (row, KV head): enough programs to fill a large GPU when rows are few; one where
+    rows alone fill it."""
     programs = rows * kv_heads
-    return 16 if programs < 256 else 8 if programs < 1024 else 4
+    return 16 if programs < 256 else 8 if programs < WHOLE_FROM else 1
+
+
+def whole(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indices: torch.Tensor,
+          kv_indptr: torch.Tensor, scale: float, window: int | None = None, softcap: float = 0.0,
+          shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Decode attention with each (row, KV head) in one program. `shared` = (skip, levels, MidO, MidL): a
+    row's first skip[row] keys are its levels', given as partials (kernels/cascade_attention.py)."""
+    T, H, D = q.shape
+    kvh = k_pool.shape[1]
+    group = H // kvh
+    out = torch.empty_like(q)
+    skip, levels, mid_o, mid_l = shared if shared is not None else (kv_indptr, kv_indptr, out, out)
+    n_levels, n_splits = (mid_l.shape[1], mid_l.shape[3]) if shared is not None else (0, 1)
+    assert shared is None or not window, "a windowed layer reads its rows' last keys only"
+    _whole_kernel[(T, kvh)](q, k_pool, v_pool, out, mid_o, mid_l, kv_indices, kv_indptr, skip, levels, scale,
+                            window or 0, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0),
+                            out.stride(1), SOFTCAP=float(softcap), GROUP=group, HEAD_DIM=D,
+                            BLOCK_D=triton.next_power_of_2(D), BLOCK_H=max(16, triton.next_power_of_2(group)),
+                            BLOCK_N=64, LEVELS=n_levels, SPLITS=n_splits, num_warps=4, num_stages=2)
+    return out
 
 
 def decode_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indices: torch.Tensor,
@@ -113,6 +198,8 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     """q: [T, H, D], one query per row, row i over keys kv_indices[kv_indptr[i]:kv_indptr[i + 1]] (its
     last key its own position); k_pool/v_pool: [slots, KVH, D]. Returns [T, H, D]."""
     T, H, D = q.shape
+    if (splits or splits_for(T, k_pool.shape[1])) == 1:
+        return whole(q, k_pool, v_pool, kv_indices, kv_indptr, scale, window, softcap)
     mid_o, mid_l, splits = decode_partials(q, k_pool, v_pool, kv_indices, kv_indptr, scale, window, softcap, splits)
     out = torch.empty_like(q)
     _merge_kernel[(T, H)](mid_o, mid_l, out, out.stride(0), out.stride(1), HEAD_DIM=D,

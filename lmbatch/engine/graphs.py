@@ -41,11 +41,12 @@ class _GraphAttention(AttentionBackend):
         super().__init__(pool, num_heads, head_dim, scale, softcap)
         self.kv, self.kv_indices, self.levels = tables
         self.qo: torch.Tensor | None = None     # deterministic mode: each row's query offsets (0, 1, .., rows)
+        self.cascade_from = 1                   # buckets of fewer rows attend with plain decode
 
     def plan(self, batch: ForwardBatch) -> None:
         self.batch = batch
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 window: int | None = None) -> torch.Tensor:
         from lmbatch.kernels.cascade_attention import cascade_attention
         from lmbatch.kernels.decode_attention import decode_attention
@@ -56,7 +57,7 @@ class _GraphAttention(AttentionBackend):
 
             return extend_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices,
                                     self.qo[:q.shape[0] + 1], self.kv, 1, self.scale, window, self.softcap, True)
-        if self.levels is not None and window is None:
+        if self.levels is not None and window is None and q.shape[0] >= self.cascade_from:
             return cascade_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices, self.kv, self.scale,
                                      self.softcap, self.levels)
         return decode_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices, self.kv, self.scale,
@@ -84,24 +85,30 @@ class DecodeGraphs:
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         self.levels: CascadeLevels | None = None    # cascade attention's tables (`use_cascade`)
+        self.cascade_from = 1                       # the smallest bucket that attends with them
         self.deterministic = False      # attend with the extend kernel (ModelRunner sets it before any capture)
         self.qo = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self._plan: tuple[list[Node | None], LevelPlan | None] = ([], None)
 
-    def use_cascade(self) -> None:
+    def use_cascade(self, every_step: bool) -> None:
         """Attend with the cascade kernel (before any capture), where a block of rows holds 2 or more rows'
-        query heads (a KV head has at most 32 of them): its shared-level tables."""
+        query heads (a KV head has at most 32 of them): its shared-level tables. `every_step`: in every
+        bucket's graph (`--attention cascade`); else in buckets whose rows fill the GPU on their own
+        (decode_attention.WHOLE_FROM programs), where it was measured faster than plain decode whether
+        rows share keys or not (BENCHMARKS.md, issue 55's step table); smaller steps run plain decode."""
         from lmbatch.kernels.cascade_attention import CascadeLevels, rows_per_block
+        from lmbatch.kernels.decode_attention import WHOLE_FROM
 
         cfg = self.model.cfg
         group = cfg.num_heads // cfg.num_kv_heads
         if rows_per_block(group) >= 2:
             self.levels = CascadeLevels(len(self.rows), group, self.pool.k.device)
+            self.cascade_from = 1 if every_step else -(-WHOLE_FROM // cfg.num_kv_heads)
 
     def _level_plan(self, ends: list[Node | None] | None) -> LevelPlan | None:
         """The step's shared levels (the last step's where its rows' prompts end in the same nodes)."""
-        if self.levels is None or not ends:
-            return None
+        if self.levels is None or not ends or next(b for b in self.buckets if b >= len(ends)) < self.cascade_from:
+            return None     # no levels, or a bucket that attends with plain decode
         from lmbatch.kernels.cascade_attention import LEVELS
 
         last, plan = self._plan
@@ -134,8 +141,11 @@ class DecodeGraphs:
         attn = _GraphAttention(self.pool, cfg.num_heads, cfg.head_dim, cfg.attn_scale, cfg.attn_softcap,
                                (self.kv_indptr[:b + 1], self.kv_indices, self.levels))
         attn.qo = self.qo if self.deterministic else None
+        attn.cascade_from = self.cascade_from
         batch = ForwardBatch(self.ids[:b], self.pos[:b], self.out_slots[:b], [], [], self.kv_indices, self.rows[:b])
         self.kv_indptr[:b + 1] = torch.arange(b + 1, dtype=torch.int32, device=self.ids.device)
+        if self.levels is not None:     # each replay loads its step's tables again
+            self.levels.clear()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

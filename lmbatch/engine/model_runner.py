@@ -102,8 +102,8 @@ class ModelRunner:
             scratch = int(self.pool.reserve(1)[0])
             self.graphs = DecodeGraphs(cast(Transformer, model), self.pool, scratch, 2 * o.max_running)
             self.graphs.deterministic = o.deterministic
-            if REGISTRY[attention].cascade and not o.deterministic:
-                self.graphs.use_cascade()
+            if attention in ("triton", "cascade") and not o.deterministic:
+                self.graphs.use_cascade(every_step=REGISTRY[attention].cascade)
 
     def capture_graphs(self) -> None:
         """Capture every decode graph now (a run that only scores never needs them)."""
