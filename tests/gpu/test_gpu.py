@@ -213,9 +213,15 @@ def test_fused_ops_match_torch_path():
     q, k = qkv[:, :12 * 128].view(300, 12, 128), qkv[:, 12 * 128:14 * 128].view(300, 2, 128)
     ang = torch.rand(300, 64, generator=g, device="cuda") * 6
     want_q, want_k = apply_rope(q, ang.cos(), ang.sin()), apply_rope(k, ang.cos(), ang.sin())
-    fused.rope_(q, k, ang.cos(), ang.sin())
+    v = qkv[:, 14 * 128:].view(300, 2, 128)
+    pool_k, pool_v = torch.zeros(1000, 2, 128, **bf), torch.zeros(1000, 2, 128, **bf)
+    slots = torch.randperm(1000, generator=g, device="cuda")[:300]
+    fused.rope_store_(q, k, v, ang.cos(), ang.sin(), pool_k, pool_v, slots)
+    # the rotation in float32 as apply_rope computes it (the compiler may fuse a multiply-add: a last bit of
+    # the bf16 result may differ), the value copied as it is
     torch.testing.assert_close(q, want_q)
-    torch.testing.assert_close(k, want_k)
+    torch.testing.assert_close(pool_k[slots], want_k)
+    assert torch.equal(pool_v[slots], v)
 
 
 @pytest.mark.parametrize("n", [1, 3, 8, 13])
@@ -484,14 +490,22 @@ def _shared_rows(seed, prefix=1000, mids=3, mid=200, tails=3, tail=50, copies=2,
 @pytest.mark.parametrize("shape,softcap", [((12, 2, 128), 0.0), ((32, 8, 128), 0.0), ((9, 3, 64), 3.0),
                                            ((16, 1, 64), 0.0), ((28, 4, 128), 0.0)])
 @pytest.mark.parametrize("max_levels", [1, 2, 3])
-def test_cascade_kernel_matches_plain_decode(shape, softcap, max_levels):
+@pytest.mark.parametrize("whole", [False, True])
+def test_cascade_kernel_matches_plain_decode(shape, softcap, max_levels, whole, monkeypatch):
     """One step of rows sharing 1, 2 and 3 levels of the tree beside rows sharing none: cascade attention
-    (each level read once per block of rows) against plain decode and float32 attention."""
+    (each level read once per block of rows) against plain decode and float32 attention; `whole`: the own
+    keys and the levels' merge in one program a (row, KV head), as where rows fill the GPU."""
     import numpy as np
 
     from lmbatch.engine.cascade import plan_levels
+    from lmbatch.kernels import cascade_attention as cascade_module
+    from lmbatch.kernels import decode_attention as decode_module
     from lmbatch.kernels.cascade_attention import CascadeLevels, cascade_attention
     from lmbatch.kernels.decode_attention import decode_attention
+
+    if whole:
+        monkeypatch.setattr(cascade_module, "splits_for", lambda rows, kv_heads: 1)
+        monkeypatch.setattr(decode_module, "splits_for", lambda rows, kv_heads: 1)
 
     H, KVH, D = shape
     ends, seqs, slots = _shared_rows(0)
@@ -524,10 +538,17 @@ def test_cascade_kernel_matches_plain_decode(shape, softcap, max_levels):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cascade_decode_gives_the_tokens_of_plain_decode(tiny_graphed, dtype, monkeypatch):
+@pytest.mark.parametrize("whole", [False, True])
+def test_cascade_decode_gives_the_tokens_of_plain_decode(tiny_graphed, dtype, whole, monkeypatch):
     """Greedy generation whose rows share 1, 2 and 3 levels (a few-shot prefix, middles, two samples of
-    each question) and rows sharing none, in the decode graphs with and without cascade attention."""
+    each question) and rows sharing none, in the decode graphs with and without cascade attention; `whole`:
+    each (row, KV head) in one program, the levels merged in it, as in steps whose rows fill the GPU (where
+    `--attention triton`, the default, attends with the levels too)."""
     from lmbatch.engine import cascade, graphs
+    from lmbatch.kernels import decode_attention
+
+    if whole:
+        monkeypatch.setattr(decode_attention, "WHOLE_FROM", 0)
 
     def prompts(seed):
         g = random.Random(seed)
@@ -546,8 +567,11 @@ def test_cascade_decode_gives_the_tokens_of_plain_decode(tiny_graphed, dtype, mo
     monkeypatch.setattr(graphs, "plan_levels", lambda *a: seen.append(plan(*a)) or seen[-1])
 
     def run(on):
-        eng = Engine.from_pretrained(tiny_graphed, device="cuda", dtype=dtype, attention="cascade" if on else "triton",
-                                     max_running=64)
+        with monkeypatch.context() as m:
+            if not on:      # plain decode in every bucket
+                m.setattr(graphs.DecodeGraphs, "use_cascade", lambda self, every_step: None)
+            eng = Engine.from_pretrained(tiny_graphed, device="cuda", dtype=dtype,
+                                         attention="cascade" if on else "triton", max_running=64)
         assert (eng.model_runner.graphs.levels is not None) == on
         return eng, eng.generate(reqs)[0]
 
