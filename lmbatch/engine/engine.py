@@ -87,7 +87,8 @@ class Engine:
             model = HFCausalLM.load(path, device, dtype, random_weights=load_format == "dummy")
         else:
             model = Transformer.empty(cfg, device, dtype)
-            init_dummy(model) if load_format == "dummy" else load_weights(model, path)
+            fp8_gemm = bool(options is not None and options.fp8_gemm)     # fitted: engine/build.py
+            init_dummy(model) if load_format == "dummy" else load_weights(model, path, fp8_gemm=fp8_gemm)
         return cls(model.eval(), options, tokenizer=tokenizer, **overrides)
 
     def warm_up(self, tokens: int = 16, graphs: bool = True) -> None:
