@@ -2,8 +2,9 @@
 same model computes nothing: the same requests (the workload cache's key: their text, the backend's
 tokenization options, the model folder's small files, lmbatch's source) scored by the same weights
 (each file of the model folder by name and content hash, as a resumed run checks them:
-model/identity.py; the hash is kept under the file's size, modification and change times, so weights
-rewritten in place are hashed again even with their modification time put back) on the same numerics
+model/identity.py, and a quantized checkpoint's format, model/quantization.py; the hash is kept under the
+file's size, modification and change times, so weights rewritten in place are hashed again even with
+their modification time put back) on the same numerics
 (device and dtype, the engine's options, the GPU or CPU model and thread count, driver, torch, Triton,
 FlashInfer, lmbatch's kernels). A whole call is one
 entry: the engine's batching of a call decides a score's last bits, so only the same call's scores are
@@ -30,6 +31,7 @@ import numpy as np
 from lmbatch.cache import cache_dir
 from lmbatch.caches.workloads import Store, hash_source, read_entry, write_entry
 from lmbatch.model.identity import model_identity
+from lmbatch.model.quantization import declared
 
 KEEP = 64       # entries kept (a few kB each); the least recently written go
 SCORES = Store(KEEP, "score", "the scores of lm-eval calls")
@@ -75,6 +77,8 @@ def key(requests_key: str, model_dir: Path, device: str, dtype: str, engine: dic
 
     what = {"requests": requests_key, "weights": model_identity(model_dir), "device": device, "dtype": dtype,
             "engine": engine, "machine": machine(device), "torch": torch.__version__, "kernels": _kernels_source()}
+    if (quantization := declared(model_dir)) is not None:
+        what["quantization"] = quantization
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:40]
 
 

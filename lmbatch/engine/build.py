@@ -135,8 +135,31 @@ def fit(spec: EngineSpec, cfg: ModelConfig) -> tuple[EngineSpec, Attention]:
         attention = Attention("triton", "deterministic")
     kv = o.kv_cache_tokens if o.kv_cache_tokens is not None else default_kv_tokens(cfg, device, dtype)
     batch = o.max_tokens_per_batch if o.max_tokens_per_batch is not None else default_batch_tokens(cfg, device, dtype)
-    options = replace(o, kv_cache_tokens=kv, max_tokens_per_batch=batch, attention=attention.name)
+    fp8_gemm = o.fp8_gemm if o.fp8_gemm is not None else fp8_fits(spec, cfg, device, dtype)
+    options = replace(o, kv_cache_tokens=kv, max_tokens_per_batch=batch, attention=attention.name, fp8_gemm=fp8_gemm)
     return replace(spec, device=device, dtype=dtype, options=options), attention
+
+
+def fp8_fits(spec: EngineSpec, cfg: ModelConfig, device: str, dtype: str) -> bool:
+    """Whether an FP8 checkpoint's linear layers run as FP8 GEMMs here (model/fp8.py `fits`), else its weights
+    are dequantized on load."""
+    from pathlib import Path
+
+    from lmbatch.model.fp8 import Where, fits
+    from lmbatch.model.quantization import read_quantization
+
+    try:
+        import json
+
+        q = read_quantization(json.loads((Path(spec.model_dir) / "config.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError):       # checked with the folder (checkpoint.py); a fallback's own format
+        return False
+    if q is None:
+        return False
+    import torch
+
+    capability = torch.cuda.get_device_capability() if device == "cuda" else None
+    return fits(q, cfg, Where(device, dtype, capability, spec.ranks, spec.options.deterministic))[0]
 
 
 def fit_pool(spec: EngineSpec, longest: int, user_set: bool) -> EngineSpec:

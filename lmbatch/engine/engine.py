@@ -77,6 +77,7 @@ class Engine:
         from lmbatch.model.weights import init_dummy, load_weights
 
         load_format, tp = weights
+        options = replace(options or EngineOptions(), **overrides)
         cfg = ModelConfig.from_dir(path)
         model: LanguageModel
         if tp is not None:
@@ -87,8 +88,9 @@ class Engine:
             model = HFCausalLM.load(path, device, dtype, random_weights=load_format == "dummy")
         else:
             model = Transformer.empty(cfg, device, dtype)
-            init_dummy(model) if load_format == "dummy" else load_weights(model, path)
-        return cls(model.eval(), options, tokenizer=tokenizer, **overrides)
+            fp8_gemm = bool(options.fp8_gemm)      # fitted: engine/build.py
+            init_dummy(model) if load_format == "dummy" else load_weights(model, path, fp8_gemm=fp8_gemm)
+        return cls(model.eval(), options, tokenizer=tokenizer)
 
     def warm_up(self, tokens: int = 16, graphs: bool = True) -> None:
         """Compile kernels and load libraries now, not in the first real batch, and with `graphs`

@@ -19,6 +19,8 @@ class EngineOptions:
     jump_forward: bool = True           # append grammar-forced text without decoding it
     masks: str = "overlap"              # when grammar rows fill their token masks (MASK_MODES)
     deterministic: bool = False         # every logprob and token independent of the batch (ModelRunner)
+    fp8_gemm: bool | None = None        # an FP8 checkpoint's linear layers as FP8 GEMMs (model/fp8.py), else its
+    # weights dequantized on load; None: fitted (engine/build.py: on a GPU with FP8 tensor cores)
 
     def __post_init__(self) -> None:
         if self.masks not in MASK_MODES:

@@ -44,6 +44,9 @@ class Architecture:
     gemma_scaling: bool = False     # RMSNorm times (1 + w), embeddings times sqrt(hidden), query_pre_attn_scalar
     experts: Experts | None = None
     renames: dict[str, str] = field(default_factory=dict)   # checkpoint name fragment -> ours
+    # an MXFP4 tensor's [..., rows, groups x 32] transposed, as the unquantized checkpoint stores it (gpt-oss's
+    # experts: [E, in, out]): model/quantization.py
+    mxfp4_transposed: bool = False
 
 
 _LLAMA_LIKE = {"num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,

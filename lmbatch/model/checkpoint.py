@@ -17,6 +17,13 @@ from lmbatch.cache import cache_dir
 from lmbatch.errors import UserError, first_line
 from lmbatch.model.config import ARCHITECTURES, ModelConfig, config_problem
 from lmbatch.model.names import name_problem
+from lmbatch.model.quantization import (
+    Quantization,
+    QuantizationProblem,
+    StoredTensor,
+    logical_tensors,
+    read_quantization,
+)
 from lmbatch.model.shapes import TensorHeader, shape_problem
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -228,9 +235,14 @@ def _check_folder(path: Path) -> Path:
         if (path / name).is_file():
             _json_object(path, name)
     native = kind in SUPPORTED_TYPES
+    quantization = _quantization(path, config) if native else None
     tensors, where = _check_weights(path, native)
     if native:
-        _check_shapes(path, config, tensors, where)
+        try:        # a quantized checkpoint's tensors as the model's (model/quantization.py)
+            tensors = logical_tensors(quantization, tensors, ARCHITECTURES[str(kind)].mxfp4_transposed)
+        except QuantizationProblem as e:
+            raise UserError(f"model at {path}: {e}") from None
+        _check_shapes(path, config, {n: TensorHeader(t.shape, t.file) for n, t in tensors.items()}, where)
     if (path / "tokenizer.json").is_file():
         from lmbatch.model.tokenizer import check_tokenizer_json
 
@@ -238,6 +250,14 @@ def _check_folder(path: Path) -> Path:
         if problem:
             raise UserError(f"model at {path}: tokenizer.json {problem}")
     return path.resolve()
+
+
+def _quantization(path: Path, config: dict) -> Quantization | None:
+    """The quantization a native model's config.json declares, or a UserError naming what lmbatch cannot read."""
+    try:
+        return read_quantization(config)
+    except QuantizationProblem as e:
+        raise UserError(f"model at {path}: config.json: {e}") from None
 
 
 def _json_object(path: Path, name: str) -> dict:
@@ -253,7 +273,7 @@ def _json_object(path: Path, name: str) -> dict:
     return data
 
 
-def _check_weights(path: Path, native: bool) -> tuple[dict[str, TensorHeader], str]:
+def _check_weights(path: Path, native: bool) -> tuple[dict[str, StoredTensor], str]:
     """The folder's weights are there and their safetensors headers are whole, before any other work (a
     truncated download would otherwise fail only once the data was loaded and tokenized). Reads headers only;
     returns every tensor's shape and file, and how to name the weights in a message."""
@@ -273,14 +293,14 @@ def _check_weights(path: Path, native: bool) -> tuple[dict[str, TensorHeader], s
         if native or not any(path.glob("pytorch_model*.bin")):
             raise UserError(f"model at {path} has no *.safetensors weights")
         return {}, ""
-    tensors: dict[str, TensorHeader] = {}
+    tensors: dict[str, StoredTensor] = {}
     for f in files:
         header, problem = read_safetensors_header(f)
         if problem:
             raise UserError(f"model at {path}: {f.name} is not a readable safetensors file ({problem})")
         for name, entry in header.items():
             if name != "__metadata__":
-                tensors[name] = TensorHeader(tuple(entry["shape"]), f.name)
+                tensors[name] = StoredTensor(tuple(entry["shape"]), str(entry.get("dtype")), f.name)
     where = files[0].name if len(files) == 1 else f"the shards of {index.name}" if index.is_file() else \
         ", ".join(f.name for f in files)
     return tensors, where

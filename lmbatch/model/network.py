@@ -105,10 +105,17 @@ def fixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 class Linear(nn.Linear):
-    """nn.Linear; with `fixed` set (deterministic mode) it runs as `fixed_linear`."""
+    """nn.Linear; with `fixed` set (deterministic mode) it runs as `fixed_linear`; with an FP8 weight (an FP8
+    checkpoint's, model/fp8.py) as an FP8 GEMM by its `weight_scale` grid of `fp8_block` blocks."""
     fixed = False
+    weight_scale: torch.Tensor
+    fp8_block: tuple[int, int] = (1, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.float8_e4m3fn:    # an FP8 checkpoint's layer as FP8 GEMMs (model/fp8.py)
+            from lmbatch.model.fp8 import linear
+
+            return linear(x, self.weight, self.weight_scale, self.fp8_block, self.bias)
         return fixed_linear(x, self.weight, self.bias) if self.fixed else super().forward(x)
 
 

@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from lmbatch.model.architectures import ARCHITECTURES
 from lmbatch.model.config import ModelConfig
-from lmbatch.model.names import EXPERT, EXPERT_PART, FUSED, renamed
+from lmbatch.model.dequantize import QuantizedCheckpoint
+from lmbatch.model.names import EXPERT, EXPERT_PART, FUSED, renamed, target
 from lmbatch.model.network import Transformer
+from lmbatch.model.quantization import read_quantization
 from lmbatch.model.tensor_parallel import shard_tensor
 
 
@@ -47,7 +50,25 @@ def _fused_slice(model: Transformer, target: str, shard: int) -> slice:
     return slice(starts[shard], starts[shard + 1])
 
 
-def _checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _checkpoint_tensors(path: Path, model: Transformer, fp8_gemm: bool) -> Iterable[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors by name; a quantized checkpoint's weights dequantized to the model's dtype on
+    its device (model/dequantize.py) or, with `fp8_gemm`, its dense layers' FP8 weights kept as stored beside
+    their scales, those layers made FP8 (model/fp8.py)."""
+    q = read_quantization(json.loads((path / "config.json").read_text(encoding="utf-8")))
+    if q is None:
+        return _plain_tensors(path)
+    p = next(model.parameters())
+    transposed = ARCHITECTURES[model.cfg.model_type].mxfp4_transposed
+    stored = QuantizedCheckpoint(_shard_files(path), q, p.device, p.dtype, transposed)
+    if fp8_gemm:
+        from lmbatch.model import fp8
+
+        blocks = fp8.convert(model, q, fp8.gemm_targets(model.cfg, stored.dtypes()))
+        stored.keep = {name: blocks[key] for name in stored.where if (key := target(name, model.cfg)) in blocks}
+    return stored
+
+
+def _plain_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in _shard_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
@@ -56,11 +77,12 @@ def _checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 @torch.no_grad()
 def load_weights(model: Transformer, source: str | Path | dict[str, torch.Tensor],
-                 full: ModelConfig | None = None) -> None:
+                 full: ModelConfig | None = None, fp8_gemm: bool = False) -> None:
     """Copy every tensor of a checkpoint folder (or of a HF state dict) into the model; fail if any
     parameter is left unset. Under tensor parallelism (`model.tp`) each tensor's slice for this rank
-    is copied; `full` is then the unsplit config."""
-    tensors = source.items() if isinstance(source, dict) else _checkpoint_tensors(Path(source))
+    is copied; `full` is then the unsplit config. `fp8_gemm`: an FP8 checkpoint's dense layers stay FP8
+    (model/fp8.py; a single device)."""
+    tensors = source.items() if isinstance(source, dict) else _checkpoint_tensors(Path(source), model, fp8_gemm)
     params = dict(model.named_parameters())
     pending = set(params)
     tp = model.tp
@@ -79,7 +101,11 @@ def load_weights(model: Transformer, source: str | Path | dict[str, torch.Tensor
             if module.endswith(hf_sfx):
                 key = module[: -len(hf_sfx)] + our_sfx + "." + kind
                 tensor = whole if tp is None else shard_tensor(key, whole, full or model.cfg, tp)
-                params[key][_fused_slice(model, our_sfx, shard)].copy_(tensor)
+                rows = _fused_slice(model, our_sfx, shard)
+                if kind == "weight_scale":      # an FP8 layer's scales: the rows of its blocks (model/fp8.py)
+                    per = getattr(model.get_submodule(key.removesuffix(".weight_scale")), "fp8_block")[0]
+                    rows = slice(rows.start // per, -(-rows.stop // per))
+                params[key][rows].copy_(tensor)
                 pending.discard(key)
                 break
         else:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
 
 import lmbatch
+from lmbatch.model.quantization import declared as checkpoint_quantization
 from lmbatch.requests import RunStats, optimal_hit_rate
 from lmbatch.results import task_results
 from lmbatch.results.stats import mean_stderr
@@ -143,6 +144,7 @@ def build(o: RunOptions, w: Workload, loaded: Loaded, merged: Merged, interp: In
         "dtype": spec.dtype,
         "model_type": engine.cfg.model_type,
         "model_runtime": engine.cfg.runtime,       # "native": our network; "transformers": the fallback
+        "quantization": quantization(spec, engine.cfg.runtime),
         "attention": {"backend": loaded.attention.name, "why": loaded.attention.why},
         "workload": workload,
         "max_tokens_per_batch": spec.options.max_tokens_per_batch,
@@ -174,6 +176,18 @@ def build(o: RunOptions, w: Workload, loaded: Loaded, merged: Merged, interp: In
         "data_parallel": _data_parallel(loaded, stats),
         "deterministic": _deterministic(spec),
     }
+
+
+def quantization(spec: EngineSpec, runtime: str) -> dict[str, Any] | None:
+    """The checkpoint's quantization (None: unquantized) and how this run ran its weights: FP8 GEMMs, or
+    dequantized to the run's dtype as they loaded (model/quantization.py)."""
+    declared = checkpoint_quantization(Path(spec.model_dir))
+    if declared is None:
+        return None
+    run_as = "loaded by transformers (the fallback)" if runtime != "native" else \
+        "FP8 GEMMs (activations quantized as they run); the rest dequantized on load" if spec.options.fp8_gemm \
+        else f"dequantized to {spec.dtype} on load"
+    return {**declared, "run_as": run_as}
 
 
 def _deterministic(spec: EngineSpec) -> dict[str, Any] | None:

@@ -30,6 +30,7 @@ from lmbatch.cache import atomic_write
 from lmbatch.errors import UserError, first_line
 from lmbatch.frontend.workload import Instance, Workload
 from lmbatch.model.identity import model_identity
+from lmbatch.model.quantization import declared
 from lmbatch.options import RunOptions, deciding
 from lmbatch.rundir.layout import INSTANCE_SCHEMA, clean_stale, file_record, request_schema, sha256
 from lmbatch.rundir.place import MARKER, RunLock, clear, found, move_aside, refuse_foreign, run_path
@@ -85,13 +86,16 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
 def fingerprint(o: RunOptions, w: Workload, model_dir: Path) -> dict[str, Any]:
     """What decides a run's results (a resumed run must have the same): the task and its options
     (`options.deciding`), jump-forward decoding, deterministic mode, whether requests keep their token ids,
-    the model's files (each by its content: model/identity.py), lmbatch's version. The dtype is checked once
+    the model's files (each by its content: model/identity.py) and, for a quantized checkpoint, its format
+    (model/quantization.py), lmbatch's version. The dtype is checked once
     the device is known."""
     import lmbatch
 
     fp: dict[str, Any] = {"task": w.name, **deciding(o.workload), "jump_forward": o.engine.jump_forward,
                           "save_token_ids": o.output.save_token_ids, "lmbatch_version": lmbatch.__version__,
                           "model": model_identity(model_dir)}
+    if (quantization := declared(model_dir)) is not None:     # said apart, where a resume finds it differs
+        fp["quantization"] = quantization
     if o.engine.deterministic:          # a resume may not mix its bits with another attempt's numerics
         fp["deterministic"] = True
     if o.workload.task.endswith(".py"):

@@ -1,0 +1,48 @@
+"""The block-scaled FP8 GEMM (kernels/fp8_gemm.py) on the CPU under Triton's interpreter, against model/fp8.py's
+`reference` (the same products from the dequantized operands, float32): rows, outputs and inputs that are not
+multiples of the tiles or the 128x128 scale blocks. The GPU suite runs it compiled (tests/gpu/test_quantized_gpu.py).
+The interpreter is chosen when `triton.jit` runs (TRITON_INTERPRET=1 at import), so the cases run in a process
+of their own."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = r'''
+import json, sys
+import torch
+import triton.runtime.interpreter as interp
+
+_patch = interp._patch_lang_tensor
+def _index_of_one(tensor, *scope):     # numpy 2 refuses int() of a 1-element array (as in test_cascade_kernel)
+    _patch(tensor, *scope)
+    index = lambda self: int(self.handle.data.reshape(-1)[0])
+    scope[0].set_attr(tensor, "__index__", index) if scope else setattr(tensor, "__index__", index)
+interp._patch_lang_tensor = _index_of_one
+
+sys.path.insert(0, sys.argv[1])
+from quantized_checkpoints import fp8_blocks
+from lmbatch.kernels.fp8_gemm import block_fp8_gemm
+from lmbatch.model.fp8 import quantize_activations, reference
+
+torch.manual_seed(0)
+out = []
+for m, n, k in [(1, 256, 256), (20, 320, 300), (70, 128, 384)]:
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    wq, ws = fp8_blocks(w)
+    xq, xs = quantize_activations(x, 128)
+    got = block_fp8_gemm(xq, xs, wq, ws.contiguous(), (128, 128), torch.float32)
+    want = reference(x, wq, ws, (128, 128))
+    out.append([float((got - want).abs().max()), float(want.abs().max())])
+print(json.dumps(out))
+'''
+
+
+def test_block_fp8_gemm_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    tests = str(Path(__file__).parents[1])
+    res = subprocess.run([sys.executable, "-c", SCRIPT, tests], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for worst, scale in json.loads(res.stdout.strip().splitlines()[-1]):
+        assert worst < 1e-5 * scale * 10, (worst, scale)        # float32 sums in another order
