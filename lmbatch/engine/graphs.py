@@ -2,10 +2,11 @@
 
 A decode step of B sequences (one new token each) is launch-bound: dozens of small kernels per layer.
 Each bucket's whole forward is captured once over static input buffers and replayed; attention
-inside the graph is our Triton decode kernel (split over key ranges, a KV head's query heads
-together), which reads its metadata (kv_indptr, kv_indices) from device buffers refreshed before
-each replay. A batch is padded up to its bucket: padding rows read and
-write one scratch KV slot that the pool never hands out.
+inside the graph is our Triton decode kernel (a KV head's query heads together; split over key ranges
+where rows are few), or in large buckets the cascade kernel (rows' shared radix-tree levels read once
+per block of rows), which read their metadata (kv_indptr, kv_indices, level tables) from device buffers
+refreshed before each replay. A batch is padded up to its bucket: padding rows read and write one
+scratch KV slot that the pool never hands out.
 """
 from __future__ import annotations
 
