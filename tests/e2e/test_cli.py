@@ -188,7 +188,7 @@ def test_report_of_real_runs_stderr_paired_compare_and_html(tiny, tmp_path):
     candidate scheduled otherwise scores the same instances the same (McNemar p 1); the HTML report of both."""
     from conftest import assert_self_contained_html
 
-    from lmbatch.results.report import load_run
+    from lmbatch.results.runs import load_run
     from lmbatch.results.stats import mean_stderr
 
     for name, extra in (("base", []), ("random", ["--schedule", "random"])):
@@ -200,7 +200,7 @@ def test_report_of_real_runs_stderr_paired_compare_and_html(tiny, tmp_path):
     acc = [m["acc"] for m in pq.read_table(tmp_path / "base" / "instances.parquet").to_pydict()["metrics"]
            for m in [dict(m)]]
     assert (task.n, task.failed, task.primary_metric) == (6, 0, "acc")
-    assert task.metrics["acc"] == pytest.approx(base.summary["metrics"]["acc"]) and len(acc) == 6
+    assert task.metrics["acc"] == pytest.approx((base.summary.metrics or {})["acc"]) and len(acc) == 6
     assert task.stderr["acc"] == pytest.approx(mean_stderr(acc))
     rows = json.loads(lmbatch("report", tmp_path / "base", "--format", "json").output)
     assert rows[0]["accuracy_stderr"] == pytest.approx(mean_stderr(acc))

@@ -21,7 +21,7 @@ from lmbatch.frontend.registry import get_workload
 from lmbatch.frontend.workload import LoadArgs
 from lmbatch.options import RunOptions
 from lmbatch.programs import hellaswag
-from lmbatch.rundir.rundir import fingerprint
+from lmbatch.run.identity import fingerprint
 
 RECORD = {"method": "fp8", "weights": "FP8 e4m3, a scale per 128x128 block", "activations": "dynamic"}
 
