@@ -176,6 +176,25 @@ def instance_rows(t: pa.Table) -> list[InstanceRow]:
     return [InstanceRow(**{**d, "metrics": dict(d["metrics"])}) for d in t.to_pylist()]
 
 
+def numbered(path: Path) -> list[tuple[int, str]]:
+    """The (number, id) of each instance of a part's instances file."""
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(path, columns=["number", "id"])
+    return list(zip(t.column("number").to_pylist(), t.column("id").to_pylist()))
+
+
+def in_order(instances: pa.Table, requests: pa.Table) -> tuple[pa.Table, pa.Table]:
+    """Parts' rows in the final files' order: instances by number, requests by attempt, then in the order their
+    results became final."""
+    return instances.sort_by("number"), requests.sort_by([("attempt", "ascending"), ("order", "ascending")])
+
+
+def unnumbered(instances: pa.Table) -> pa.Table:
+    """Instance rows as instances.parquet holds them: without the number a part keeps them by."""
+    return instances.drop_columns(["number"])
+
+
 @dataclass
 class InstanceScores:
     """What `lmbatch report` reads of an instance row: its task, id, metrics (None where it failed) and token

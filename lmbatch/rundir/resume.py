@@ -15,7 +15,7 @@ from lmbatch.errors import UserError, first_line
 from lmbatch.rundir.codec import RecordError
 from lmbatch.rundir.layout import PART_KINDS, PARTS, RUN_JSON, SUMMARY, part_file, part_files, temporaries
 from lmbatch.rundir.place import Claim, clean_up, refuse_foreign
-from lmbatch.rundir.records import FileRecord, PartRecord, RunRecord, sha256
+from lmbatch.rundir.records import FileRecord, PartRecord, RunRecord, numbered, sha256
 
 
 @dataclass
@@ -104,8 +104,7 @@ def read_parts(run: Path, parts: dict[str, PartRecord]) -> dict[int, str]:
         if recorded is None:
             parts[name] = PartRecord(*(FileRecord.of(files[k], pq.ParquetFile(files[k]).metadata.num_rows)
                                        for k in PART_KINDS))
-        table = pq.read_table(files["instances"], columns=["number", "id"])
-        for number, iid in zip(table.column("number").to_pylist(), table.column("id").to_pylist()):
+        for number, iid in numbered(files["instances"]):
             if number in saved:
                 raise _damaged(run, files["instances"], f"instance {iid} is in two parts")
             saved[number] = iid

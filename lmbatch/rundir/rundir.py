@@ -40,10 +40,12 @@ from lmbatch.rundir.records import (
     RequestRow,
     RunRecord,
     Summary,
+    in_order,
     instance_rows,
     instance_schema,
     request_schema,
     table,
+    unnumbered,
 )
 from lmbatch.rundir.resume import Kept
 
@@ -201,14 +203,13 @@ class RunDir:
             names = sorted(record.parts)
             inst = pa.concat_tables([pq.read_table(part_file(self.parts_dir, n, "instances")) for n in names]
                                     or [instance_schema(part=True).empty_table()])
-            inst = inst.sort_by("number")
             # a part an older lmbatch wrote lacks the task column: null there
             reqs = pa.concat_tables([pq.read_table(part_file(self.parts_dir, n, "requests")) for n in names]
                                     or [request_schema(self.with_tokens, part=True).empty_table()],
                                     promote_options="default")
-            reqs = reqs.sort_by([("attempt", "ascending"), ("order", "ascending")])
+            inst, reqs = in_order(inst, reqs)
             _at(INSTANCES)
-            write_table(self.path / INSTANCES, inst.drop_columns(["number"]))
+            write_table(self.path / INSTANCES, unnumbered(inst))
             _at(REQUESTS)
             write_table(self.path / REQUESTS, reqs)
             self._attempt_so_far(record, execute_s)
