@@ -160,7 +160,7 @@ app.command(cls=_Command)(run)
 @app.command(cls=_Command)
 def tasks() -> None:
     """List the built-in tasks, then the suites (`lmbatch run SUITE`, or `lmbatch run TASK,TASK,...`)."""
-    from lmbatch.frontend.registry import SUITES, get_workload, workload_names
+    from lmbatch.programs.registry import SUITES, get_workload, workload_names
 
     for name in workload_names():
         typer.echo(f"{name:20s} {get_workload(name).description}")

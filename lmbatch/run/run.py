@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lmbatch.errors import Interrupted, UserError, first_line
-from lmbatch.frontend.registry import get_workload
 from lmbatch.frontend.workload import Workload
 from lmbatch.options import RunOptions, check, engine_spec
+from lmbatch.programs.registry import get_workload
 from lmbatch.run import identity, summary
 from lmbatch.run.loading import ModelLoader
 from lmbatch.run.parts import Every, PartWriter, Stop

@@ -363,8 +363,8 @@ def test_an_interrupted_run_names_the_folder_to_resume(tmp_path):
 def test_an_empty_run_id_is_refused_before_any_work(tmp_path):
     """`--run-id ""` used to get a timestamped folder whose interruption advised re-running the same
     command, which then started over elsewhere."""
-    from lmbatch.frontend.registry import get_workload
     from lmbatch.options import check
+    from lmbatch.programs.registry import get_workload
 
     with pytest.raises(UserError, match="--run-id '' is empty"):
         check(RunOptions.of(task="mmlu", run_id=""), get_workload("mmlu"))
