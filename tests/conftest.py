@@ -13,6 +13,7 @@ from transformers import (
     MistralConfig,
     MixtralConfig,
     Olmo2Config,
+    Olmo3Config,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
@@ -64,6 +65,13 @@ TINY_CONFIGS = {
     "mistral": lambda: MistralConfig(**TINY, sliding_window=12),
     "phi3": lambda: Phi3Config(**TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "olmo2": lambda: Olmo2Config(**TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # a sliding (layer 0) and a full layer (1), YaRN on the full one only
+    "olmo3": lambda: Olmo3Config(
+        **TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=12,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 10000.0,
+                                            "original_max_position_embeddings": 64}}),
     # sliding (layer 0) and global (layer 1) layers; caps small enough to bite on random weights
     "gemma2": lambda: Gemma2Config(**TINY, head_dim=16, sliding_window=12, query_pre_attn_scalar=24,
                                    attn_logit_softcapping=2.0, final_logit_softcapping=5.0),

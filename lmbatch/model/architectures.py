@@ -37,6 +37,9 @@ class Architecture:
     sliding_every: int = 0          # "pattern": the period, unless config.json's `sliding_every_field` gives it
     sliding_every_field: str = ""
     null_is_default: tuple[str, ...] = ()   # fields whose null in config.json is the default
+    # RoPE parameters per layer type (Gemma 3, OLMo 3): scaling (v4 rope_scaling too) on full layers only, sliding
+    # layers unscaled at their own base (v4: `rope_local_base_freq`, else the class's default base)
+    rope_per_layer_type: bool = False
     # the network's deltas from Llama (ModelConfig's fields of the same names)
     qkv_bias: bool = False          # q/k/v biases whatever `attention_bias` says
     qk_norm: str = ""               # "head": RMSNorm of each head's q and k; "proj": of the projections
@@ -98,7 +101,11 @@ ARCHITECTURES: dict[str, Architecture] = {
                                  "rope_local_base_freq": 10000.0},
                                 "GemmaTokenizer", layer_types="pattern", sliding_every=6,
                                 sliding_every_field="sliding_window_pattern", qk_norm="head", norm_layout="sandwich",
-                                gemma_scaling=True),
+                                gemma_scaling=True, rope_per_layer_type=True),
+    "olmo3": Architecture("OLMo 3 (OLMo 2 with sliding-window layers, three in four; scaled RoPE on full layers only)",
+                          {**_LLAMA_LIKE, "rms_norm_eps": 1e-5, "eos_token_id": 50279, "rope_theta": 500000.0,
+                           "sliding_window": 4096}, "TokenizersBackend", layer_types="pattern", sliding_every=4,
+                          qk_norm="proj", norm_layout="post", rope_per_layer_type=True),
 }
 # experts already stacked in the checkpoint ([E, ...], as transformers 5 saves Qwen3-MoE and Mixtral)
 STACKED_EXPERTS = {"mlp.experts.gate_up_proj": "mlp.gate_up_proj", "mlp.experts.down_proj": "mlp.down_proj"}

@@ -121,6 +121,19 @@ def _reduce(x: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
     return x if tp is None else tp.all_reduce(x)
 
 
+def _split_proj_norms(q_norm: RMSNorm, k_norm: RMSNorm, q: torch.Tensor, k: torch.Tensor,
+                      tp: TensorParallel) -> tuple[torch.Tensor, torch.Tensor]:
+    """OLMo's RMSNorms over the whole q and k projections when their heads are split over ranks: each
+    rank's sums of squares, summed over the ranks (one all-reduce for both), normalize its slice."""
+    squares = torch.stack([q.float().pow(2).sum(-1), k.float().pow(2).sum(-1)])
+    tp.all_reduce(squares)
+    out = []
+    for x, norm, ss in ((q, q_norm, squares[0]), (k, k_norm, squares[1])):
+        xf = x.float() * torch.rsqrt(ss[:, None] / (x.shape[-1] * tp.size) + norm.eps)
+        out.append(norm.weight * xf.to(x.dtype))
+    return out[0], out[1]
+
+
 class Attention(nn.Module):
     """Heads and KV heads: this rank's, under tensor parallelism (cfg is then one rank's shape)."""
 
@@ -143,7 +156,9 @@ class Attention(nn.Module):
         T = x.shape[0]
         cos, sin = rope["local"] if self.window is not None and "local" in rope else rope["global"]
         q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
-        if self.qk_norm == "proj":
+        if self.qk_norm == "proj" and self.tp is not None:
+            q, k = _split_proj_norms(self.q_norm, self.k_norm, q, k, self.tp)
+        elif self.qk_norm == "proj":
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         elif self.qk_norm == "head":
             q = self.q_norm(q.reshape(T * self.nh, self.hd))
@@ -317,7 +332,8 @@ class Transformer(nn.Module):
                 inv = self.cfg.inv_freq(local=kind == "local").float().double()
                 self._inv_freq[pos.device, kind] = inv.to(pos.device)
             freqs = pos[:, None].double() * self._inv_freq[pos.device, kind][None, :]
-            out[kind] = (freqs.cos().float(), freqs.sin().float())
+            scale = self.cfg.rope_attention_factor(local=kind == "local")     # YaRN's; else 1
+            out[kind] = ((freqs.cos() * scale).float(), (freqs.sin() * scale).float())
         return out
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -6,10 +6,12 @@
 - embedding and LM head: vocabulary-parallel (rows split, padded to equal slices): a token's
   embedding comes from the rank holding its row (summed over ranks), the logits are gathered.
 
-Norms, the router and RoPE are whole on every rank. The network sees a config whose head counts
-and intermediate sizes are one rank's (`shard_config`), so the KV pool, the attention backend and
-the decode graphs need nothing else; it calls `all_reduce` after each row-parallel projection and
-`gather` on the logits. Collectives go through torch.distributed (NCCL on CUDA, gloo on CPU).
+Norms, the router and RoPE are whole on every rank, but for OLMo's q/k norms over whole projections:
+each rank holds its heads' slice of their weights, and their sums of squares are summed over the ranks.
+The network sees a config whose head counts and intermediate sizes are one rank's (`shard_config`), so
+the KV pool, the attention backend and the decode graphs need nothing else; it calls `all_reduce` after
+each row-parallel projection and `gather` on the logits. Collectives go through torch.distributed
+(NCCL on CUDA, gloo on CPU).
 """
 from __future__ import annotations
 
@@ -53,8 +55,6 @@ def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
     if cfg.runtime != "native":
         raise ValueError(f"tensor parallelism needs lmbatch's own network; {cfg.model_type} runs through "
                          "transformers (the fallback)")
-    if cfg.qk_norm == "proj":
-        raise ValueError(f"tensor parallelism does not split {cfg.model_type}'s q/k norm over the whole projection")
     for name in ("num_heads", "num_kv_heads", "intermediate_size", "moe_intermediate_size"):
         if getattr(cfg, name) % size:
             raise ValueError(f"{size} ranks do not divide the model's {name} ({getattr(cfg, name)})")
@@ -86,6 +86,8 @@ def shard_tensor(key: str, t: torch.Tensor, full: ModelConfig, tp: TensorParalle
             a, b, c = t.split([q, kv, kv], 0)
             return torch.cat([_chunk(a, tp, 0), _chunk(b, tp, 0), _chunk(c, tp, 0)], 0)
         return _chunk(t, tp, 0)
+    if key.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")) and full.qk_norm == "proj":
+        return _chunk(t, tp, 0)                   # over the whole projection (OLMo): this rank's heads' part
     if key.endswith("mlp.gate_up_proj.weight"):
         return _chunk(t, tp, 0, 2 if t.shape[0] == 2 * full.intermediate_size else 1)
     if key.endswith("mlp.gate_up_proj"):          # stacked experts [E, 2i, H] or one expert's [i, H] part

@@ -68,6 +68,11 @@ VARIANTS = {
                                "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
     "gemma3-layer-types": {"model_type": "gemma3_text", **SIZES, "head_dim": 16,
                            "layer_types": ["full_attention", "sliding_attention"] * 3},
+    # v4 rope_scaling: the full layers' only; YaRN's attention factor and betas filled in
+    "olmo3-v4-yarn": {"model_type": "olmo3", **SIZES, "sliding_window": 16, "max_position_embeddings": 4096,
+                      "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512}},
+    "olmo3-layer-types": {"model_type": "olmo3", **SIZES, "layer_types": ["full_attention", "sliding_attention"] * 3,
+                          "rope_theta": 10000.0},
 }
 
 
