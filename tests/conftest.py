@@ -18,6 +18,7 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
+    SmolLM3Config,
 )
 
 from lmbatch.requests import ScoreRequest
@@ -72,6 +73,9 @@ TINY_CONFIGS = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 10000.0,
                                             "original_max_position_embeddings": 64}}),
+    # NoPE every second layer (layer 1), which slides
+    "smollm3": lambda: SmolLM3Config(**TINY, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=12,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # sliding (layer 0) and global (layer 1) layers; caps small enough to bite on random weights
     "gemma2": lambda: Gemma2Config(**TINY, head_dim=16, sliding_window=12, query_pre_attn_scalar=24,
                                    attn_logit_softcapping=2.0, final_logit_softcapping=5.0),

@@ -31,12 +31,15 @@ class Architecture:
     tokenizer: str = ""             # TOKENIZER_MAPPING_NAMES' class ("": none; AutoTokenizer's default)
     hub_tokenizer_wrong: bool = False   # in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
     # what the config class derives: "" nothing; "qwen": sliding layers from max_window_layers, and
-    # `sliding_window` only when `use_sliding_window`; "pattern": every `sliding_every`-th layer full
+    # `sliding_window` only when `use_sliding_window`; "pattern": every `sliding_every`-th layer full;
+    # "nope": the NoPE layers slide where `use_sliding_window` (SmolLM3)
     layer_types: str = ""
     sliding_switch: bool = False    # `use_sliding_window` off means no window (Qwen)
     sliding_every: int = 0          # "pattern": the period, unless config.json's `sliding_every_field` gives it
     sliding_every_field: str = ""
     null_is_default: tuple[str, ...] = ()   # fields whose null in config.json is the default
+    nope_every: int = 0             # `no_rope_layers` (1: RoPE, 0: none) default to NoPE every this many layers,
+    #                                 or every `no_rope_layer_interval` (SmolLM3); 0: every layer rotates
     # RoPE parameters per layer type (Gemma 3, OLMo 3): scaling (v4 rope_scaling too) on full layers only, sliding
     # layers unscaled at their own base (v4: `rope_local_base_freq`, else the class's default base)
     rope_per_layer_type: bool = False
@@ -75,6 +78,11 @@ ARCHITECTURES: dict[str, Architecture] = {
          "mlp_only_layers": []},
         "Qwen2Tokenizer", sliding_switch=True, null_is_default=("mlp_only_layers",), qk_norm="head",
         experts=Experts()),
+    "smollm3": Architecture("SmolLM3 (Llama with no RoPE on every fourth layer: NoPE)",
+                            {**_LLAMA_LIKE, "num_key_value_heads": 4, "max_position_embeddings": 32768,
+                             "eos_token_id": 128001, "rope_theta": 2000000.0, "tie_word_embeddings": True,
+                             "use_sliding_window": False, "sliding_window": None, "no_rope_layer_interval": 4},
+                            layer_types="nope", nope_every=4),
     "mistral": Architecture("Mistral (sliding-window attention)",
                             {**_LLAMA_LIKE, "num_key_value_heads": 8, "max_position_embeddings": 131072,
                              "sliding_window": 4096}, "MistralCommonBackend"),

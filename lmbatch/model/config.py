@@ -42,6 +42,9 @@ def _with_defaults(raw: dict) -> dict:
         c["num_key_value_heads"] = c["num_attention_heads"]
     if arch.sliding_switch and not c.get("use_sliding_window"):
         c["sliding_window"] = None
+    if arch.nope_every and c.get("no_rope_layers") is None:     # 1: the layer rotates; 0: NoPE
+        every = c.get("no_rope_layer_interval") or arch.nope_every
+        c["no_rope_layers"] = [int((i + 1) % every != 0) for i in range(c["num_hidden_layers"])]
     if arch.layer_types and c.get("layer_types") is None:
         c["layer_types"] = _layer_types(arch, c)
     for name in arch.null_is_default:
@@ -57,6 +60,9 @@ def _layer_types(arch: Architecture, c: dict) -> list[str]:
     if arch.layer_types == "qwen":
         return ["sliding_attention" if c["sliding_window"] is not None and i >= c["max_window_layers"]
                 else "full_attention" for i in range(n)]
+    if arch.layer_types == "nope":          # SmolLM3: its NoPE layers slide, where a window is switched on
+        return ["sliding_attention" if c.get("use_sliding_window") and c.get("sliding_window") is not None
+                and not c["no_rope_layers"][i] else "full_attention" for i in range(n)]
     every = int(c.get(arch.sliding_every_field) or arch.sliding_every) if arch.sliding_every_field else \
         arch.sliding_every
     return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
@@ -87,6 +93,8 @@ def _layer_windows(hf: Any) -> tuple[int | None, ...]:
     """Each layer's sliding window: transformers' `layer_types` where the config has them; else the
     config's `sliding_window` for every layer (mistral, mixtral, phi3), unless `use_sliding_window` is off."""
     window = getattr(hf, "sliding_window", None)
+    if getattr(hf, "use_sliding_window", True) is False:     # switched off whatever the layer types say
+        window = None
     layer_types = getattr(hf, "layer_types", None)
     if layer_types:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
@@ -200,6 +208,7 @@ class ModelConfig:
     qk_norm: str = ""           # "head": RMSNorm of each head's q and k (qwen3); "proj": of the projections (olmo2)
     norm_layout: str = "pre"    # "pre": norm before attention and MLP (llama); "post": after each (olmo2)
     layer_windows: tuple[int | None, ...] = ()  # per layer: keys a query sees (itself included), None: all
+    nope_layers: tuple[bool, ...] = ()          # per layer: no RoPE at all (SmolLM3's NoPE layers)
     num_experts: int = 0            # routed experts of a sparse MLP (0: dense model)
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
@@ -250,6 +259,7 @@ class ModelConfig:
             qk_norm=arch.qk_norm,
             norm_layout=arch.norm_layout,
             layer_windows=_layer_windows(hf),
+            nope_layers=tuple(not r for r in hf.no_rope_layers[:hf.num_hidden_layers]) if arch.nope_every else (),
             num_experts=experts,
             experts_per_token=int(getattr(hf, "num_experts_per_tok", 0) or 0) if experts else 0,
             moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size)

@@ -142,6 +142,7 @@ class Attention(nn.Module):
         self.layer, self.tp = layer, tp
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = cfg.layer_windows[layer] if cfg.layer_windows else None
+        self.rope = not (cfg.nope_layers and cfg.nope_layers[layer])      # SmolLM3's NoPE layers: none
         self.qkv_proj = Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
         self.qk_norm = cfg.qk_norm
@@ -164,7 +165,9 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(T * self.nh, self.hd))
             k = self.k_norm(k.reshape(T * self.nkv, self.hd))
         q, k, v = q.view(T, self.nh, self.hd), k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd)
-        if (kern := _use_fused(x)) is not None:
+        if not self.rope:
+            pass
+        elif (kern := _use_fused(x)) is not None:
             kern.rope_(q, k, cos, sin)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -71,6 +71,10 @@ VARIANTS = {
     # v4 rope_scaling: the full layers' only; YaRN's attention factor and betas filled in
     "olmo3-v4-yarn": {"model_type": "olmo3", **SIZES, "sliding_window": 16, "max_position_embeddings": 4096,
                       "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512}},
+    "smollm3-nope-list-window-off": {"model_type": "smollm3", **SIZES, "no_rope_layers": [1, 0, 1, 1, 0, 1],
+                                     "sliding_window": 16},
+    "smollm3-interval-window": {"model_type": "smollm3", **SIZES, "no_rope_layer_interval": 3,
+                                "use_sliding_window": True, "sliding_window": 16},
     "olmo3-layer-types": {"model_type": "olmo3", **SIZES, "layer_types": ["full_attention", "sliding_attention"] * 3,
                           "rope_theta": 10000.0},
 }

@@ -78,6 +78,7 @@ def test_eight_decode_steps(tiny_model):
     ("gemma2", {"norm_offset": 0.0}), ("gemma2", {"embed_scale": 1.0}), ("gemma2", {"attn_scale": None}),
     ("gemma2", {"activation": "silu"}),
     ("gemma3_text", {"local_rope_theta": None}), ("gemma3_text", {"rope_scaling": {}}),
+    ("smollm3", {"nope_layers": ()}), ("smollm3", {"layer_windows": ()}),
     ("olmo3", {"layer_windows": ()}), ("olmo3", {"local_rope_theta": None}), ("olmo3", {"rope_scaling": {}}),
 ])
 def test_each_delta_matters(kind, change, tmp_path):
