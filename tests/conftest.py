@@ -9,6 +9,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    Glm4MoeConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -73,6 +74,11 @@ TINY_CONFIGS = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 10000.0,
                                             "original_max_position_embeddings": 64}}),
+    # a dense layer, then two of 8 experts in 4 groups (the best 2 groups' experts chosen from) beside a
+    # shared expert; RoPE on half of each head; q/k norms and q/k/v biases
+    "glm4_moe": lambda: Glm4MoeConfig(**{**TINY, "num_hidden_layers": 3}, moe_intermediate_size=32, n_routed_experts=8,
+                                      num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                      use_qk_norm=True, attention_bias=True),
     # NoPE every second layer (layer 1), which slides
     "smollm3": lambda: SmolLM3Config(**TINY, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=12,
                                      pad_token_id=0, bos_token_id=1, eos_token_id=2),
@@ -101,6 +107,9 @@ def make_tiny_hf(kind: str, path, seed: int = 0, **overrides):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.08 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):     # DeepSeek's router bias: a buffer, saved
+                b.copy_(0.1 * torch.randn_like(b))
     model.eval()
     model.save_pretrained(path)
     return model

@@ -22,6 +22,12 @@ class Experts:
     by_config: bool = True          # its config has mlp_only_layers and decoder_sparse_step (else every layer routes)
     norm_topk_prob: bool | None = None          # forced (None: config.json's)
     router_weights_in_model_dtype: bool = True  # the routing weights rounded to the model dtype
+    # "softmax": the top k of the router's softmax; "sigmoid" (DeepSeek-V3's, GLM-4.5's): sigmoid scores plus
+    # a correction bias choose the experts within the best `topk_group` of `n_group` groups, the scores
+    # weight them (renormalized where norm_topk_prob) times routed_scaling_factor; router in float32
+    routing: str = "softmax"
+    shared: bool = False            # a dense MLP of n_shared_experts x the expert width beside the routed experts
+    dense_first: bool = False       # the first first_k_dense_replace layers are dense (else every layer routes)
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,10 @@ class Architecture:
     # the network's deltas from Llama (ModelConfig's fields of the same names)
     qkv_bias: bool = False          # q/k/v biases whatever `attention_bias` says
     qk_norm: str = ""               # "head": RMSNorm of each head's q and k; "proj": of the projections
+    qk_norm_field: str = ""         # config.json's switch of the q/k norm (GLM-4.5's use_qk_norm; "": always)
+    partial_rotary: bool = False    # RoPE may rotate a fraction of each head (partial_rotary_factor)
+    mtp_field: str = ""             # config.json's count of multi-token-prediction layers stored after the
+    #                                 decoder's (not run for scoring: their tensors are skipped)
     norm_layout: str = "pre"        # "pre", "post" (after attention and MLP) or "sandwich" (both)
     gemma_scaling: bool = False     # RMSNorm times (1 + w), embeddings times sqrt(hidden), query_pre_attn_scalar
     experts: Experts | None = None
@@ -83,6 +93,17 @@ ARCHITECTURES: dict[str, Architecture] = {
                              "eos_token_id": 128001, "rope_theta": 2000000.0, "tie_word_embeddings": True,
                              "use_sliding_window": False, "sliding_window": None, "no_rope_layer_interval": 4},
                             layer_types="nope", nope_every=4),
+    "glm4_moe": Architecture(
+        "GLM-4.5 (routed experts by biased, group-limited sigmoid scores beside a shared expert; dense first "
+        "layers; RoPE on half of each head; optional q/k norm)",
+        {**_LLAMA_LIKE, "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+         "eos_token_id": None, "partial_rotary_factor": 0.5, "moe_intermediate_size": 1408, "num_experts_per_tok": 8,
+         "n_shared_experts": 1, "num_local_experts": 128, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+         "first_k_dense_replace": 1, "norm_topk_prob": True, "use_qk_norm": False, "num_nextn_predict_layers": 1},
+        "TokenizersBackend", qk_norm="head", qk_norm_field="use_qk_norm", partial_rotary=True,
+        mtp_field="num_nextn_predict_layers",
+        experts=Experts(by_config=False, router_weights_in_model_dtype=False, routing="sigmoid", shared=True,
+                        dense_first=True)),
     "mistral": Architecture("Mistral (sliding-window attention)",
                             {**_LLAMA_LIKE, "num_key_value_heads": 8, "max_position_embeddings": 131072,
                              "sliding_window": 4096}, "MistralCommonBackend"),

@@ -36,8 +36,10 @@ def _with_defaults(raw: dict) -> dict:
     sliding window."""
     arch = ARCHITECTURES[raw["model_type"]]
     c = {**arch.defaults, **raw}
-    if "num_experts" in c:              # an alias of num_local_experts (the config classes' attribute_map)
-        c["num_local_experts"] = c.pop("num_experts")
+    for alias, name in (("num_experts", "num_local_experts"), ("n_routed_experts", "num_local_experts"),
+                        ("num_mtp_layers", "num_nextn_predict_layers")):    # the config classes' attribute_map
+        if alias in c:
+            c[name] = c.pop(alias)
     if c.get("num_key_value_heads") is None:
         c["num_key_value_heads"] = c["num_attention_heads"]
     if arch.sliding_switch and not c.get("use_sliding_window"):
@@ -130,8 +132,6 @@ def _rope(hf: Any, arch: Architecture) -> tuple[float, dict, float | None]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
-    if params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None) or 1.0) != 1.0:
-        raise ValueError("partial rotary embeddings are not supported")
     scaling = {k: v for k, v in params.items() if k not in ("type", "partial_rotary_factor")}
     scaling["rope_type"] = rope_type
     if rope_type in ("llama3", "yarn"):
@@ -177,11 +177,48 @@ def _activation(hf: Any) -> str:
     return ACTIVATIONS[act]
 
 
-def _sparse_layers(hf: Any, experts: int) -> tuple[bool, ...]:
+def _rotary_dim(hf: Any, arch: Architecture, head_dim: int) -> int:
+    """The dimensions of a head RoPE rotates where not all of them (GLM-4.5: partial_rotary_factor); 0: all."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    params = params.get("full_attention") or params if "full_attention" in params else params
+    factor = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None) or 1.0)
+    if factor == 1.0:
+        return 0
+    if not arch.partial_rotary:
+        raise ValueError(f"partial rotary embeddings (partial_rotary_factor {factor}) are not supported for "
+                         f"{hf.model_type}")
+    return int(head_dim * factor)
+
+
+def _expert_fields(hf: Any, kind: str) -> dict:
+    """ModelConfig's fields of the routed experts (none for a dense model)."""
+    routing = experts_of(kind)
+    experts = int(getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0)
+    if not experts:
+        return {}
+    fields: dict[str, Any] = dict(
+        num_experts=experts, experts_per_token=int(getattr(hf, "num_experts_per_tok", 0) or 0),
+        moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size),
+        norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)) if routing.norm_topk_prob is None
+        else routing.norm_topk_prob,
+        router_weights_in_model_dtype=routing.router_weights_in_model_dtype,
+        sparse_layers=_sparse_layers(hf, experts, routing.dense_first))
+    if routing.routing == "sigmoid":
+        fields.update(router="sigmoid", n_group=int(hf.n_group or 1), topk_group=int(hf.topk_group or 1),
+                      routed_scaling_factor=float(hf.routed_scaling_factor))
+    if routing.shared:
+        fields["shared_experts_size"] = int(hf.n_shared_experts or 0) * fields["moe_intermediate_size"]
+    return fields
+
+
+def _sparse_layers(hf: Any, experts: int, dense_first: bool = False) -> tuple[bool, ...]:
     """Which layers route to experts: every one for mixtral; for qwen3_moe those not in `mlp_only_layers`
-    at every `decoder_sparse_step`-th layer."""
+    at every `decoder_sparse_step`-th layer; for DeepSeek's and GLM's, all after the first
+    `first_k_dense_replace`."""
     if not experts:
         return ()
+    if dense_first:
+        return tuple(i >= int(hf.first_k_dense_replace or 0) for i in range(hf.num_hidden_layers))
     only_mlp = set(getattr(hf, "mlp_only_layers", None) or [])
     step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
     return tuple(i not in only_mlp and (i + 1) % step == 0 for i in range(hf.num_hidden_layers))
@@ -215,6 +252,13 @@ class ModelConfig:
     norm_topk_prob: bool = True     # renormalize the top-k routing weights to sum to one
     router_weights_in_model_dtype: bool = True   # qwen3_moe rounds routing weights to the model dtype; mixtral does not
     sparse_layers: tuple[bool, ...] = ()         # per layer: MLP is the routed experts (else dense)
+    router: str = "softmax"         # "softmax" or "sigmoid" (DeepSeek's: see architectures.Experts.routing)
+    n_group: int = 1                # "sigmoid": experts in n_group groups, chosen within the best topk_group
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_experts_size: int = 0    # width of the shared experts' MLP beside the routed ones (0: none)
+    rotary_dim: int = 0             # dimensions of each head RoPE rotates, the first ones (0: all)
+    mtp_layers: int = 0             # multi-token-prediction layers stored after the decoder's (not run)
     # Gemma: "sandwich" norm layout (norms before and after attention and MLP), RMSNorm scaling by
     # (1 + w) in float32, embeddings times sqrt(hidden), tanh soft-capping of attention and final logits
     norm_offset: float = 0.0        # RMSNorm multiplies by (norm_offset + weight)
@@ -234,12 +278,11 @@ class ModelConfig:
             raise ValueError(f"model_type {kind!r} is not supported natively ({', '.join(ARCHITECTURES)})")
         if getattr(hf, "use_bidirectional_attention", False):
             raise ValueError("bidirectional attention is not supported (causal LMs only)")
-        theta, rope_scaling, local_theta = _rope(hf, ARCHITECTURES[kind])
-        arch, routing = ARCHITECTURES[kind], experts_of(kind)
+        arch = ARCHITECTURES[kind]
+        theta, rope_scaling, local_theta = _rope(hf, arch)
         gemma = arch.gemma_scaling
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-        experts = int(getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0)
         return cls(
             model_type=kind,
             vocab_size=hf.vocab_size,
@@ -256,18 +299,13 @@ class ModelConfig:
             qkv_bias=arch.qkv_bias or bool(getattr(hf, "attention_bias", False)),
             rope_scaling=rope_scaling,
             eos_token_ids=_eos(hf),
-            qk_norm=arch.qk_norm,
+            qk_norm=arch.qk_norm if not arch.qk_norm_field or getattr(hf, arch.qk_norm_field, False) else "",
             norm_layout=arch.norm_layout,
             layer_windows=_layer_windows(hf),
             nope_layers=tuple(not r for r in hf.no_rope_layers[:hf.num_hidden_layers]) if arch.nope_every else (),
-            num_experts=experts,
-            experts_per_token=int(getattr(hf, "num_experts_per_tok", 0) or 0) if experts else 0,
-            moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size)
-            if experts else 0,
-            norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)) if routing.norm_topk_prob is None
-            else routing.norm_topk_prob,
-            router_weights_in_model_dtype=routing.router_weights_in_model_dtype,
-            sparse_layers=_sparse_layers(hf, experts),
+            rotary_dim=_rotary_dim(hf, arch, head_dim),
+            mtp_layers=int(getattr(hf, arch.mtp_field, 0) or 0) if arch.mtp_field else 0,
+            **_expert_fields(hf, kind),
             norm_offset=1.0 if gemma else 0.0,
             embed_scale=hf.hidden_size ** 0.5 if gemma else 1.0,
             attn_scale=float(hf.query_pre_attn_scalar) ** -0.5 if gemma else None,
@@ -321,7 +359,8 @@ class ModelConfig:
         h = self.hidden_size
         attention = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim + self.num_heads * self.head_dim * h
         dense = 3 * h * self.intermediate_size
-        sparse = self.experts_per_token * 3 * h * self.moe_intermediate_size + h * self.num_experts
+        sparse = (self.experts_per_token * self.moe_intermediate_size + self.shared_experts_size) * 3 * h \
+            + h * self.num_experts
         n_sparse = sum(self.sparse_layers)
         return self.num_layers * attention + (self.num_layers - n_sparse) * dense + n_sparse * sparse
 
@@ -330,7 +369,7 @@ class ModelConfig:
         those of sliding-window layers (their own base, unscaled, where the config gives them one)."""
         import torch
 
-        d = self.head_dim
+        d = self.rotary_dim or self.head_dim
         theta = self.local_rope_theta if local and self.local_rope_theta else self.rope_theta
         inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         s = self.rope_scaling

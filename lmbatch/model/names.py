@@ -17,6 +17,8 @@ FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.shared_experts.gate_proj": ("mlp.shared_experts.gate_up_proj", 0),     # DeepSeek's, GLM's
+    "mlp.shared_experts.up_proj": ("mlp.shared_experts.gate_up_proj", 1),
 }
 # one expert's weight, under any architecture's naming (architectures.py: Qwen3-MoE's, Mixtral's w1 gate,
 # w3 up, w2 down)
@@ -42,11 +44,22 @@ def renamed(name: str, tie_word_embeddings: bool) -> str | None:
     return ours
 
 
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def beyond_the_decoder(name: str, cfg: ModelConfig) -> bool:
+    """A tensor of the multi-token-prediction layers DeepSeek's and GLM's checkpoints store after the
+    decoder's (layers num_hidden_layers on, as many as config.json's count of them), which scoring does
+    not run: not loaded, as transformers skips them."""
+    m = _LAYER.match(name.removeprefix("model."))
+    return m is not None and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + cfg.mtp_layers
+
+
 def target(name: str, cfg: ModelConfig) -> str | None:
     """The parameter the checkpoint tensor `name` is copied into (a fused or stacked one: a slice of it), or
     None where it is not loaded. The parameter may not exist: `parameter_names` says."""
     ours = renamed(name, cfg.tie_word_embeddings)
-    if ours is None:
+    if ours is None or beyond_the_decoder(name, cfg):
         return None
     if m := EXPERT.fullmatch(ours):
         return f"{m.group(1)}.mlp.{'down_proj' if EXPERT_PART[m.group(3)] is None else 'gate_up_proj'}"
@@ -70,8 +83,16 @@ def parameter_names(cfg: ModelConfig) -> set[str]:
             names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
         # network.py: only a pre-norm Block routes to experts
         sparse = cfg.norm_layout not in ("post", "sandwich") and bool(cfg.sparse_layers) and cfg.sparse_layers[i]
-        names |= {p + "mlp.gate.weight", p + "mlp.gate_up_proj", p + "mlp.down_proj"} if sparse else \
-            {p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight"}
+        names |= _moe_names(cfg, p + "mlp.") if sparse else {p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight"}
+    return names
+
+
+def _moe_names(cfg: ModelConfig, p: str) -> set[str]:
+    names = {p + "gate.weight", p + "gate_up_proj", p + "down_proj"}
+    if cfg.router == "sigmoid":
+        names.add(p + "gate.e_score_correction_bias")
+    if cfg.shared_experts_size:
+        names |= {p + "shared_experts.gate_up_proj.weight", p + "shared_experts.down_proj.weight"}
     return names
 
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from lmbatch.attention.base import AttentionBackend, ForwardBatch
 from lmbatch.model.config import ModelConfig
+from lmbatch.model.routing import grouped_sigmoid_top_k, softmax_top_k
 from lmbatch.model.tensor_parallel import TensorParallel
 
 
@@ -68,6 +69,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.float().chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def _rope_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dims: int) -> torch.Tensor:
+    """RoPE on each head's first `dims` dimensions (partial rotary), the rest as they are."""
+    return torch.cat([apply_rope(x[..., :dims], cos, sin), x[..., dims:]], dim=-1)
 
 
 def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
@@ -143,6 +149,7 @@ class Attention(nn.Module):
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = cfg.layer_windows[layer] if cfg.layer_windows else None
         self.rope = not (cfg.nope_layers and cfg.nope_layers[layer])      # SmolLM3's NoPE layers: none
+        self.rotary = cfg.rotary_dim or self.hd                             # GLM-4.5: the first half of a head
         self.qkv_proj = Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
         self.qk_norm = cfg.qk_norm
@@ -167,6 +174,8 @@ class Attention(nn.Module):
         q, k, v = q.view(T, self.nh, self.hd), k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd)
         if not self.rope:
             pass
+        elif self.rotary < self.hd:
+            q, k = _rope_part(q, cos, sin, self.rotary), _rope_part(k, cos, sin, self.rotary)
         elif (kern := _use_fused(x)) is not None:
             kern.rope_(q, k, cos, sin)
         else:
@@ -176,22 +185,46 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
+    """SwiGLU (or GeGLU) of `width` (default: the config's intermediate size); with `tp`, this rank's slice,
+    summed over the ranks."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None, width: int = 0):
         super().__init__()
         self.activation, self.tp = cfg.activation, tp
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        width = width or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * width, bias=False)
+        self.down_proj = Linear(width, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _reduce(self.down_proj(act_mul(self.gate_up_proj(x), self.activation)), self.tp)
 
 
+class SigmoidRouter(nn.Module):
+    """DeepSeek-V3's and GLM-4.5's router (routing.grouped_sigmoid_top_k): float32 weights and correction
+    bias, as transformers keeps them whatever the model's dtype."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H = cfg.num_experts, cfg.hidden_size
+        self.weight = nn.Parameter(torch.empty(E, H, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32))
+        self.top_k, self.renorm, self.scale = cfg.experts_per_token, cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.groups, self.top_groups = cfg.n_group, cfg.topk_group
+        self.fixed = False
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = _linear(x.float(), self.weight, self.fixed)
+        return grouped_sigmoid_top_k(logits, self.e_score_correction_bias, self.top_k, (self.groups, self.top_groups),
+                                     self.renorm, self.scale)
+
+
 class MoE(nn.Module):
-    """Routed experts: a softmax router picks each token's top-k experts, whose SwiGLU MLPs' outputs are
-    summed with the routing weights (renormalized over the top k where the config says so). On CUDA
-    the experts run as two grouped GEMMs over the tokens sorted by expert (lmbatch.kernels.moe: no
+    """Routed experts: the router picks each token's top-k experts (a softmax's top k, renormalized where
+    the config says so; or DeepSeek's grouped sigmoid, `SigmoidRouter`), whose SwiGLU MLPs' outputs are
+    summed with the routing weights; shared experts (DeepSeek, GLM) are a dense MLP added to them. On
+    CUDA the experts run as two grouped GEMMs over the tokens sorted by expert (lmbatch.kernels.moe: no
     host synchronization, so decode steps can be CUDA graphs); elsewhere each expert runs once, on the
-    tokens routed to it."""
+    tokens routed to it. Under tensor parallelism every part is this rank's slice, summed once."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
@@ -199,25 +232,33 @@ class MoE(nn.Module):
         self.top_k, self.renorm = cfg.experts_per_token, cfg.norm_topk_prob
         self.weights_in_model_dtype = cfg.router_weights_in_model_dtype
         E, H, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate = Linear(H, E, bias=False)
+        self.gate: nn.Module = SigmoidRouter(cfg) if cfg.router == "sigmoid" else Linear(H, E, bias=False)
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * i, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, i))
+        # summed with the routed experts' partial outputs before the one reduction (hence no tp of its own)
+        self.shared_experts = MLP(cfg, None, cfg.shared_experts_size) if cfg.shared_experts_size else None
         self.fixed = False          # deterministic mode: each expert's GEMMs as fixed_linear (CPU path)
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(self.gate, SigmoidRouter):
+            weights, experts = self.gate(x)
+        else:
+            weights, experts = softmax_top_k(self.gate(x), self.top_k, self.renorm)
+        return (weights.to(x.dtype) if self.weights_in_model_dtype else weights), experts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.renorm:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.weights_in_model_dtype:
-            weights = weights.to(x.dtype)
+        weights, experts = self.route(x)
         if x.is_cuda and (kern := _kernels("moe")) is not None:
-            return _reduce(kern.fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts, act_mul), self.tp)
-        out = torch.zeros_like(x)
-        for e in experts.unique().tolist():
-            token, slot = torch.where(experts == e)
-            h = _linear(act_mul(_linear(x[token], self.gate_up_proj[e], self.fixed)), self.down_proj[e], self.fixed)
-            out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
+            out = kern.fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts, act_mul)
+        else:
+            out = torch.zeros_like(x)
+            for e in experts.unique().tolist():
+                token, slot = torch.where(experts == e)
+                h = _linear(act_mul(_linear(x[token], self.gate_up_proj[e], self.fixed)), self.down_proj[e],
+                            self.fixed)
+                out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         return _reduce(out, self.tp)
 
 
@@ -311,7 +352,7 @@ class Transformer(nn.Module):
         alone, not on what else its batch holds. The attention backend has its own switch."""
         self.deterministic = on
         for m in self.modules():
-            if isinstance(m, (Linear, MoE)):
+            if isinstance(m, (Linear, MoE, SigmoidRouter)):
                 m.fixed = on
 
     @classmethod

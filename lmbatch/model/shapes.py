@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 from lmbatch.model.architectures import ARCHITECTURES, EXPERT_NAMINGS, experts_of
 from lmbatch.model.config import ModelConfig
+from lmbatch.model.names import beyond_the_decoder
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -109,7 +110,8 @@ class _Shapes:
 
     def layers(self) -> None:
         n = self.cfg.num_layers
-        found = {int(m.group(1)) for key in self.tensors if (m := _LAYER.match(key))}
+        found = {int(m.group(1)) for key in self.tensors
+                 if (m := _LAYER.match(key)) and not beyond_the_decoder(key, self.cfg)}
         words = f"config.json num_hidden_layers is {n}"
         if not found:
             raise _Mismatch(f"{words} but there are no {self.prefix}layers.* tensors in {self.where}")
@@ -159,15 +161,21 @@ class _Shapes:
         named = next((b for b in sorted(EXPERT_NAMINGS, key=lambda b: b == "mlp")
                       if f"layers.{i}.{b}.gate.weight" in self.tensors), own.block)
         block = f"layers.{i}.{named}."
-        n = self.size("num_experts" if "num_experts" in self.raw else "num_local_experts", c.num_experts)
+        n = self.size(next((f for f in ("num_experts", "n_routed_experts") if f in self.raw), "num_local_experts"),
+                      c.num_experts)
         field = own.size_field
         inter = self.size(field, c.moe_intermediate_size)
         hidden = self.size("hidden_size", c.hidden_size)
         if block + "gate.weight" not in self.tensors:
             why = (f"yet config.json's mlp_only_layers and decoder_sparse_step make layer {i} one of routed experts"
-                   if own.by_config else f"and every layer of a {c.model_type} model routes to experts")
+                   if own.by_config else f"yet config.json's first_k_dense_replace makes layer {i} one of routed "
+                   "experts" if own.dense_first else f"and every layer of a {c.model_type} model routes to experts")
             raise _Mismatch(f"there is no {self.prefix}{block}gate.weight (the experts' router) in {self.where}, {why}")
         self.dims(block + "gate.weight", (n, "rows (experts)"), (hidden, "columns"))
+        if c.router == "sigmoid":
+            self.dims(block + "gate.e_score_correction_bias", (n, "entries"))
+        if c.shared_experts_size:
+            self.shared_experts(i)
         stacked = f"layers.{i}.mlp.experts."
         if stacked + "gate_up_proj" in self.tensors:
             both = (f"2 x {field} is 2 x {c.moe_intermediate_size} = {2 * c.moe_intermediate_size}",
@@ -181,3 +189,11 @@ class _Shapes:
             self.dims(f"{x}{gate}.weight", (inter, "rows"), (hidden, "columns"))
             self.dims(f"{x}{up}.weight", (inter, "rows"), (hidden, "columns"))
             self.dims(f"{x}{down}.weight", (hidden, "rows"), (inter, "columns"))
+
+    def shared_experts(self, i: int) -> None:
+        c, p = self.cfg, f"layers.{i}.mlp.shared_experts."
+        width = (f"n_shared_experts x moe_intermediate_size is {c.shared_experts_size}", c.shared_experts_size)
+        hidden = self.size("hidden_size", c.hidden_size)
+        self.dims(p + "gate_proj.weight", (width, "rows"), (hidden, "columns"))
+        self.dims(p + "up_proj.weight", (width, "rows"), (hidden, "columns"))
+        self.dims(p + "down_proj.weight", (hidden, "rows"), (width, "columns"))

@@ -55,12 +55,13 @@ def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
     if cfg.runtime != "native":
         raise ValueError(f"tensor parallelism needs lmbatch's own network; {cfg.model_type} runs through "
                          "transformers (the fallback)")
-    for name in ("num_heads", "num_kv_heads", "intermediate_size", "moe_intermediate_size"):
+    for name in ("num_heads", "num_kv_heads", "intermediate_size", "moe_intermediate_size", "shared_experts_size"):
         if getattr(cfg, name) % size:
             raise ValueError(f"{size} ranks do not divide the model's {name} ({getattr(cfg, name)})")
     return replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=cfg.num_kv_heads // size,
                    intermediate_size=cfg.intermediate_size // size,
-                   moe_intermediate_size=cfg.moe_intermediate_size // size)
+                   moe_intermediate_size=cfg.moe_intermediate_size // size,
+                   shared_experts_size=cfg.shared_experts_size // size)
 
 
 def _chunk(t: torch.Tensor, tp: TensorParallel, dim: int, parts: int = 1) -> torch.Tensor:
@@ -78,7 +79,8 @@ def shard_tensor(key: str, t: torch.Tensor, full: ModelConfig, tp: TensorParalle
         part = t[start:start + rows]
         out[:len(part)] = part
         return out
-    if key.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight", "mlp.down_proj")):
+    if key.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight", "mlp.down_proj",
+                     "shared_experts.down_proj.weight")):
         return _chunk(t, tp, t.dim() - 1)          # row-parallel: the input features (experts: [E, H, i])
     if key.endswith(("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias")):
         q, kv = full.num_heads * full.head_dim, full.num_kv_heads * full.head_dim
@@ -88,6 +90,8 @@ def shard_tensor(key: str, t: torch.Tensor, full: ModelConfig, tp: TensorParalle
         return _chunk(t, tp, 0)
     if key.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")) and full.qk_norm == "proj":
         return _chunk(t, tp, 0)                   # over the whole projection (OLMo): this rank's heads' part
+    if key.endswith("shared_experts.gate_up_proj.weight"):    # DeepSeek's, GLM's dense MLP beside the experts
+        return _chunk(t, tp, 0, 2 if t.shape[0] == 2 * full.shared_experts_size else 1)
     if key.endswith("mlp.gate_up_proj.weight"):
         return _chunk(t, tp, 0, 2 if t.shape[0] == 2 * full.intermediate_size else 1)
     if key.endswith("mlp.gate_up_proj"):          # stacked experts [E, 2i, H] or one expert's [i, H] part

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from lmbatch.model.config import ModelConfig
-from lmbatch.model.names import EXPERT, EXPERT_PART, FUSED, renamed
+from lmbatch.model.names import EXPERT, EXPERT_PART, FUSED, beyond_the_decoder, renamed
 from lmbatch.model.network import Transformer
 from lmbatch.model.tensor_parallel import shard_tensor
 
@@ -42,7 +42,7 @@ def _fused_slice(model: Transformer, target: str, shard: int) -> slice:
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         starts = [0, q, q + kv, q + 2 * kv]
     else:
-        i = cfg.intermediate_size
+        i = cfg.shared_experts_size if target.endswith("shared_experts.gate_up_proj") else cfg.intermediate_size
         starts = [0, i, 2 * i]
     return slice(starts[shard], starts[shard + 1])
 
@@ -66,7 +66,7 @@ def load_weights(model: Transformer, source: str | Path | dict[str, torch.Tensor
     tp = model.tp
     for name, whole in tensors:
         ours = renamed(name, model.lm_head is None)
-        if ours is None:
+        if ours is None or beyond_the_decoder(name, model.cfg):
             continue
         if (slot := _expert_slot(model, ours)) is not None:
             key, expert, rows = slot

@@ -79,6 +79,7 @@ def test_eight_decode_steps(tiny_model):
     ("gemma2", {"activation": "silu"}),
     ("gemma3_text", {"local_rope_theta": None}), ("gemma3_text", {"rope_scaling": {}}),
     ("smollm3", {"nope_layers": ()}), ("smollm3", {"layer_windows": ()}),
+    ("glm4_moe", {"routed_scaling_factor": 1.0}), ("glm4_moe", {"n_group": 1}), ("glm4_moe", {"rotary_dim": 0}),
     ("olmo3", {"layer_windows": ()}), ("olmo3", {"local_rope_theta": None}), ("olmo3", {"rope_scaling": {}}),
 ])
 def test_each_delta_matters(kind, change, tmp_path):

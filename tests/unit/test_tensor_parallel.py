@@ -40,7 +40,8 @@ def _compare(got, want):
 
 @pytest.mark.parametrize("kind,overrides", [("llama", {}), ("llama", {"vocab_size": 127}), ("qwen2", {}),
                                             ("qwen3", {}), ("qwen3_moe", {}), ("mixtral", {}), ("gemma2", {}),
-                                            ("phi3", {}), ("olmo3", {})])
+                                            ("phi3", {}), ("olmo3", {}),
+                                            ("glm4_moe", {})])
 def test_two_ranks_equal_one(kind, overrides, tmp_path):
     make_tiny_hf(kind, tmp_path, **overrides)
     cfg = ModelConfig.from_dir(tmp_path)
