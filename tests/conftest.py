@@ -10,6 +10,7 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     Glm4MoeConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -79,6 +80,13 @@ TINY_CONFIGS = {
     "glm4_moe": lambda: Glm4MoeConfig(**{**TINY, "num_hidden_layers": 3}, moe_intermediate_size=32, n_routed_experts=8,
                                       num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
                                       use_qk_norm=True, attention_bias=True),
+    # a sliding (layer 0) and a full layer with sinks; 4 biased experts whose SwiGLU clamp (limit 1) bites; YaRN
+    # with truncate off
+    "gpt_oss": lambda: GptOssConfig(**TINY, head_dim=16, sliding_window=12, num_local_experts=4, num_experts_per_tok=2,
+                                    swiglu_limit=1.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                    rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
+                                                     "original_max_position_embeddings": 64}),
     # NoPE every second layer (layer 1), which slides
     "smollm3": lambda: SmolLM3Config(**TINY, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=12,
                                      pad_token_id=0, bos_token_id=1, eos_token_id=2),
@@ -105,6 +113,8 @@ def make_tiny_hf(kind: str, path, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("sinks"):            # gpt-oss's attention sinks: large enough to weigh
+                p.copy_(1 + torch.randn_like(p))
             else:
                 p.copy_(0.08 * torch.randn_like(p))
         for name, b in model.named_buffers():

@@ -70,17 +70,30 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output of the batch's new tokens at `layer` ([T, heads, head_dim]). With a
-        `window`, a token sees only the last `window` positions up to its own (sliding-window layers)."""
+        `window`, a token sees only the last `window` positions up to its own (sliding-window layers);
+        with `sinks` ([heads], gpt-oss), each head's learned logit joins its softmax's denominator (the
+        torch backend only: `engine.build.pick_attention` picks it for such a model)."""
 
 
-def default_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+def no_sinks(backend: str, sinks: torch.Tensor | None) -> None:
+    """A backend without a sink term refuses a model with attention sinks rather than leave them out (never
+    reached from the command line: engine/build.py and the model runner give such a model the torch one)."""
+    if sinks is not None:
+        raise ValueError(f"the {backend} attention backend has no attention sinks (gpt-oss)")
+
+
+# why a model runs on the torch backend on CUDA too, where it has a delta the GPU kernels lack
+SINKS_ON_TORCH = "attention sinks (gpt-oss): the GPU attention kernels have no sink term yet"
+
+
+def default_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16, sinks: bool = False) -> str:
     """Our Triton kernels on CUDA (FlashInfer compiles its kernels at first use: engine/build.py picks
     it only where they are built); the torch reference on CPU, and for float32 on CUDA (FlashInfer has
     no float32 kernels, and Triton's dots would round float32 inputs to tf32, which is not the
-    precision a float32 run asks for)."""
-    if device.type != "cuda" or dtype == torch.float32:
+    precision a float32 run asks for), and for a model with attention `sinks` (SINKS_ON_TORCH)."""
+    if device.type != "cuda" or dtype == torch.float32 or sinks:
         return "torch"
     return "triton"
 

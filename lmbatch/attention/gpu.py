@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from lmbatch.attention.base import AttentionBackend, ForwardBatch, to_device
+from lmbatch.attention.base import AttentionBackend, ForwardBatch, no_sinks, to_device
 from lmbatch.attention.kv_pool import KVPool
 
 
@@ -33,13 +33,14 @@ class TritonBackend(_DeviceMeta):
         self.kv_dev = to_device(self.kv_indptr, dev)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One new token per sequence (a decode step): the split decode kernel, as the decode graphs run it;
         otherwise, and in deterministic mode, the extend kernel (a query's keys in blocks from its first key,
         whatever the batch)."""
         from lmbatch.kernels.decode_attention import decode_attention
         from lmbatch.kernels.extend_attention import extend_attention
 
+        no_sinks("triton", sinks)
         self.store(layer, k, v)
         if self.max_q_len == 1 and not self.deterministic:     # the split kernel's ranges depend on the batch
             return decode_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices, self.kv_dev,
@@ -82,7 +83,8 @@ class FlashInferBackend(_DeviceMeta):
         self._planned.add(window)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        no_sinks("flashinfer", sinks)
         if window not in self._planned:      # each window's plan once per batch, at its first layer
             self._plan(window)
         self.store(layer, k, v)

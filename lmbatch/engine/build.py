@@ -88,6 +88,7 @@ def default_batch_tokens(cfg: ModelConfig, device: str, dtype: str) -> int:
 
 def pick_attention(wanted: str, device: str, dtype: str, cfg: ModelConfig) -> Attention:
     """The attention backend and why: see the module's docstring."""
+    from lmbatch.attention.base import SINKS_ON_TORCH
     from lmbatch.attention.gpu import flashinfer_built
 
     if wanted not in ATTENTION:
@@ -96,6 +97,10 @@ def pick_attention(wanted: str, device: str, dtype: str, cfg: ModelConfig) -> At
         return Attention("torch", "the transformers fallback attends by itself")
     if wanted == "torch":
         return Attention("torch", "asked for")
+    if cfg.attn_sinks and device == "cuda" and dtype != "float32":
+        if wanted != "auto":
+            raise UserError(f"--attention {wanted}: {cfg.model_type} has {SINKS_ON_TORCH}; use torch or auto")
+        return Attention("torch", SINKS_ON_TORCH)
     if device != "cuda":
         if wanted != "auto":
             raise UserError(f"--attention {wanted} needs CUDA; on CPU lmbatch runs the torch backend")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from lmbatch.attention.base import AttentionBackend, ForwardBatch, to_device
+from lmbatch.attention.base import AttentionBackend, ForwardBatch, no_sinks, to_device
 from lmbatch.engine.cascade import LevelPlan, plan_levels
 from lmbatch.engine.radix_cache import Node
 
@@ -46,10 +46,11 @@ class _GraphAttention(AttentionBackend):
         self.batch = batch
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         from lmbatch.kernels.cascade_attention import cascade_attention
         from lmbatch.kernels.decode_attention import decode_attention
 
+        no_sinks("decode graphs'", sinks)
         self.store(layer, k, v)
         if self.qo is not None:         # deterministic: a query's keys in the same blocks whatever the batch
             from lmbatch.kernels.extend_attention import extend_attention

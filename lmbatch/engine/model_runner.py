@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import torch
 
-from lmbatch.attention.base import ForwardBatch, default_backend, make_backend
+from lmbatch.attention.base import SINKS_ON_TORCH, ForwardBatch, default_backend, make_backend
 from lmbatch.attention.kv_pool import KVPool, Slots
 from lmbatch.attention.registry import REGISTRY
 from lmbatch.errors import UserError
@@ -83,7 +83,9 @@ class ModelRunner:
             raise UserError(f"--deterministic needs a model lmbatch runs itself; {cfg.model_type} runs on the "
                             "transformers fallback")
         # the transformers fallback attends by itself: of the backend it uses only the pool and plan
-        attention = (o.attention or default_backend(self.device, dtype)) if native else "torch"
+        attention = (o.attention or default_backend(self.device, dtype, cfg.attn_sinks)) if native else "torch"
+        if cfg.attn_sinks and attention != "torch":
+            raise UserError(f"--attention {attention}: {cfg.model_type} has {SINKS_ON_TORCH}; use torch or auto")
         # decode steps replay CUDA graphs (not for the torch reference backend, which stays eager, nor
         # for the fallback); one extra slot is the graphs' scratch for padded rows
         use_graphs = o.cuda_graphs and native and self.device.type == "cuda" and attention != "torch"

@@ -27,6 +27,9 @@ class Experts:
     # weight them (renormalized where norm_topk_prob) times routed_scaling_factor; router in float32
     routing: str = "softmax"
     shared: bool = False            # a dense MLP of n_shared_experts x the expert width beside the routed experts
+    # gpt-oss: biased router and experts, a clamped SwiGLU (swiglu_alpha, swiglu_limit), experts stacked as
+    # transformers stores gpt-oss's ([E, H, 2I] with gate and up columns interleaved, down [E, I, H])
+    gpt_oss: bool = False
     dense_first: bool = False       # the first first_k_dense_replace layers are dense (else every layer routes)
 
 
@@ -54,6 +57,8 @@ class Architecture:
     qk_norm: str = ""               # "head": RMSNorm of each head's q and k; "proj": of the projections
     qk_norm_field: str = ""         # config.json's switch of the q/k norm (GLM-4.5's use_qk_norm; "": always)
     partial_rotary: bool = False    # RoPE may rotate a fraction of each head (partial_rotary_factor)
+    o_bias: bool = False            # the output projection has a bias where attention_bias (gpt-oss)
+    sinks: bool = False             # a learned logit per head in each softmax's denominator (gpt-oss)
     mtp_field: str = ""             # config.json's count of multi-token-prediction layers stored after the
     #                                 decoder's (not run for scoring: their tensors are skipped)
     norm_layout: str = "pre"        # "pre", "post" (after attention and MLP) or "sandwich" (both)
@@ -104,6 +109,17 @@ ARCHITECTURES: dict[str, Architecture] = {
         mtp_field="num_nextn_predict_layers",
         experts=Experts(by_config=False, router_weights_in_model_dtype=False, routing="sigmoid", shared=True,
                         dense_first=True)),
+    "gpt_oss": Architecture(
+        "gpt-oss (attention sinks and biases, sliding-window and full layers alternating, YaRN; routed experts "
+        "with biases and a clamped SwiGLU)",
+        {**_LLAMA_LIKE, "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072,
+         "rms_norm_eps": 1e-5, "eos_token_id": None, "rope_theta": 150000.0, "attention_bias": True,
+         "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                          "original_max_position_embeddings": 4096},
+         "sliding_window": 128, "num_local_experts": 128, "num_experts_per_tok": 4, "swiglu_alpha": 1.702,
+         "swiglu_limit": 7.0},
+        layer_types="pattern", sliding_every=2, o_bias=True, sinks=True, renames={"mlp.router.": "mlp.gate."},
+        experts=Experts(size_field="intermediate_size", by_config=False, norm_topk_prob=True, gpt_oss=True)),
     "mistral": Architecture("Mistral (sliding-window attention)",
                             {**_LLAMA_LIKE, "num_key_value_heads": 8, "max_position_embeddings": 131072,
                              "sliding_window": 4096}, "MistralCommonBackend"),

@@ -208,6 +208,8 @@ def _expert_fields(hf: Any, kind: str) -> dict:
                       routed_scaling_factor=float(hf.routed_scaling_factor))
     if routing.shared:
         fields["shared_experts_size"] = int(hf.n_shared_experts or 0) * fields["moe_intermediate_size"]
+    if routing.gpt_oss:
+        fields.update(expert_bias=True, swiglu_alpha=float(hf.swiglu_alpha), swiglu_limit=float(hf.swiglu_limit))
     return fields
 
 
@@ -259,6 +261,12 @@ class ModelConfig:
     shared_experts_size: int = 0    # width of the shared experts' MLP beside the routed ones (0: none)
     rotary_dim: int = 0             # dimensions of each head RoPE rotates, the first ones (0: all)
     mtp_layers: int = 0             # multi-token-prediction layers stored after the decoder's (not run)
+    # gpt-oss: the output projection's bias, attention sinks, a biased router and experts, a clamped SwiGLU
+    o_bias: bool = False
+    attn_sinks: bool = False
+    expert_bias: bool = False       # router and experts biased
+    swiglu_alpha: float = 0.0       # the experts' SwiGLU: gate * sigmoid(alpha * gate) * (up + 1), gate and up
+    swiglu_limit: float = 0.0       # clamped at limit (0: plain SiLU(gate) * up)
     # Gemma: "sandwich" norm layout (norms before and after attention and MLP), RMSNorm scaling by
     # (1 + w) in float32, embeddings times sqrt(hidden), tanh soft-capping of attention and final logits
     norm_offset: float = 0.0        # RMSNorm multiplies by (norm_offset + weight)
@@ -305,6 +313,8 @@ class ModelConfig:
             nope_layers=tuple(not r for r in hf.no_rope_layers[:hf.num_hidden_layers]) if arch.nope_every else (),
             rotary_dim=_rotary_dim(hf, arch, head_dim),
             mtp_layers=int(getattr(hf, arch.mtp_field, 0) or 0) if arch.mtp_field else 0,
+            o_bias=arch.o_bias and bool(getattr(hf, "attention_bias", False)),
+            attn_sinks=arch.sinks,
             **_expert_fields(hf, kind),
             norm_offset=1.0 if gemma else 0.0,
             embed_scale=hf.hidden_size ** 0.5 if gemma else 1.0,

@@ -79,6 +79,10 @@ def parameter_names(cfg: ModelConfig) -> set[str]:
         names |= {p + "self_attn.qkv_proj.weight", p + "self_attn.o_proj.weight"}
         if cfg.qkv_bias:
             names.add(p + "self_attn.qkv_proj.bias")
+        if cfg.o_bias:
+            names.add(p + "self_attn.o_proj.bias")
+        if cfg.attn_sinks:
+            names.add(p + "self_attn.sinks")
         if cfg.qk_norm:
             names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
         # network.py: only a pre-norm Block routes to experts
@@ -93,6 +97,8 @@ def _moe_names(cfg: ModelConfig, p: str) -> set[str]:
         names.add(p + "gate.e_score_correction_bias")
     if cfg.shared_experts_size:
         names |= {p + "shared_experts.gate_up_proj.weight", p + "shared_experts.down_proj.weight"}
+    if cfg.expert_bias:
+        names |= {p + "gate.bias", p + "gate_up_proj_bias", p + "down_proj_bias"}
     return names
 
 

@@ -127,6 +127,21 @@ def _reduce(x: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
     return x if tp is None else tp.all_reduce(x)
 
 
+def _row_parallel(proj: Linear, x: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
+    """A row-parallel projection summed over the ranks, its bias (gpt-oss's o_proj) added once, after the sum."""
+    if tp is None or proj.bias is None:
+        return _reduce(proj(x), tp)
+    return tp.all_reduce(_linear(x, proj.weight, proj.fixed)) + proj.bias
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts' activation of [S, 2I] (gate | up): the gate clamped above at `limit`, the up on both
+    sides, gate * sigmoid(alpha * gate) * (up + 1)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+
 def _split_proj_norms(q_norm: RMSNorm, k_norm: RMSNorm, q: torch.Tensor, k: torch.Tensor,
                       tp: TensorParallel) -> tuple[torch.Tensor, torch.Tensor]:
     """OLMo's RMSNorms over the whole q and k projections when their heads are split over ranks: each
@@ -151,7 +166,8 @@ class Attention(nn.Module):
         self.rope = not (cfg.nope_layers and cfg.nope_layers[layer])      # SmolLM3's NoPE layers: none
         self.rotary = cfg.rotary_dim or self.hd                             # GLM-4.5: the first half of a head
         self.qkv_proj = Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_bias)
+        self.sinks = nn.Parameter(torch.empty(self.nh)) if cfg.attn_sinks else None     # gpt-oss's, this rank's heads
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:      # over each head (qwen3, gemma3) or over the whole projection (olmo2)
             per_head = cfg.qk_norm == "head"
@@ -180,8 +196,11 @@ class Attention(nn.Module):
             kern.rope_(q, k, cos, sin)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attn.forward(self.layer, q, k, v, window=self.window)
-        return _reduce(self.o_proj(o.reshape(T, self.nh * self.hd)), self.tp)
+        if self.sinks is not None:
+            o = attn.forward(self.layer, q, k, v, window=self.window, sinks=self.sinks)
+        else:
+            o = attn.forward(self.layer, q, k, v, window=self.window)
+        return _row_parallel(self.o_proj, o.reshape(T, self.nh * self.hd), self.tp)
 
 
 class MLP(nn.Module):
@@ -232,9 +251,13 @@ class MoE(nn.Module):
         self.top_k, self.renorm = cfg.experts_per_token, cfg.norm_topk_prob
         self.weights_in_model_dtype = cfg.router_weights_in_model_dtype
         E, H, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate: nn.Module = SigmoidRouter(cfg) if cfg.router == "sigmoid" else Linear(H, E, bias=False)
+        self.gate: nn.Module = SigmoidRouter(cfg) if cfg.router == "sigmoid" else Linear(H, E, bias=cfg.expert_bias)
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * i, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, i))
+        # gpt-oss: each expert's biases and its clamped SwiGLU
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * i)) if cfg.expert_bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(E, H)) if cfg.expert_bias else None
+        self.swiglu = (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.swiglu_limit else None
         # summed with the routed experts' partial outputs before the one reduction (hence no tp of its own)
         self.shared_experts = MLP(cfg, None, cfg.shared_experts_size) if cfg.shared_experts_size else None
         self.fixed = False          # deterministic mode: each expert's GEMMs as fixed_linear (CPU path)
@@ -246,20 +269,34 @@ class MoE(nn.Module):
             weights, experts = softmax_top_k(self.gate(x), self.top_k, self.renorm)
         return (weights.to(x.dtype) if self.weights_in_model_dtype else weights), experts
 
+    def _act(self, gate_up: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The activation of rows of the experts' first GEMM ([S, 2I]), each row of the expert in `experts`
+        ([S]): SwiGLU, or gpt-oss's clamped SwiGLU after the expert's gate/up bias."""
+        if self.swiglu is None:
+            return act_mul(gate_up)
+        if self.gate_up_proj_bias is not None:
+            gate_up = gate_up + self.gate_up_proj_bias[experts]
+        return clamped_swiglu(gate_up, *self.swiglu)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
         if x.is_cuda and (kern := _kernels("moe")) is not None:
-            out = kern.fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts, act_mul)
+            slot_experts = experts.reshape(-1)        # the kernel's rows: token * k + j
+            out = kern.fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts,
+                                 lambda h: self._act(h, slot_experts))
         else:
             out = torch.zeros_like(x)
             for e in experts.unique().tolist():
                 token, slot = torch.where(experts == e)
-                h = _linear(act_mul(_linear(x[token], self.gate_up_proj[e], self.fixed)), self.down_proj[e],
-                            self.fixed)
+                h = self._act(_linear(x[token], self.gate_up_proj[e], self.fixed), experts[token, slot])
+                h = _linear(h, self.down_proj[e], self.fixed)
                 out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return _reduce(out, self.tp)
+        out = _reduce(out, self.tp)
+        if self.down_proj_bias is not None:     # sum_j w_j * bias of expert j, once, after the ranks' sum
+            out = out + (weights[..., None] * self.down_proj_bias[experts]).sum(dim=1).to(x.dtype)
+        return out
 
 
 def _first_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

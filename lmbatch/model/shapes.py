@@ -141,6 +141,8 @@ class _Shapes:
             self.dims(p + "q_norm.weight", (q, "entries"))
             self.dims(p + "k_norm.weight", (kv, "entries"))
         self.dims(p + "o_proj.weight", (self.size("hidden_size", c.hidden_size), "rows"), (q, "columns"))
+        if c.attn_sinks:
+            self.dims(p + "sinks", (self.size("num_attention_heads", c.num_heads), "entries"))
 
     def dense_mlp(self, i: int) -> None:
         c, p = self.cfg, f"layers.{i}.mlp."
@@ -166,16 +168,20 @@ class _Shapes:
         field = own.size_field
         inter = self.size(field, c.moe_intermediate_size)
         hidden = self.size("hidden_size", c.hidden_size)
-        if block + "gate.weight" not in self.tensors:
+        router = block + ("router." if own.gpt_oss else "gate.")
+        if router + "weight" not in self.tensors:
             why = (f"yet config.json's mlp_only_layers and decoder_sparse_step make layer {i} one of routed experts"
                    if own.by_config else f"yet config.json's first_k_dense_replace makes layer {i} one of routed "
                    "experts" if own.dense_first else f"and every layer of a {c.model_type} model routes to experts")
-            raise _Mismatch(f"there is no {self.prefix}{block}gate.weight (the experts' router) in {self.where}, {why}")
-        self.dims(block + "gate.weight", (n, "rows (experts)"), (hidden, "columns"))
+            raise _Mismatch(f"there is no {self.prefix}{router}weight (the experts' router) in {self.where}, {why}")
+        self.dims(router + "weight", (n, "rows (experts)"), (hidden, "columns"))
         if c.router == "sigmoid":
-            self.dims(block + "gate.e_score_correction_bias", (n, "entries"))
+            self.dims(router + "e_score_correction_bias", (n, "entries"))
         if c.shared_experts_size:
             self.shared_experts(i)
+        if own.gpt_oss:
+            self.gpt_oss_experts(i, n, inter, hidden)
+            return
         stacked = f"layers.{i}.mlp.experts."
         if stacked + "gate_up_proj" in self.tensors:
             both = (f"2 x {field} is 2 x {c.moe_intermediate_size} = {2 * c.moe_intermediate_size}",
@@ -197,3 +203,14 @@ class _Shapes:
         self.dims(p + "gate_proj.weight", (width, "rows"), (hidden, "columns"))
         self.dims(p + "up_proj.weight", (width, "rows"), (hidden, "columns"))
         self.dims(p + "down_proj.weight", (hidden, "rows"), (width, "columns"))
+
+    def gpt_oss_experts(self, i: int, n: tuple[str, int], inter: tuple[str, int], hidden: tuple[str, int]) -> None:
+        """gpt-oss's router bias and stacked, transposed experts with their biases."""
+        p, c = f"layers.{i}.mlp.", self.cfg
+        both = (f"2 x intermediate_size is 2 x {c.moe_intermediate_size} = {2 * c.moe_intermediate_size}",
+                2 * c.moe_intermediate_size)
+        self.dims(p + "router.bias", (n, "entries"))
+        self.dims(p + "experts.gate_up_proj", (n, "experts"), (hidden, "rows per expert"), (both, "columns"))
+        self.dims(p + "experts.gate_up_proj_bias", (n, "experts"), (both, "columns"))
+        self.dims(p + "experts.down_proj", (n, "experts"), (inter, "rows per expert"), (hidden, "columns"))
+        self.dims(p + "experts.down_proj_bias", (n, "experts"), (hidden, "columns"))

@@ -6,7 +6,8 @@
 - embedding and LM head: vocabulary-parallel (rows split, padded to equal slices): a token's
   embedding comes from the rank holding its row (summed over ranks), the logits are gathered.
 
-Norms, the router and RoPE are whole on every rank, but for OLMo's q/k norms over whole projections:
+Norms, the router, RoPE and the biases added after a sum (gpt-oss's o_proj and down projections: added
+once, after it) are whole on every rank, but for OLMo's q/k norms over whole projections:
 each rank holds its heads' slice of their weights, and their sums of squares are summed over the ranks.
 The network sees a config whose head counts and intermediate sizes are one rank's (`shard_config`), so
 the KV pool, the attention backend and the decode graphs need nothing else; it calls `all_reduce` after
@@ -90,6 +91,10 @@ def shard_tensor(key: str, t: torch.Tensor, full: ModelConfig, tp: TensorParalle
         return _chunk(t, tp, 0)
     if key.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")) and full.qk_norm == "proj":
         return _chunk(t, tp, 0)                   # over the whole projection (OLMo): this rank's heads' part
+    if key.endswith("self_attn.sinks"):                     # gpt-oss: one per query head
+        return _chunk(t, tp, 0)
+    if key.endswith("mlp.gate_up_proj_bias"):               # gpt-oss: [E, 2I], gate | up
+        return _chunk(t, tp, 1, 2)
     if key.endswith("shared_experts.gate_up_proj.weight"):    # DeepSeek's, GLM's dense MLP beside the experts
         return _chunk(t, tp, 0, 2 if t.shape[0] == 2 * full.shared_experts_size else 1)
     if key.endswith("mlp.gate_up_proj.weight"):

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from lmbatch.model.architectures import experts_of
 from lmbatch.model.config import ModelConfig
 from lmbatch.model.names import EXPERT, EXPERT_PART, FUSED, beyond_the_decoder, renamed
 from lmbatch.model.network import Transformer
@@ -54,6 +55,22 @@ def _checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def _our_layout(cfg: ModelConfig, ours: str, t: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's stacked experts as transformers stores them (after any dequantization), in our layout:
+    gate_up [E, H, 2I] with gate and up columns interleaved -> [E, 2I, H], the gate rows then the up rows
+    (its bias [E, 2I] alike); down [E, I, H] -> [E, H, I]. Other tensors as they are."""
+    if not experts_of(cfg.model_type).gpt_oss:
+        return t
+    if ours.endswith("mlp.gate_up_proj"):
+        t = t.transpose(1, 2)
+        return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
+    if ours.endswith("mlp.gate_up_proj_bias"):
+        return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
+    if ours.endswith("mlp.down_proj"):
+        return t.transpose(1, 2)
+    return t
+
+
 @torch.no_grad()
 def load_weights(model: Transformer, source: str | Path | dict[str, torch.Tensor],
                  full: ModelConfig | None = None) -> None:
@@ -85,6 +102,7 @@ def load_weights(model: Transformer, source: str | Path | dict[str, torch.Tensor
         else:
             if ours not in params:
                 raise KeyError(f"checkpoint tensor {name} has no place in the model")
+            whole = _our_layout(model.cfg, ours, whole)
             params[ours].copy_(whole if tp is None else shard_tensor(ours, whole, full or model.cfg, tp))
             pending.discard(ours)
     if pending:

@@ -328,6 +328,9 @@ FAMILY_CASES = {   # (family, config changes, the line after "model at DIR: conf
                          "model.layers.0.self_attn.q_proj.weight"),
     "qwen2-layers": ("qwen2", {"num_hidden_layers": 1, "layer_types": None},
                      "num_hidden_layers is 1 but model.safetensors holds 2 layers (model.layers.0 to model.layers.1)"),
+    "gpt-oss-experts": ("gpt_oss", {"num_local_experts": 8},
+                        "num_local_experts is 8 but model.safetensors has 4 rows (experts) in "
+                        "model.layers.0.mlp.router.weight"),
     "glm4-moe-shared-experts": ("glm4_moe", {"n_shared_experts": 2},
                                 "n_shared_experts x moe_intermediate_size is 64 but model.safetensors has 32 rows in "
                                 "model.layers.1.mlp.shared_experts.gate_proj.weight"),

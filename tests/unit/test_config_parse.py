@@ -75,6 +75,14 @@ VARIANTS = {
                                      "sliding_window": 16},
     "smollm3-interval-window": {"model_type": "smollm3", **SIZES, "no_rope_layer_interval": 3,
                                 "use_sliding_window": True, "sliding_window": 16},
+    # gpt-oss-20b's config.json as published (v4 RoPE fields, YaRN without truncation), its sizes shrunk
+    "gpt_oss-hub": {"model_type": "gpt_oss", **SIZES, "num_hidden_layers": 4, "attention_bias": True, "head_dim": 16,
+                    "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 4, "sliding_window": 128,
+                    "experts_per_token": 4, "initial_context_length": 4096, "eos_token_id": 200002,
+                    "layer_types": ["sliding_attention", "full_attention"] * 2, "max_position_embeddings": 131072,
+                    "rope_theta": 150000, "swiglu_limit": 7.0, "rope_scaling": {
+                        "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                        "rope_type": "yarn", "truncate": False}},
     "olmo3-layer-types": {"model_type": "olmo3", **SIZES, "layer_types": ["full_attention", "sliding_attention"] * 3,
                           "rope_theta": 10000.0},
 }

@@ -80,6 +80,7 @@ def test_eight_decode_steps(tiny_model):
     ("gemma3_text", {"local_rope_theta": None}), ("gemma3_text", {"rope_scaling": {}}),
     ("smollm3", {"nope_layers": ()}), ("smollm3", {"layer_windows": ()}),
     ("glm4_moe", {"routed_scaling_factor": 1.0}), ("glm4_moe", {"n_group": 1}), ("glm4_moe", {"rotary_dim": 0}),
+    ("gpt_oss", {"swiglu_limit": 100.0}), ("gpt_oss", {"rope_scaling": {}}), ("gpt_oss", {"layer_windows": ()}),
     ("olmo3", {"layer_windows": ()}), ("olmo3", {"local_rope_theta": None}), ("olmo3", {"rope_scaling": {}}),
 ])
 def test_each_delta_matters(kind, change, tmp_path):
@@ -90,3 +91,29 @@ def test_each_delta_matters(kind, change, tmp_path):
     ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(4)).tolist()
     diff = (_step(model, attn, ids, 0, torch.arange(40)) - _hf_logits(hf, ids)).abs().max()
     assert diff > 100 * TOL, diff
+
+
+def test_attention_sinks_matter(tmp_path):
+    """gpt-oss's sinks (a parameter, not a config field): sinks that weigh nothing break the agreement."""
+    hf = make_tiny_hf("gpt_oss", tmp_path)
+    model, attn, _ = _ours(tmp_path)
+    for layer in model.layers:
+        layer.self_attn.sinks.data.fill_(-1e4)
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    diff = (_step(model, attn, ids, 0, torch.arange(40)) - _hf_logits(hf, ids)).abs().max()
+    assert diff > 100 * TOL, diff
+
+
+def test_a_model_with_sinks_gets_the_torch_backend_on_cuda(tmp_path):
+    """The GPU attention kernels have no sink term: a gpt-oss model attends with the torch backend on CUDA
+    (said in the summary's reason), and asking for another is one line, before any weights are read."""
+    from lmbatch.engine.build import pick_attention
+    from lmbatch.errors import UserError
+
+    make_tiny_hf("gpt_oss", tmp_path)
+    cfg = ModelConfig.from_dir(tmp_path)
+    assert pick_attention("auto", "cuda", "bfloat16", cfg) == ("torch", "attention sinks (gpt-oss): the GPU "
+                                                                "attention kernels have no sink term yet")
+    for wanted in ("triton", "flashinfer", "cascade"):
+        with pytest.raises(UserError, match=f"--attention {wanted}: gpt_oss has attention sinks"):
+            pick_attention(wanted, "cuda", "bfloat16", cfg)
