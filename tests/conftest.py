@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     Gemma2Config,
     Gemma3TextConfig,
     Glm4MoeConfig,
@@ -87,6 +88,14 @@ TINY_CONFIGS = {
                                     rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
                                                      "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
                                                      "original_max_position_embeddings": 64}),
+    # latent attention (q LoRA, interleaved RoPE, YaRN with mscale and mscale_all_dim: both the rotation's
+    # attention factor and the softmax scale); a dense layer, then GLM-4.5's routing over 8 experts in 4 groups
+    "deepseek_v3": lambda: DeepseekV3Config(
+        **{**TINY, "num_hidden_layers": 3, "num_key_value_heads": 4}, q_lora_rank=24, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, moe_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        rope_parameters={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+                         "mscale_all_dim": 0.7, "rope_theta": 10000.0}),
     # NoPE every second layer (layer 1), which slides
     "smollm3": lambda: SmolLM3Config(**TINY, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=12,
                                      pad_token_id=0, bos_token_id=1, eos_token_id=2),

@@ -84,16 +84,13 @@ def no_sinks(backend: str, sinks: torch.Tensor | None) -> None:
         raise ValueError(f"the {backend} attention backend has no attention sinks (gpt-oss)")
 
 
-# why a model runs on the torch backend on CUDA too, where it has a delta the GPU kernels lack
-SINKS_ON_TORCH = "attention sinks (gpt-oss): the GPU attention kernels have no sink term yet"
-
-
-def default_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16, sinks: bool = False) -> str:
+def default_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16, torch_only: bool = False) -> str:
     """Our Triton kernels on CUDA (FlashInfer compiles its kernels at first use: engine/build.py picks
     it only where they are built); the torch reference on CPU, and for float32 on CUDA (FlashInfer has
     no float32 kernels, and Triton's dots would round float32 inputs to tf32, which is not the
-    precision a float32 run asks for), and for a model with attention `sinks` (SINKS_ON_TORCH)."""
-    if device.type != "cuda" or dtype == torch.float32 or sinks:
+    precision a float32 run asks for), and for a model whose attention the GPU kernels do not compute
+    (`torch_only`: ModelConfig.torch_attention_only says why)."""
+    if device.type != "cuda" or dtype == torch.float32 or torch_only:
         return "torch"
     return "triton"
 

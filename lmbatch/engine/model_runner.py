@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import torch
 
-from lmbatch.attention.base import SINKS_ON_TORCH, ForwardBatch, default_backend, make_backend
-from lmbatch.attention.kv_pool import KVPool, Slots
+from lmbatch.attention.base import ForwardBatch, default_backend, make_backend
+from lmbatch.attention.kv_pool import KVPool, LatentKVPool, Slots
 from lmbatch.attention.registry import REGISTRY
 from lmbatch.errors import UserError
 from lmbatch.model.network import Transformer
@@ -83,14 +83,16 @@ class ModelRunner:
             raise UserError(f"--deterministic needs a model lmbatch runs itself; {cfg.model_type} runs on the "
                             "transformers fallback")
         # the transformers fallback attends by itself: of the backend it uses only the pool and plan
-        attention = (o.attention or default_backend(self.device, dtype, cfg.attn_sinks)) if native else "torch"
-        if cfg.attn_sinks and attention != "torch":
-            raise UserError(f"--attention {attention}: {cfg.model_type} has {SINKS_ON_TORCH}; use torch or auto")
+        why_torch = cfg.torch_attention_only() if native else None
+        attention = (o.attention or default_backend(self.device, dtype, why_torch is not None)) if native else "torch"
+        if why_torch and attention != "torch":
+            raise UserError(f"--attention {attention}: {cfg.model_type} has {why_torch}; use torch or auto")
         # decode steps replay CUDA graphs (not for the torch reference backend, which stays eager, nor
         # for the fallback); one extra slot is the graphs' scratch for padded rows
         use_graphs = o.cuda_graphs and native and self.device.type == "cuda" and attention != "torch"
-        self.pool = KVPool(cast(int, o.kv_cache_tokens) + use_graphs, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                           dtype, self.device)
+        pool = LatentKVPool if cfg.keys_are_values else KVPool
+        self.pool = pool(cast(int, o.kv_cache_tokens) + use_graphs, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                         dtype, self.device)
         self.attn = make_backend(attention, self.pool, cfg.num_heads, cfg.head_dim, cfg.attn_scale,
                                  cfg.attn_softcap)
         self.attn.deterministic = o.deterministic

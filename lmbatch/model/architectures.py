@@ -58,6 +58,7 @@ class Architecture:
     qk_norm_field: str = ""         # config.json's switch of the q/k norm (GLM-4.5's use_qk_norm; "": always)
     partial_rotary: bool = False    # RoPE may rotate a fraction of each head (partial_rotary_factor)
     o_bias: bool = False            # the output projection has a bias where attention_bias (gpt-oss)
+    latent: bool = False            # multi-head latent attention (DeepSeek-V2/V3: q_lora_rank, kv_lora_rank, ...)
     sinks: bool = False             # a learned logit per head in each softmax's denominator (gpt-oss)
     mtp_field: str = ""             # config.json's count of multi-token-prediction layers stored after the
     #                                 decoder's (not run for scoring: their tensors are skipped)
@@ -120,6 +121,16 @@ ARCHITECTURES: dict[str, Architecture] = {
          "swiglu_limit": 7.0},
         layer_types="pattern", sliding_every=2, o_bias=True, sinks=True, renames={"mlp.router.": "mlp.gate."},
         experts=Experts(size_field="intermediate_size", by_config=False, norm_topk_prob=True, gpt_oss=True)),
+    "deepseek_v3": Architecture(
+        "DeepSeek-V3 (multi-head latent attention; routed experts as GLM-4.5's; dense first layers; YaRN with mscale)",
+        {**_LLAMA_LIKE, "num_key_value_heads": 128, "max_position_embeddings": 4096, "eos_token_id": 1,
+         "moe_intermediate_size": 2048, "n_shared_experts": 1, "num_local_experts": 256, "routed_scaling_factor": 2.5,
+         "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+         "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
+         "rope_interleave": True, "num_nextn_predict_layers": 1},
+        latent=True, mtp_field="num_nextn_predict_layers",
+        experts=Experts(by_config=False, router_weights_in_model_dtype=False, routing="sigmoid", shared=True,
+                        dense_first=True)),
     "mistral": Architecture("Mistral (sliding-window attention)",
                             {**_LLAMA_LIKE, "num_key_value_heads": 8, "max_position_embeddings": 131072,
                              "sliding_window": 4096}, "MistralCommonBackend"),

@@ -190,6 +190,21 @@ def _rotary_dim(hf: Any, arch: Architecture, head_dim: int) -> int:
     return int(head_dim * factor)
 
 
+def _latent_fields(hf: Any, rope_scaling: dict) -> dict[str, Any]:
+    """Multi-head latent attention's shape (DeepSeek-V3): the KV pool holds one entry per token and layer, the
+    normalized latent (kv_lora_rank) and the rotated shared key (qk_rope_head_dim), as one KV head whose keys
+    are also its values (`head_dim` is their width); each head attends over it with its query absorbed
+    (network.LatentAttention). The softmax scale is the full q/k head's, times YaRN's mscale(mscale_all_dim)
+    squared where RoPE is scaled."""
+    rope, nope, rank = int(hf.qk_rope_head_dim), int(hf.qk_nope_head_dim), int(hf.kv_lora_rank)
+    scale = (nope + rope) ** -0.5
+    if rope_scaling.get("mscale_all_dim"):
+        scale *= yarn_mscale(rope_scaling["factor"], rope_scaling["mscale_all_dim"]) ** 2
+    return dict(num_kv_heads=1, head_dim=rank + rope, rotary_dim=rope, attn_scale=scale, kv_lora_rank=rank,
+                q_lora_rank=int(hf.q_lora_rank or 0), qk_nope_head_dim=nope, v_head_dim=int(hf.v_head_dim),
+                rope_interleaved=bool(getattr(hf, "rope_interleave", False)), o_bias=bool(hf.attention_bias))
+
+
 def _expert_fields(hf: Any, kind: str) -> dict:
     """ModelConfig's fields of the routed experts (none for a dense model)."""
     routing = experts_of(kind)
@@ -267,6 +282,13 @@ class ModelConfig:
     expert_bias: bool = False       # router and experts biased
     swiglu_alpha: float = 0.0       # the experts' SwiGLU: gate * sigmoid(alpha * gate) * (up + 1), gate and up
     swiglu_limit: float = 0.0       # clamped at limit (0: plain SiLU(gate) * up)
+    # multi-head latent attention (DeepSeek-V3; _latent_fields): num_kv_heads 1 and head_dim kv_lora_rank +
+    # rotary_dim then describe the pool's latent entry, whose keys are its values
+    kv_lora_rank: int = 0           # 0: not latent attention
+    q_lora_rank: int = 0            # 0: a plain q projection
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleaved: bool = False  # the rotated dimensions pair up (x0, x1), (x2, x3), ... (DeepSeek's layout)
     # Gemma: "sandwich" norm layout (norms before and after attention and MLP), RMSNorm scaling by
     # (1 + w) in float32, embeddings times sqrt(hidden), tanh soft-capping of attention and final logits
     norm_offset: float = 0.0        # RMSNorm multiplies by (norm_offset + weight)
@@ -291,7 +313,7 @@ class ModelConfig:
         gemma = arch.gemma_scaling
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-        return cls(
+        fields = dict(
             model_type=kind,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -324,6 +346,9 @@ class ModelConfig:
             activation=_activation(hf),
             local_rope_theta=local_theta,
         )
+        if arch.latent:
+            fields.update(_latent_fields(hf, rope_scaling))
+        return cls(**fields)
 
     @classmethod
     def for_fallback(cls, hf: Any) -> "ModelConfig":
@@ -362,12 +387,36 @@ class ModelConfig:
         hf = AutoConfig.from_pretrained(str(path))
         return cls.from_hf(hf) if hf.model_type in ARCHITECTURES else cls.for_fallback(hf)
 
+    @property
+    def keys_are_values(self) -> bool:
+        """The KV pool's values are its keys (latent attention's entry): one tensor, not two."""
+        return self.kv_lora_rank > 0
+
+    def torch_attention_only(self) -> str | None:
+        """Why this model attends with the torch backend on CUDA too (a delta lmbatch's GPU attention kernels
+        do not have yet), or None."""
+        if self.attn_sinks:
+            return "attention sinks (gpt-oss): the GPU attention kernels have no sink term yet"
+        if self.kv_lora_rank:
+            return "latent attention (MLA): the GPU attention kernels have no latent path yet"
+        return None
+
+    def attention_params(self) -> int:
+        """Weights of one layer's attention projections."""
+        h, nh = self.hidden_size, self.num_heads
+        if not self.kv_lora_rank:
+            return h * (nh + 2 * self.num_kv_heads) * self.head_dim + nh * self.head_dim * h
+        qk = self.qk_nope_head_dim + self.rotary_dim
+        q = (h + nh * qk) * self.q_lora_rank if self.q_lora_rank else h * nh * qk
+        return q + h * self.head_dim + self.kv_lora_rank * nh * (self.qk_nope_head_dim + self.v_head_dim) \
+            + nh * self.v_head_dim * h
+
     def active_linear_params(self) -> int:
         """Weights of the linear layers one token runs through (an MoE layer: its router and the
         experts it is routed to, not all of them): its model FLOPs outside attention and the LM head
         are twice this."""
         h = self.hidden_size
-        attention = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim + self.num_heads * self.head_dim * h
+        attention = self.attention_params()
         dense = 3 * h * self.intermediate_size
         sparse = (self.experts_per_token * self.moe_intermediate_size + self.shared_experts_size) * 3 * h \
             + h * self.num_experts

@@ -55,6 +55,15 @@ def beyond_the_decoder(name: str, cfg: ModelConfig) -> bool:
     return m is not None and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + cfg.mtp_layers
 
 
+def fused(module: str, cfg: ModelConfig) -> tuple[str, str, int] | None:
+    """(our fused parameter's module, its suffix, the shard's index) of a checkpoint module loaded as a slice
+    of one of ours, else None. Latent attention's projections are its own (its q_proj is not one of q/k/v)."""
+    for hf_sfx, (our_sfx, shard) in FUSED.items():
+        if module.endswith(hf_sfx) and not (cfg.kv_lora_rank and hf_sfx.startswith("self_attn.")):
+            return module[: -len(hf_sfx)] + our_sfx, our_sfx, shard
+    return None
+
+
 def target(name: str, cfg: ModelConfig) -> str | None:
     """The parameter the checkpoint tensor `name` is copied into (a fused or stacked one: a slice of it), or
     None where it is not loaded. The parameter may not exist: `parameter_names` says."""
@@ -64,9 +73,8 @@ def target(name: str, cfg: ModelConfig) -> str | None:
     if m := EXPERT.fullmatch(ours):
         return f"{m.group(1)}.mlp.{'down_proj' if EXPERT_PART[m.group(3)] is None else 'gate_up_proj'}"
     module, _, kind = ours.rpartition(".")
-    for hf_sfx, (our_sfx, _) in FUSED.items():
-        if module.endswith(hf_sfx):
-            return f"{module[: -len(hf_sfx)]}{our_sfx}.{kind}"
+    if (into := fused(module, cfg)) is not None:
+        return f"{into[0]}.{kind}"
     return ours
 
 
@@ -76,8 +84,9 @@ def parameter_names(cfg: ModelConfig) -> set[str]:
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         names |= {f"{p}{norm}.weight" for norm in _NORMS.get(cfg.norm_layout, _NORMS["pre"])}
-        names |= {p + "self_attn.qkv_proj.weight", p + "self_attn.o_proj.weight"}
-        if cfg.qkv_bias:
+        names |= _latent_names(cfg, p + "self_attn.") if cfg.kv_lora_rank else {p + "self_attn.qkv_proj.weight"}
+        names.add(p + "self_attn.o_proj.weight")
+        if cfg.qkv_bias and not cfg.kv_lora_rank:
             names.add(p + "self_attn.qkv_proj.bias")
         if cfg.o_bias:
             names.add(p + "self_attn.o_proj.bias")
@@ -88,6 +97,16 @@ def parameter_names(cfg: ModelConfig) -> set[str]:
         # network.py: only a pre-norm Block routes to experts
         sparse = cfg.norm_layout not in ("post", "sandwich") and bool(cfg.sparse_layers) and cfg.sparse_layers[i]
         names |= _moe_names(cfg, p + "mlp.") if sparse else {p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight"}
+    return names
+
+
+def _latent_names(cfg: ModelConfig, p: str) -> set[str]:
+    """Latent attention's projections and norms (network.LatentAttention), as DeepSeek's checkpoints name them."""
+    names = {p + "kv_a_proj_with_mqa.weight", p + "kv_a_layernorm.weight", p + "kv_b_proj.weight"}
+    names |= {p + "q_a_proj.weight", p + "q_a_layernorm.weight", p + "q_b_proj.weight"} if cfg.q_lora_rank else \
+        {p + "q_proj.weight"}
+    if cfg.qkv_bias:
+        names |= {p + "kv_a_proj_with_mqa.bias"} | ({p + "q_a_proj.bias"} if cfg.q_lora_rank else set())
     return names
 
 

@@ -203,6 +203,67 @@ class Attention(nn.Module):
         return _row_parallel(self.o_proj, o.reshape(T, self.nh * self.hd), self.tp)
 
 
+def _per_head(x: torch.Tensor, w: torch.Tensor, fixed: bool) -> torch.Tensor:
+    """Each head's own projection: x [T, heads, a] by w [heads, b, a] -> [T, heads, b] (deterministic mode:
+    one fixed_linear per head, each row's result independent of the batch)."""
+    if not fixed:
+        return torch.einsum("tha,hba->thb", x, w)
+    return torch.stack([fixed_linear(x[:, h], w[h]) for h in range(w.shape[0])], dim=1)
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3), absorbed. A token's keys and values are a function of
+    its latent: c (kv_lora_rank, normalized) and one rotated key part k_pe (rotary_dim) shared by every
+    head. The KV pool holds (c | k_pe) once per token and layer, as one KV head whose keys are its values
+    (config._latent_fields); each head attends over it with its query absorbed: q_nope through the key
+    half of kv_b_proj (W_UK) into the latent space, beside its rotated q_pe, so q.k = q_nope.(W_UK c) +
+    q_pe.k_pe; the output's latent part goes through the value half (W_UV). One MQA over (kv_lora_rank +
+    rotary_dim) wide entries, prefill and decode alike: what FlashMLA-style GPU kernels read. Under tensor
+    parallelism the heads split (q_b_proj, kv_b_proj, o_proj) and every rank keeps the whole latent."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel | None = None):
+        super().__init__()
+        self.layer, self.tp = layer, tp
+        self.nh, self.rank, self.rope, self.nope, self.v_dim = (cfg.num_heads, cfg.kv_lora_rank, cfg.rotary_dim,
+                                                                cfg.qk_nope_head_dim, cfg.v_head_dim)
+        self.interleaved = cfg.rope_interleaved
+        H, qk = cfg.hidden_size, cfg.qk_nope_head_dim + cfg.rotary_dim
+        self.q_a_proj = Linear(H, cfg.q_lora_rank, bias=cfg.qkv_bias) if cfg.q_lora_rank else None
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6) if cfg.q_lora_rank else None   # transformers' eps
+        self.q_b_proj = Linear(cfg.q_lora_rank, self.nh * qk, bias=False) if cfg.q_lora_rank else None
+        self.q_proj = None if cfg.q_lora_rank else Linear(H, self.nh * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(H, self.rank + self.rope, bias=cfg.qkv_bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
+        self.kv_b_proj = Linear(self.rank, self.nh * (self.nope + self.v_dim), bias=False)
+        self.o_proj = Linear(self.nh * self.v_dim, H, bias=cfg.o_bias)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE of [T, heads, rotary_dim]; DeepSeek's pairs (x0, x1), (x2, x3), ... first laid out as halves
+        (evens | odds), as transformers' interleaved RoPE leaves them."""
+        if self.interleaved:
+            x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+        return apply_rope(x, cos, sin)
+
+    def forward(self, x: torch.Tensor, rope: dict, attn: AttentionBackend) -> torch.Tensor:
+        T = x.shape[0]
+        cos, sin = rope["global"]
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = cast(Linear, self.q_b_proj)(cast(RMSNorm, self.q_a_layernorm)(cast(Linear, self.q_a_proj)(x)))
+        q_nope, q_pe = q.view(T, self.nh, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        c = self.kv_a_layernorm(c.contiguous())
+        entry = torch.cat([c.view(T, 1, self.rank), self._rotate(k_pe.reshape(T, 1, self.rope), cos, sin)], dim=-1)
+        w = self.kv_b_proj.weight.view(self.nh, self.nope + self.v_dim, self.rank)
+        fixed = self.kv_b_proj.fixed
+        q = torch.cat([_per_head(q_nope, w[:, :self.nope].transpose(1, 2), fixed), self._rotate(q_pe, cos, sin)],
+                      dim=-1)
+        o = attn.forward(self.layer, q, entry, entry)       # [T, heads, kv_lora_rank + rotary_dim]
+        o = _per_head(o[..., :self.rank], w[:, self.nope:], fixed)
+        return _row_parallel(self.o_proj, o.reshape(T, self.nh * self.v_dim), self.tp)
+
+
 class MLP(nn.Module):
     """SwiGLU (or GeGLU) of `width` (default: the config's intermediate size); with `tp`, this rank's slice,
     summed over the ranks."""
@@ -313,7 +374,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, tp)
+        self.self_attn: nn.Module = LatentAttention(cfg, layer, tp) if cfg.kv_lora_rank else Attention(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg, tp) if cfg.sparse_layers and cfg.sparse_layers[layer] else MLP(cfg, tp)
 

@@ -125,6 +125,9 @@ class _Shapes:
 
     def attention(self, i: int) -> None:
         c, p = self.cfg, f"layers.{i}.self_attn."
+        if c.kv_lora_rank:
+            self.latent_attention(p)
+            return
         hidden = (self.size("hidden_size", c.hidden_size), "columns")
         q = self.heads("num_attention_heads", c.num_heads)
         kv = self.heads("num_key_value_heads", c.num_kv_heads)
@@ -214,3 +217,28 @@ class _Shapes:
         self.dims(p + "experts.gate_up_proj_bias", (n, "experts"), (both, "columns"))
         self.dims(p + "experts.down_proj", (n, "experts"), (inter, "rows per expert"), (hidden, "columns"))
         self.dims(p + "experts.down_proj_bias", (n, "experts"), (hidden, "columns"))
+
+    def latent_attention(self, p: str) -> None:
+        """DeepSeek's multi-head latent attention: its q (LoRA or plain), the latent's down-projection and
+        norm, the per-head up-projection of keys and values, and the output projection."""
+        c = self.cfg
+        hidden = self.size("hidden_size", c.hidden_size)
+        nh, nope, rope, v = c.num_heads, c.qk_nope_head_dim, c.rotary_dim, c.v_head_dim
+        q = (f"num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim) is {nh} x ({nope} + {rope}) = "
+             f"{nh * (nope + rope)}", nh * (nope + rope))
+        rank = self.size("kv_lora_rank", c.kv_lora_rank)
+        if c.q_lora_rank:
+            q_rank = self.size("q_lora_rank", c.q_lora_rank)
+            self.dims(p + "q_a_proj.weight", (q_rank, "rows"), (hidden, "columns"))
+            self.dims(p + "q_a_layernorm.weight", (q_rank, "entries"))
+            self.dims(p + "q_b_proj.weight", (q, "rows"), (q_rank, "columns"))
+        else:
+            self.dims(p + "q_proj.weight", (q, "rows"), (hidden, "columns"))
+        latent = (f"kv_lora_rank + qk_rope_head_dim is {c.kv_lora_rank} + {rope} = {c.head_dim}", c.head_dim)
+        self.dims(p + "kv_a_proj_with_mqa.weight", (latent, "rows"), (hidden, "columns"))
+        self.dims(p + "kv_a_layernorm.weight", (rank, "entries"))
+        kv = (f"num_attention_heads x (qk_nope_head_dim + v_head_dim) is {nh} x ({nope} + {v}) = {nh * (nope + v)}",
+              nh * (nope + v))
+        self.dims(p + "kv_b_proj.weight", (kv, "rows"), (rank, "columns"))
+        out = (f"num_attention_heads x v_head_dim is {nh} x {v} = {nh * v}", nh * v)
+        self.dims(p + "o_proj.weight", (hidden, "rows"), (out, "columns"))

@@ -1,7 +1,9 @@
 """Tensor parallelism (Megatron's layout): each rank of a group holds a slice of every large weight.
 
 - attention: the query heads and the KV heads split evenly (column-parallel q/k/v, so each rank's KV
-  pool holds its own KV heads), the output projection row-parallel, summed over the ranks;
+  pool holds its own KV heads), the output projection row-parallel, summed over the ranks; latent
+  attention (DeepSeek) splits its heads (q_b_proj, kv_b_proj, o_proj) and keeps the latent, its
+  down-projections and its pool entry whole on every rank;
 - MLP: gate/up column-parallel, down row-parallel, summed (routed experts: each expert's slice);
 - embedding and LM head: vocabulary-parallel (rows split, padded to equal slices): a token's
   embedding comes from the rank holding its row (summed over ranks), the logits are gathered.
@@ -56,10 +58,13 @@ def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
     if cfg.runtime != "native":
         raise ValueError(f"tensor parallelism needs lmbatch's own network; {cfg.model_type} runs through "
                          "transformers (the fallback)")
-    for name in ("num_heads", "num_kv_heads", "intermediate_size", "moe_intermediate_size", "shared_experts_size"):
+    split = ("num_heads", "intermediate_size", "moe_intermediate_size", "shared_experts_size") + \
+        (() if cfg.keys_are_values else ("num_kv_heads",))      # latent attention's entry: whole on every rank
+    for name in split:
         if getattr(cfg, name) % size:
             raise ValueError(f"{size} ranks do not divide the model's {name} ({getattr(cfg, name)})")
-    return replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=cfg.num_kv_heads // size,
+    kv_heads = cfg.num_kv_heads if cfg.keys_are_values else cfg.num_kv_heads // size
+    return replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=kv_heads,
                    intermediate_size=cfg.intermediate_size // size,
                    moe_intermediate_size=cfg.moe_intermediate_size // size,
                    shared_experts_size=cfg.shared_experts_size // size)
@@ -91,6 +96,8 @@ def shard_tensor(key: str, t: torch.Tensor, full: ModelConfig, tp: TensorParalle
         return _chunk(t, tp, 0)
     if key.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")) and full.qk_norm == "proj":
         return _chunk(t, tp, 0)                   # over the whole projection (OLMo): this rank's heads' part
+    if key.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight")):
+        return _chunk(t, tp, 0)                   # latent attention's per-head projections (rows head by head)
     if key.endswith("self_attn.sinks"):                     # gpt-oss: one per query head
         return _chunk(t, tp, 0)
     if key.endswith("mlp.gate_up_proj_bias"):               # gpt-oss: [E, 2I], gate | up

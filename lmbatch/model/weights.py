@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from lmbatch.model.architectures import experts_of
 from lmbatch.model.config import ModelConfig
-from lmbatch.model.names import EXPERT, EXPERT_PART, FUSED, beyond_the_decoder, renamed
+from lmbatch.model.names import EXPERT, EXPERT_PART, beyond_the_decoder, fused, renamed
 from lmbatch.model.network import Transformer
 from lmbatch.model.tensor_parallel import shard_tensor
 
@@ -92,13 +92,11 @@ def load_weights(model: Transformer, source: str | Path | dict[str, torch.Tensor
             pending.discard(key)
             continue
         module, kind = ours.rsplit(".", 1)
-        for hf_sfx, (our_sfx, shard) in FUSED.items():
-            if module.endswith(hf_sfx):
-                key = module[: -len(hf_sfx)] + our_sfx + "." + kind
-                tensor = whole if tp is None else shard_tensor(key, whole, full or model.cfg, tp)
-                params[key][_fused_slice(model, our_sfx, shard)].copy_(tensor)
-                pending.discard(key)
-                break
+        if (into := fused(module, model.cfg)) is not None:
+            key = f"{into[0]}.{kind}"
+            tensor = whole if tp is None else shard_tensor(key, whole, full or model.cfg, tp)
+            params[key][_fused_slice(model, into[1], into[2])].copy_(tensor)
+            pending.discard(key)
         else:
             if ours not in params:
                 raise KeyError(f"checkpoint tensor {name} has no place in the model")

@@ -331,6 +331,12 @@ FAMILY_CASES = {   # (family, config changes, the line after "model at DIR: conf
     "gpt-oss-experts": ("gpt_oss", {"num_local_experts": 8},
                         "num_local_experts is 8 but model.safetensors has 4 rows (experts) in "
                         "model.layers.0.mlp.router.weight"),
+    "deepseek-v3-kv-lora-rank": ("deepseek_v3", {"kv_lora_rank": 16},
+                                 "kv_lora_rank + qk_rope_head_dim is 16 + 8 = 24 but model.safetensors has 40 rows in "
+                                 "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"),
+    "deepseek-v3-v-head-dim": ("deepseek_v3", {"v_head_dim": 16},
+                               "num_attention_heads x (qk_nope_head_dim + v_head_dim) is 4 x (16 + 16) = 128 but "
+                               "model.safetensors has 112 rows in model.layers.0.self_attn.kv_b_proj.weight"),
     "glm4-moe-shared-experts": ("glm4_moe", {"n_shared_experts": 2},
                                 "n_shared_experts x moe_intermediate_size is 64 but model.safetensors has 32 rows in "
                                 "model.layers.1.mlp.shared_experts.gate_proj.weight"),

@@ -83,6 +83,18 @@ VARIANTS = {
                     "rope_theta": 150000, "swiglu_limit": 7.0, "rope_scaling": {
                         "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
                         "rope_type": "yarn", "truncate": False}},
+    # DeepSeek-V3's config.json as published (v4 YaRN with mscale, "type" key, MTP layer count), sizes shrunk
+    "deepseek_v3-hub": {"model_type": "deepseek_v3", **SIZES, "num_key_value_heads": 4, "q_lora_rank": 24,
+                        "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                        "n_routed_experts": 16, "n_group": 4, "topk_group": 2, "first_k_dense_replace": 3,
+                        "moe_layer_freq": 1, "num_nextn_predict_layers": 1, "topk_method": "noaux_tc",
+                        "scoring_func": "sigmoid", "max_position_embeddings": 163840, "rope_theta": 10000,
+                        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                         "type": "yarn"}},
+    "deepseek_v3-no-q-lora": {"model_type": "deepseek_v3", **SIZES, "q_lora_rank": None, "kv_lora_rank": 32,
+                              "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_group": 1,
+                              "topk_group": 1, "n_routed_experts": 8, "rope_interleave": False},
     "olmo3-layer-types": {"model_type": "olmo3", **SIZES, "layer_types": ["full_attention", "sliding_attention"] * 3,
                           "rope_theta": 10000.0},
 }

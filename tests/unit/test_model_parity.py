@@ -6,7 +6,7 @@ import torch
 from conftest import make_tiny_hf
 
 from lmbatch.attention.base import ForwardBatch
-from lmbatch.attention.kv_pool import KVPool
+from lmbatch.attention.kv_pool import KVPool, LatentKVPool
 from lmbatch.attention.torch_ref import TorchBackend
 from lmbatch.model.config import ModelConfig
 from lmbatch.model.network import Transformer
@@ -20,7 +20,8 @@ def _ours(path, **change):
     cfg = dataclasses.replace(ModelConfig.from_dir(path), **change)
     model = Transformer(cfg)
     load_weights(model, path)
-    pool = KVPool(256, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    pool = (LatentKVPool if cfg.keys_are_values else KVPool)(256, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                                              torch.float32, "cpu")
     return model.eval(), TorchBackend(pool, cfg.num_heads, cfg.head_dim, cfg.attn_scale, cfg.attn_softcap), pool
 
 
@@ -81,6 +82,8 @@ def test_eight_decode_steps(tiny_model):
     ("smollm3", {"nope_layers": ()}), ("smollm3", {"layer_windows": ()}),
     ("glm4_moe", {"routed_scaling_factor": 1.0}), ("glm4_moe", {"n_group": 1}), ("glm4_moe", {"rotary_dim": 0}),
     ("gpt_oss", {"swiglu_limit": 100.0}), ("gpt_oss", {"rope_scaling": {}}), ("gpt_oss", {"layer_windows": ()}),
+    ("deepseek_v3", {"rope_interleaved": False}), ("deepseek_v3", {"attn_scale": None}),
+    ("deepseek_v3", {"rope_scaling": {}}),
     ("olmo3", {"layer_windows": ()}), ("olmo3", {"local_rope_theta": None}), ("olmo3", {"rope_scaling": {}}),
 ])
 def test_each_delta_matters(kind, change, tmp_path):
@@ -117,3 +120,30 @@ def test_a_model_with_sinks_gets_the_torch_backend_on_cuda(tmp_path):
     for wanted in ("triton", "flashinfer", "cascade"):
         with pytest.raises(UserError, match=f"--attention {wanted}: gpt_oss has attention sinks"):
             pick_attention(wanted, "cuda", "bfloat16", cfg)
+
+
+@pytest.mark.parametrize("variant", [
+    {"q_lora_rank": None, "rope_interleave": False},       # a plain q projection, RoPE on halves
+    {"attention_bias": True, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+])
+def test_latent_attention_variants(variant, tmp_path):
+    """DeepSeek's other layouts: without q LoRA (DeepSeek-V2-Lite's), with the attention biases, unscaled RoPE;
+    prefill, then an extension over the cached latent."""
+    hf = make_tiny_hf("deepseek_v3", tmp_path, **variant)
+    model, attn, _ = _ours(tmp_path)
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    slots = torch.randperm(256)[:40]
+    want = _hf_logits(hf, ids)
+    assert (_step(model, attn, ids[:25], 0, slots) - want[:25]).abs().max() < TOL
+    assert (_step(model, attn, ids[25:], 25, slots) - want[25:]).abs().max() < TOL
+
+
+def test_latent_attention_pool_holds_one_entry_per_token(tmp_path):
+    """The pool of a latent-attention model holds kv_lora_rank + qk_rope_head_dim numbers per token and layer,
+    once (its values are its keys): 40 here, against 2 x heads x (nope + rope) = 192 that expanded keys and
+    values of the same model would take."""
+    make_tiny_hf("deepseek_v3", tmp_path)
+    cfg = ModelConfig.from_dir(tmp_path)
+    assert cfg.keys_are_values
+    pool = LatentKVPool(16, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    assert pool.v is pool.k and pool.k.shape == (3, 16, 1, 32 + 8)

@@ -41,7 +41,7 @@ def _compare(got, want):
 @pytest.mark.parametrize("kind,overrides", [("llama", {}), ("llama", {"vocab_size": 127}), ("qwen2", {}),
                                             ("qwen3", {}), ("qwen3_moe", {}), ("mixtral", {}), ("gemma2", {}),
                                             ("phi3", {}), ("olmo3", {}),
-                                            ("glm4_moe", {}), ("gpt_oss", {})])
+                                            ("glm4_moe", {}), ("gpt_oss", {}), ("deepseek_v3", {})])
 def test_two_ranks_equal_one(kind, overrides, tmp_path):
     make_tiny_hf(kind, tmp_path, **overrides)
     cfg = ModelConfig.from_dir(tmp_path)
