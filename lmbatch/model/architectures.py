@@ -57,7 +57,7 @@ class Architecture:
     qk_norm: str = ""               # "head": RMSNorm of each head's q and k; "proj": of the projections
     qk_norm_field: str = ""         # config.json's switch of the q/k norm (GLM-4.5's use_qk_norm; "": always)
     partial_rotary: bool = False    # RoPE may rotate a fraction of each head (partial_rotary_factor)
-    o_bias: bool = False            # the output projection has a bias where attention_bias (gpt-oss)
+    o_bias: bool = False            # the output projection has a bias where attention_bias (as q/k/v have)
     latent: bool = False            # multi-head latent attention (DeepSeek-V2/V3: q_lora_rank, kv_lora_rank, ...)
     sinks: bool = False             # a learned logit per head in each softmax's denominator (gpt-oss)
     mtp_field: str = ""             # config.json's count of multi-token-prediction layers stored after the
@@ -82,23 +82,23 @@ _MIXTRAL_EXPERTS = Experts(block="block_sparse_moe", names=("w1", "w3", "w2"), s
 
 # model_type -> its entry (transformers 5.24's defaults and tokenizer classes)
 ARCHITECTURES: dict[str, Architecture] = {
-    "llama": Architecture("Llama", _LLAMA_LIKE),
+    "llama": Architecture("Llama", _LLAMA_LIKE, o_bias=True),
     "qwen2": Architecture("Qwen2 (q/k/v biases)", _QWEN, "Qwen2Tokenizer", hub_tokenizer_wrong=True,
                           layer_types="qwen", sliding_switch=True, qkv_bias=True),
     "qwen3": Architecture("Qwen3 (per-head q/k RMSNorm)", {**_QWEN, "head_dim": 128, "attention_bias": False},
-                          "Qwen2Tokenizer", layer_types="qwen", sliding_switch=True, qk_norm="head"),
+                          "Qwen2Tokenizer", layer_types="qwen", sliding_switch=True, qk_norm="head", o_bias=True),
     "qwen3_moe": Architecture(
         "Qwen3-MoE (q/k norm, routed experts)",
         {**_QWEN, "num_key_value_heads": 4, "attention_bias": False, "decoder_sparse_step": 1,
          "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_local_experts": 128, "norm_topk_prob": False,
          "mlp_only_layers": []},
-        "Qwen2Tokenizer", sliding_switch=True, null_is_default=("mlp_only_layers",), qk_norm="head",
+        "Qwen2Tokenizer", sliding_switch=True, null_is_default=("mlp_only_layers",), qk_norm="head", o_bias=True,
         experts=Experts()),
     "smollm3": Architecture("SmolLM3 (Llama with no RoPE on every fourth layer: NoPE)",
                             {**_LLAMA_LIKE, "num_key_value_heads": 4, "max_position_embeddings": 32768,
                              "eos_token_id": 128001, "rope_theta": 2000000.0, "tie_word_embeddings": True,
                              "use_sliding_window": False, "sliding_window": None, "no_rope_layer_interval": 4},
-                            layer_types="nope", nope_every=4),
+                            layer_types="nope", nope_every=4, o_bias=True),
     "glm4_moe": Architecture(
         "GLM-4.5 (routed experts by biased, group-limited sigmoid scores beside a shared expert; dense first "
         "layers; RoPE on half of each head; optional q/k norm)",
@@ -145,23 +145,23 @@ ARCHITECTURES: dict[str, Architecture] = {
                           "sliding_window": None}, "TokenizersBackend", hub_tokenizer_wrong=True),
     "olmo2": Architecture("OLMo 2 (norms after attention and MLP, q/k norm over the projections)",
                           {**_LLAMA_LIKE, "rms_norm_eps": 1e-5, "eos_token_id": 50279}, "TokenizersBackend",
-                          qk_norm="proj", norm_layout="post"),
+                          qk_norm="proj", norm_layout="post", o_bias=True),
     "gemma2": Architecture("Gemma 2 (norms around attention and MLP, soft-capped logits, alternating sliding windows)",
                            {**_GEMMA, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,
                             "final_logit_softcapping": 30.0, "rope_theta": 10000.0},
                            "GemmaTokenizer", layer_types="pattern", sliding_every=2, norm_layout="sandwich",
-                           gemma_scaling=True),
+                           gemma_scaling=True, o_bias=True),
     "gemma3_text": Architecture("Gemma 3 (Gemma 2 with q/k norms and a RoPE base of its own for sliding layers)",
                                 {**_GEMMA, "max_position_embeddings": 131072, "attn_logit_softcapping": None,
                                  "final_logit_softcapping": None, "rope_theta": 1000000.0,
                                  "rope_local_base_freq": 10000.0},
                                 "GemmaTokenizer", layer_types="pattern", sliding_every=6,
                                 sliding_every_field="sliding_window_pattern", qk_norm="head", norm_layout="sandwich",
-                                gemma_scaling=True, rope_per_layer_type=True),
+                                gemma_scaling=True, rope_per_layer_type=True, o_bias=True),
     "olmo3": Architecture("OLMo 3 (OLMo 2 with sliding-window layers, three in four; scaled RoPE on full layers only)",
                           {**_LLAMA_LIKE, "rms_norm_eps": 1e-5, "eos_token_id": 50279, "rope_theta": 500000.0,
                            "sliding_window": 4096}, "TokenizersBackend", layer_types="pattern", sliding_every=4,
-                          qk_norm="proj", norm_layout="post", rope_per_layer_type=True),
+                          qk_norm="proj", norm_layout="post", rope_per_layer_type=True, o_bias=True),
 }
 # experts already stacked in the checkpoint ([E, ...], as transformers 5 saves Qwen3-MoE and Mixtral)
 STACKED_EXPERTS = {"mlp.experts.gate_up_proj": "mlp.gate_up_proj", "mlp.experts.down_proj": "mlp.down_proj"}

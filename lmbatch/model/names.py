@@ -121,6 +121,12 @@ def _moe_names(cfg: ModelConfig, p: str) -> set[str]:
     return names
 
 
+def unplaced(cfg: ModelConfig, tensors: list[str]) -> list[str]:
+    """The checkpoint tensors the network has no place for."""
+    params = parameter_names(cfg)
+    return [name for name in tensors if (key := target(name, cfg)) is not None and key not in params]
+
+
 def name_problem(cfg: ModelConfig, tensors: list[str], where: str) -> str | None:
     """The first checkpoint tensor the network has no place for, else the first parameter no tensor fills,
     in one phrase; None where every tensor has its place and every parameter a tensor."""

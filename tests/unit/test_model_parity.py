@@ -147,3 +147,14 @@ def test_latent_attention_pool_holds_one_entry_per_token(tmp_path):
     assert cfg.keys_are_values
     pool = LatentKVPool(16, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
     assert pool.v is pool.k and pool.k.shape == (3, 16, 1, 32 + 8)
+
+
+@pytest.mark.parametrize("kind", ["llama", "olmo3", "gemma3_text", "smollm3"])
+def test_attention_bias_includes_the_output_projection(kind, tmp_path):
+    """attention_bias gives these families' output projection a bias too, as transformers builds them."""
+    hf = make_tiny_hf(kind, tmp_path, attention_bias=True)
+    assert hf.model.layers[0].self_attn.o_proj.bias is not None
+    model, attn, _ = _ours(tmp_path)
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    diff = (_step(model, attn, ids, 0, torch.randperm(256)[:40]) - _hf_logits(hf, ids)).abs().max()
+    assert diff < TOL, diff
