@@ -8,7 +8,8 @@ ranges of the row's keys; it writes that range's softmax-weighted values and log
 second kernel merges the ranges of each (row, head). SPLITS is fixed per call, so a CUDA graph
 captures it; a short row leaves its last ranges empty (they weigh nothing in the merge).
 
-WINDOW and SOFTCAP as in the extend kernel: the row's query sits at its last position.
+WINDOW and SOFTCAP as in the extend kernel: the row's query sits at its last position. SINKS (gpt-oss)
+enter the merge: each head's sink logit joins the ranges' summed weights, once.
 """
 from __future__ import annotations
 
@@ -64,17 +65,24 @@ def _split_kernel(Q, K, V, MidO, MidL, kv_indices, kv_indptr, kv_skip,  # type: 
 
 
 @triton.jit
-def _merge_kernel(MidO, MidL, O, stride_ot, stride_oh,  # type: ignore[no-untyped-def]
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+def _merge_kernel(MidO, MidL, O, Sinks, stride_ot, stride_oh,  # type: ignore[no-untyped-def]
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr):
     row, head = tl.program_id(0), tl.program_id(1)
     base = row * tl.num_programs(1) + head
     s = tl.arange(0, SPLITS)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
     lse = tl.load(MidL + base * SPLITS + s)
-    w = tl.exp(lse - tl.max(lse, axis=0))           # an empty range: lse -inf, weight 0
+    top = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(Sinks + head).to(tl.float32)
+        top = tl.maximum(top, sink)
+    w = tl.exp(lse - top)                           # an empty range: lse -inf, weight 0
     o = tl.load(MidO + (base * SPLITS + s)[:, None] * HEAD_DIM + dims[None, :], mask=dim_ok[None, :], other=0.0)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    total = tl.sum(w, axis=0)
+    if HAS_SINKS:
+        total += tl.exp(sink - top)
+    out = tl.sum(w[:, None] * o, axis=0) / total
     tl.store(O + row * stride_ot + head * stride_oh + dims, out.to(O.dtype.element_ty), mask=dim_ok)
 
 
@@ -109,12 +117,13 @@ def decode_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indices: torch.Tensor,
                      kv_indptr: torch.Tensor, scale: float, window: int | None = None, softcap: float = 0.0,
-                     splits: int | None = None) -> torch.Tensor:
+                     splits: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D], one query per row, row i over keys kv_indices[kv_indptr[i]:kv_indptr[i + 1]] (its
-    last key its own position); k_pool/v_pool: [slots, KVH, D]. Returns [T, H, D]."""
+    last key its own position); k_pool/v_pool: [slots, KVH, D]; `sinks`: [H], each head's sink logit
+    (gpt-oss). Returns [T, H, D]."""
     T, H, D = q.shape
     mid_o, mid_l, splits = decode_partials(q, k_pool, v_pool, kv_indices, kv_indptr, scale, window, softcap, splits)
     out = torch.empty_like(q)
-    _merge_kernel[(T, H)](mid_o, mid_l, out, out.stride(0), out.stride(1), HEAD_DIM=D,
-                          BLOCK_D=triton.next_power_of_2(D), SPLITS=splits)
+    _merge_kernel[(T, H)](mid_o, mid_l, out, mid_l if sinks is None else sinks, out.stride(0), out.stride(1),
+                          HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), SPLITS=splits, HAS_SINKS=sinks is not None)
     return out

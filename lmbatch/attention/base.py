@@ -74,12 +74,12 @@ class AttentionBackend(ABC):
         """Attention output of the batch's new tokens at `layer` ([T, heads, head_dim]). With a
         `window`, a token sees only the last `window` positions up to its own (sliding-window layers);
         with `sinks` ([heads], gpt-oss), each head's learned logit joins its softmax's denominator (the
-        torch backend only: `engine.build.pick_attention` picks it for such a model)."""
+        torch and Triton backends; FlashInfer and the cascade kernel refuse them)."""
 
 
 def no_sinks(backend: str, sinks: torch.Tensor | None) -> None:
     """A backend without a sink term refuses a model with attention sinks rather than leave them out (never
-    reached from the command line: engine/build.py and the model runner give such a model the torch one)."""
+    reached from the command line: engine/build.py and the model runner give such a model triton or torch)."""
     if sinks is not None:
         raise ValueError(f"the {backend} attention backend has no attention sinks (gpt-oss)")
 

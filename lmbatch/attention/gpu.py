@@ -36,17 +36,17 @@ class TritonBackend(_DeviceMeta):
                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One new token per sequence (a decode step): the split decode kernel, as the decode graphs run it;
         otherwise, and in deterministic mode, the extend kernel (a query's keys in blocks from its first key,
-        whatever the batch)."""
+        whatever the batch). Both take gpt-oss's attention sinks."""
         from lmbatch.kernels.decode_attention import decode_attention
         from lmbatch.kernels.extend_attention import extend_attention
 
-        no_sinks("triton", sinks)
         self.store(layer, k, v)
         if self.max_q_len == 1 and not self.deterministic:     # the split kernel's ranges depend on the batch
             return decode_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices, self.kv_dev,
-                                    self.scale, window, self.softcap)
+                                    self.scale, window, self.softcap, sinks=sinks)
         return extend_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices, self.qo_dev,
-                                self.kv_dev, self.max_q_len, self.scale, window, self.softcap, self.deterministic)
+                                self.kv_dev, self.max_q_len, self.scale, window, self.softcap, self.deterministic,
+                                sinks)
 
 
 class FlashInferBackend(_DeviceMeta):

@@ -86,6 +86,9 @@ def default_batch_tokens(cfg: ModelConfig, device: str, dtype: str) -> int:
     return budget
 
 
+SINKS = "attention sinks (gpt-oss)"
+
+
 def pick_attention(wanted: str, device: str, dtype: str, cfg: ModelConfig) -> Attention:
     """The attention backend and why: see the module's docstring."""
     from lmbatch.attention.gpu import flashinfer_built
@@ -101,6 +104,11 @@ def pick_attention(wanted: str, device: str, dtype: str, cfg: ModelConfig) -> At
         if wanted != "auto":
             raise UserError(f"--attention {wanted}: {cfg.model_type} has {why_torch}; use torch or auto")
         return Attention("torch", why_torch)
+    if cfg.attn_sinks and device == "cuda" and dtype != "float32":
+        if wanted in ("flashinfer", "cascade"):
+            raise UserError(f"--attention {wanted}: {cfg.model_type} has {SINKS}, which only the triton and torch "
+                            "backends compute")
+        return Attention("triton" if wanted == "auto" else wanted, f"{SINKS}: Triton's kernels have them")
     if device != "cuda":
         if wanted != "auto":
             raise UserError(f"--attention {wanted} needs CUDA; on CPU lmbatch runs the torch backend")

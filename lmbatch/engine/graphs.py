@@ -50,18 +50,19 @@ class _GraphAttention(AttentionBackend):
         from lmbatch.kernels.cascade_attention import cascade_attention
         from lmbatch.kernels.decode_attention import decode_attention
 
-        no_sinks("decode graphs'", sinks)
         self.store(layer, k, v)
         if self.qo is not None:         # deterministic: a query's keys in the same blocks whatever the batch
             from lmbatch.kernels.extend_attention import extend_attention
 
             return extend_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices,
-                                    self.qo[:q.shape[0] + 1], self.kv, 1, self.scale, window, self.softcap, True)
+                                    self.qo[:q.shape[0] + 1], self.kv, 1, self.scale, window, self.softcap, True,
+                                    sinks)
         if self.levels is not None and window is None:
+            no_sinks("cascade", sinks)          # ModelRunner keeps a model with sinks off the cascade kernel
             return cascade_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices, self.kv, self.scale,
                                      self.softcap, self.levels)
         return decode_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices, self.kv, self.scale,
-                                window, self.softcap)
+                                window, self.softcap, sinks=sinks)
 
 
 class DecodeGraphs:

@@ -87,6 +87,9 @@ class ModelRunner:
         attention = (o.attention or default_backend(self.device, dtype, why_torch is not None)) if native else "torch"
         if why_torch and attention != "torch":
             raise UserError(f"--attention {attention}: {cfg.model_type} has {why_torch}; use torch or auto")
+        if cfg.attn_sinks and attention in ("flashinfer", "cascade"):
+            raise UserError(f"--attention {attention}: {cfg.model_type} has attention sinks, which only the triton "
+                            "and torch backends compute")
         # decode steps replay CUDA graphs (not for the torch reference backend, which stays eager, nor
         # for the fallback); one extra slot is the graphs' scratch for padded rows
         use_graphs = o.cuda_graphs and native and self.device.type == "cuda" and attention != "torch"

@@ -395,8 +395,6 @@ class ModelConfig:
     def torch_attention_only(self) -> str | None:
         """Why this model attends with the torch backend on CUDA too (a delta lmbatch's GPU attention kernels
         do not have yet), or None."""
-        if self.attn_sinks:
-            return "attention sinks (gpt-oss): the GPU attention kernels have no sink term yet"
         if self.kv_lora_rank:
             return "latent attention (MLA): the GPU attention kernels have no latent path yet"
         return None

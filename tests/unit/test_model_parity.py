@@ -107,19 +107,27 @@ def test_attention_sinks_matter(tmp_path):
     assert diff > 100 * TOL, diff
 
 
-def test_a_model_with_sinks_gets_the_torch_backend_on_cuda(tmp_path):
-    """The GPU attention kernels have no sink term: a gpt-oss model attends with the torch backend on CUDA
-    (said in the summary's reason), and asking for another is one line, before any weights are read."""
+def test_attention_backends_for_sinks_and_latent_attention(tmp_path):
+    """On CUDA in bf16 a gpt-oss model attends with Triton (its kernels have the sink term), never FlashInfer or
+    the cascade kernel (they have none: asking is one line); a DeepSeek model with the torch backend (latent
+    attention has no GPU kernel yet), said in the summary's reason."""
     from lmbatch.engine.build import pick_attention
     from lmbatch.errors import UserError
 
-    make_tiny_hf("gpt_oss", tmp_path)
-    cfg = ModelConfig.from_dir(tmp_path)
-    assert pick_attention("auto", "cuda", "bfloat16", cfg) == ("torch", "attention sinks (gpt-oss): the GPU "
-                                                                "attention kernels have no sink term yet")
-    for wanted in ("triton", "flashinfer", "cascade"):
+    make_tiny_hf("gpt_oss", tmp_path / "oss")
+    cfg = ModelConfig.from_dir(tmp_path / "oss")
+    assert pick_attention("auto", "cuda", "bfloat16", cfg) == ("triton", "attention sinks (gpt-oss): Triton's "
+                                                                "kernels have them")
+    assert pick_attention("triton", "cuda", "bfloat16", cfg).name == "triton"
+    for wanted in ("flashinfer", "cascade"):
         with pytest.raises(UserError, match=f"--attention {wanted}: gpt_oss has attention sinks"):
             pick_attention(wanted, "cuda", "bfloat16", cfg)
+    make_tiny_hf("deepseek_v3", tmp_path / "ds")
+    cfg = ModelConfig.from_dir(tmp_path / "ds")
+    assert pick_attention("auto", "cuda", "bfloat16", cfg) == ("torch", "latent attention (MLA): the GPU attention "
+                                                                "kernels have no latent path yet")
+    with pytest.raises(UserError, match="--attention triton: deepseek_v3 has latent attention"):
+        pick_attention("triton", "cuda", "bfloat16", cfg)
 
 
 @pytest.mark.parametrize("variant", [
