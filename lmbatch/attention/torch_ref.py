@@ -26,6 +26,36 @@ def attend_fixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     an online softmax merged block after block, every matmul of one fixed shape (QUERY_ROWS queries with
     their heads by KEY_ROWS keys). A block a query cannot see adds exactly nothing, so neither the batch
     nor where the sequence was cut into batches changes a bit of it."""
+    acc, _, denom = _online_fixed(q, k, v, scale, softcap, window)
+    return _unblock(acc / denom, q)
+
+
+def attend_fixed_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None,
+                       sinks: torch.Tensor) -> torch.Tensor:
+    """`attend_fixed` with attention sinks (gpt-oss): each head's learned logit joins the softmax's
+    denominator only."""
+    acc, m, denom = _online_fixed(q, k, v, scale, 0.0, window)
+    KVH = k.shape[1]
+    G, chunks = q.shape[1] // KVH, acc.shape[0] // KVH
+    sink = sinks.float().view(KVH, 1, 1, G).expand(KVH, chunks, QUERY_ROWS, G).reshape(acc.shape[0], -1, 1)
+    top = torch.maximum(m, sink)
+    keep = torch.exp(m - top)
+    return _unblock(acc * keep / (denom * keep + torch.exp(sink - top)), q)
+
+
+def _unblock(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """[KVH * chunks, QUERY_ROWS * G, D] (a KV head's queries of a block, its G heads side by side) -> [n, H, D]."""
+    n, H, D = q.shape
+    chunks = -(-n // QUERY_ROWS)
+    KVH = out.shape[0] // chunks
+    out = out.view(KVH, chunks, QUERY_ROWS, H // KVH, D).permute(1, 2, 0, 3, 4).reshape(chunks * QUERY_ROWS, H, D)
+    return out[:n].to(q.dtype)
+
+
+def _online_fixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float,
+                  window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`attend_fixed`'s online softmax: (weighted values, running max, sum of weights), each in the blocked
+    layout `_unblock` undoes."""
     n, H, D = q.shape
     L, KVH = k.shape[0], k.shape[1]
     G, Q = H // KVH, QUERY_ROWS
@@ -38,9 +68,9 @@ def attend_fixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     qpos = qpos.reshape(1, chunks, Q * G, 1).expand(KVH, chunks, Q * G, 1).reshape(KVH * chunks, Q * G, 1)
     m = torch.full((KVH * chunks, Q * G, 1), float("-inf"), device=q.device)
     denom = torch.zeros_like(m)
-    acc = torch.zeros(KVH * chunks, Q * G, D, device=q.device)
+    acc = torch.zeros(KVH * chunks, Q * G, v.shape[2], device=q.device)
     for start in range(0, L, KEY_ROWS):
-        kb, vb = k.new_zeros(KEY_ROWS, KVH, D), v.new_zeros(KEY_ROWS, KVH, D)
+        kb, vb = k.new_zeros(KEY_ROWS, KVH, D), v.new_zeros(KEY_ROWS, KVH, v.shape[2])
         got = min(KEY_ROWS, L - start)
         kb[:got], vb[:got] = k[start:start + got], v[start:start + got]
         kt = kb.float().permute(1, 2, 0).repeat_interleave(chunks, dim=0)          # [KVH * chunks, D, KEY_ROWS]
@@ -60,8 +90,7 @@ def attend_fixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         denom = denom * alpha + p.sum(-1, keepdim=True)
         acc = acc * alpha + torch.bmm(p, vb.float().permute(1, 0, 2).repeat_interleave(chunks, dim=0))
         m = new
-    out = (acc / denom).view(KVH, chunks, Q, G, D).permute(1, 2, 0, 3, 4).reshape(chunks * Q, H, D)
-    return out[:n].to(q.dtype)
+    return acc, m, denom
 
 
 class TorchBackend(AttentionBackend):
@@ -73,7 +102,7 @@ class TorchBackend(AttentionBackend):
     """
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         # Store every new token's KV first: a sequence may read KV that another sequence of the
         # same batch writes (a shared prefix inserted into the tree earlier in this batch).
         self.store(layer, k, v)
@@ -83,7 +112,11 @@ class TorchBackend(AttentionBackend):
             q0, q1 = b.qo_indptr[i], b.qo_indptr[i + 1]
             slots = b.kv_indices[b.kv_indptr[i]:b.kv_indptr[i + 1]]
             keys, values = self.pool.k[layer, slots], self.pool.v[layer, slots]
-            if self.deterministic:
+            if sinks is not None and self.deterministic:
+                out[q0:q1] = attend_fixed_sinks(q[q0:q1], keys, values, self.scale, window, sinks)
+            elif sinks is not None:
+                out[q0:q1] = self._attend_sinks(q[q0:q1], keys, values, window, sinks)
+            elif self.deterministic:
                 out[q0:q1] = attend_fixed(q[q0:q1], keys, values, self.scale, self.softcap, window)
             elif q.device.type == "cpu" and not self.softcap and (window is None or len(slots) <= window):
                 out[q0:q1] = self._attend_cpu(q[q0:q1], keys, values)
@@ -107,6 +140,22 @@ class TorchBackend(AttentionBackend):
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                            attn_mask=mask, scale=self.scale, enable_gqa=True)
         return o.transpose(0, 1)
+
+    def _attend_sinks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+                      sinks: torch.Tensor) -> torch.Tensor:
+        """Attention sinks (gpt-oss), as transformers computes them: each head's learned logit is one more
+        column of the softmax (in float32 here), dropped before the values are weighted."""
+        n, L = q.shape[0], k.shape[0]
+        keys, queries = torch.arange(L, device=q.device)[None, :], torch.arange(L - n, L, device=q.device)[:, None]
+        mask = keys <= queries
+        if window is not None:
+            mask &= keys > queries - window
+        G = q.shape[1] // k.shape[1]
+        kt, vt = k.repeat_interleave(G, dim=1).transpose(0, 1), v.repeat_interleave(G, dim=1).transpose(0, 1)
+        s = (q.transpose(0, 1) @ kt.transpose(1, 2) * self.scale).masked_fill(~mask, float("-inf"))
+        s = torch.cat([s, sinks.to(s.dtype).view(-1, 1, 1).expand(-1, n, 1)], dim=-1)
+        p = torch.softmax(s.float(), dim=-1)[..., :-1].to(q.dtype)
+        return (p @ vt).transpose(0, 1)
 
     def _attend_cpu(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n, H, D = q.shape

@@ -30,7 +30,7 @@ from lmbatch.engine.protocol import Handover, Progress, Request, Result, StreamA
 from lmbatch.engine.radix_cache import RadixTree
 from lmbatch.engine.sampler import Sampler
 from lmbatch.engine.state import RunState
-from lmbatch.model.config import ModelConfig
+from lmbatch.model.checkpoint import model_config
 from lmbatch.model.network import Transformer
 from lmbatch.model.tensor_parallel import TensorParallel, shard_config
 from lmbatch.requests import GenerateRequest, GenerateResult, RunStats, ScoreRequest, ScoreResult
@@ -78,7 +78,7 @@ class Engine:
 
         load_format, tp = weights
         options = replace(options or EngineOptions(), **overrides)
-        cfg = ModelConfig.from_dir(path)
+        cfg = model_config(path)
         model: LanguageModel
         if tp is not None:
             model = Transformer.empty(shard_config(cfg, tp.size), device, dtype, tp)

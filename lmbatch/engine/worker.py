@@ -308,9 +308,9 @@ def _build(rank: int, spec: EngineSpec, port: int) -> tuple[Engine, Any, Ready]:
         import torch
 
         from lmbatch.engine.build import build_engine, fit, start_cuda
-        from lmbatch.model.config import ModelConfig
+        from lmbatch.model.checkpoint import model_config
         from lmbatch.model.tokenizer import LazyTokenizer
-        cfg = ModelConfig.from_dir(spec.model_dir)
+        cfg = model_config(spec.model_dir)
     tp, ctrl = None, None
     with clock("cuda_init"):
         fitted, attention = fit(spec, cfg)

@@ -74,8 +74,7 @@ class LMBatch(TemplateLM):
         from lmbatch.engine.devices import layout
         from lmbatch.lm_eval.engine import engine_spec, loader_for
         from lmbatch.lm_eval.generate import think_end
-        from lmbatch.model.checkpoint import check_tokenizer_files, resolve_model
-        from lmbatch.model.config import ModelConfig
+        from lmbatch.model.checkpoint import check_tokenizer_files, model_config, resolve_model
 
         check_model_args({"dtype": dtype, "device": device, "max_length": max_length, "add_bos_token": add_bos_token,
                           "prefix_token_id": prefix_token_id, "max_tokens_per_batch": max_tokens_per_batch,
@@ -109,7 +108,7 @@ class LMBatch(TemplateLM):
         # a call's scores are kept (caches/scores.py) under its requests and these (the workers' and devices'
         # counts as auto decides them here: each worker's batches decide the last bits): not for workers elsewhere
         self._numerics = (*numerics, {"engine": repr(spec), "schedule": schedule,
-                                      "layout": layout(spec, ModelConfig.from_dir(model_dir))[:2]}) \
+                                      "layout": layout(spec, model_config(model_dir))[:2]}) \
             if score_cache and ray_address is None else None
         self.kept_scores = 0        # scores read from the score cache
         self.stats = RunStats()     # every call's counts, for the run's report
