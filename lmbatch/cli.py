@@ -52,6 +52,20 @@ app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty
                   help="Offline batch evaluation of LM programs, executed in DFS order over a radix tree.")
 
 
+def _version(value: bool) -> None:
+    if value:
+        from lmbatch import __version__
+
+        typer.echo(f"lmbatch {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print lmbatch's version and exit.")) -> None:
+    """Offline batch evaluation of LM programs, executed in DFS order over a radix tree."""
+
+
 def _fail(e: UserError) -> NoReturn:
     typer.echo(f"error: {e}", err=True)
     raise typer.Exit(2)

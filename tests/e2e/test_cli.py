@@ -472,6 +472,23 @@ def test_report_of_an_incomplete_run_says_how_to_resume(tmp_path):
     _error(lmbatch("report", tmp_path / "x"), "incomplete run", "resume")
 
 
+def test_version_prints_the_installed_version():
+    """Issue 57: `lmbatch --version` prints the package's version (the installed distribution's) and exits 0,
+    before any command runs; the console script does the same."""
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    import lmbatch as package
+
+    r = lmbatch("--version")
+    assert r.exit_code == 0 and r.output == f"lmbatch {version('lmbatch')}\n" == f"lmbatch {package.__version__}\n"
+    assert lmbatch("--version", "run", "mmlux").output == r.output          # eager: no command is looked at
+    p = subprocess.run([sys.executable, "-c", "from lmbatch.cli import main; main()", "--version"],
+                       capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stdout, p.stderr) == (0, r.output, "")
+
+
 def test_h_is_help_for_every_command_and_lm_eval_keeps_its_own():
     """Issue 36: `-h` is `--help` everywhere; `lmbatch lm-eval -h` is lm-eval's own help."""
     for args in ([], ["run"], ["tasks"], ["report"]):
