@@ -222,15 +222,17 @@ def closing_line(summary: dict[str, Any]) -> str:
             + _scores(summary)
             + f"  hit rate {summary['hit_rate']:.4f} (optimum {summary['optimal_hit_rate']:.4f})  wall "
             f"{t['total']:.1f}s ({largest(t)}" + (f"; model side {side}" if side else "") + ")"
-            + _workers(summary["data_parallel"]) + f"  {runtime}"
+            + _workers(summary["data_parallel"], summary["device"]) + f"  {runtime}"
             + "".join(f"  WARNING: {w}" for w in summary.get("warnings", [])))
 
 
-def _workers(dp: dict[str, Any]) -> str:
-    """'  4 workers busy 96-99% of execute': how evenly the work fell (nothing for one engine)."""
+def _workers(dp: dict[str, Any], device: str) -> str:
+    """'  4 workers busy 96-99%': how evenly the work fell (nothing for one engine); a worker's tensor-parallel
+    ranks are GPUs on CUDA, processes sharing the CPU on the CPU."""
     load = dp.get("workers_load")
     if not load:
         return ""
     busy = [w["busy_s"] / (w["busy_s"] + w["idle_s"]) if w["busy_s"] + w["idle_s"] > 0 else 0.0 for w in load]
-    tp = f" x {dp['tensor_parallel']} GPUs" if dp["tensor_parallel"] > 1 else ""
-    return f"  {len(load)} workers{tp} busy {min(busy):.0%}-{max(busy):.0%}"
+    t = dp["tensor_parallel"]
+    tp = "" if t <= 1 else f" x {t} GPUs" if device.startswith("cuda") else f" x {t} CPU processes"
+    return f"  {len(load)} worker{'s' if len(load) > 1 else ''}{tp} busy {min(busy):.0%}-{max(busy):.0%}"
