@@ -31,7 +31,9 @@ class WorkloadOptions:
 
     task: str = field(metadata={"help": "Task name (see `lmbatch tasks`) or a program file path/to/file.py.",
                                 "argument": True})
-    shots: int = _option(0, "Few-shot examples per prompt (mmlu: 0 to 5; json and tot-gsm8k: 0).")
+    shots: int = _option(0, "Few-shot examples per prompt (mmlu: 0 to 5; hellaswag: any, drawn from validation; "
+                            "json, tot-gsm8k: 0; OLMES tasks hold their 5 curated ones: leave it out; a suite: "
+                            "for its tasks that take it).")
     limit: int | None = _option(None, "First N instances (per subject for mmlu, as lm-eval's --limit).")
     subjects: list[str] | None = _option(None, "Only these MMLU subjects (repeatable).")
     seed: int = _option(0, "Seed for shots drawing, sampling and --schedule random.")
@@ -102,13 +104,15 @@ class OutputOptions:
     or not)."""
 
     out: Path = _option(Path("results"), "Parent directory of run directories.")
-    run_id: str | None = _option(None, "Run directory name (default: task-shots-model-time).")
+    run_id: str | None = _option(None, "Run directory, one folder name inside --out (default: "
+                                       "TASK-Kshot-MODEL-YYYYMMDD-HHMMSS); an incomplete one with the same settings "
+                                       "is resumed.")
     overwrite: bool = _option(False, "Replace an existing run directory (an incomplete one with other settings too; "
                                      "one with the same settings is resumed).")
     checkpoint_s: float = _option(30.0, "Seconds of work between result parts written while the run executes (also "
                                         "one per wave): at most what a crash or Ctrl-C loses.")
     save_token_ids: bool = _option(False, "Store each request's token ids in requests.parquet.")
-    quiet: bool = _option(False, "No progress bar or closing line.")
+    quiet: bool = _option(False, "No progress bar, phase lines or closing line.")
     workload_cache: bool = _option(True, "Load, tokenize and plan the task again rather than take its cached "
                                          "workload (kept per task, options, data and tokenizer).",
                                    "--no-workload-cache")
