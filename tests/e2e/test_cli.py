@@ -288,6 +288,47 @@ def test_lm_eval_without_lm_eval_installed_is_one_line(monkeypatch):
     assert res.output.strip().count("\n") == 0 and "pip install -e '.[lm-eval]'" in res.output
 
 
+def test_lm_eval_tasks_writes_the_offline_task_files(tmp_path):
+    """Issue 57: `lmbatch lm-eval-tasks DIR` writes the files `write_offline_tasks` writes (the same bytes), each
+    including a file of lm-eval's and reading files that exist; the function is importable from the package
+    (lazily: importing the package loads none of its modules) and from backend, its old home."""
+    import importlib
+
+    from lmbatch.lm_eval import write_offline_tasks as package_level
+    from lmbatch.lm_eval.backend import write_offline_tasks as old_home
+    from lmbatch.lm_eval.offline import TASKS, write_offline_tasks
+
+    assert package_level is old_home is write_offline_tasks
+    with pytest.raises(AttributeError):
+        importlib.import_module("lmbatch.lm_eval").no_such_name  # noqa: B018
+    r = lmbatch("lm-eval-tasks", tmp_path / "cli" / "tasks")
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith(f"wrote {', '.join(TASKS)} ")
+    assert f"--include_path {tmp_path / 'cli' / 'tasks'}" in r.output
+    assert write_offline_tasks(tmp_path / "py") == list(TASKS)
+    cli = {p.name: p.read_bytes() for p in (tmp_path / "cli" / "tasks").iterdir()}
+    assert cli == {p.name: p.read_bytes() for p in (tmp_path / "py").iterdir()}
+    assert len(cli) == len(TASKS) + 57 and {f"{t}.yaml" for t in TASKS} <= set(cli)
+    for text in cli.values():
+        spec = json.loads(text)
+        assert "include" not in spec or os.path.isfile(spec["include"])
+        files = spec.get("dataset_kwargs", {}).get("data_files", {}).values()
+        assert all(os.path.isfile(f) for f in files) and ("include" not in spec or files)
+
+
+def test_lm_eval_tasks_bad_places_and_no_lm_eval_are_one_line(tmp_path, monkeypatch):
+    import sys
+
+    (tmp_path / "f").write_text("keep me")
+    _error(lmbatch("lm-eval-tasks", tmp_path / "f"), "is a file")
+    _error(lmbatch("lm-eval-tasks", tmp_path / "f" / "sub"), "cannot write the task files into")
+    _error(lmbatch("lm-eval-tasks", ""), "name a folder")
+    assert (tmp_path / "f").read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    _error(lmbatch("lm-eval-tasks", tmp_path / "t"), "lm-eval is not installed", "pip install -e '.[lm-eval]'")
+    assert not (tmp_path / "t").exists()
+
+
 def _out_is_a_file(tmp_path):
     (tmp_path / "f").write_text("keep me")
     return ["--out", tmp_path / "f"], ["--out", "is a file"]
