@@ -401,16 +401,18 @@ def test_token_progress_over_waves():
     from lmbatch.run.progress import TokenProgress
 
     p = TokenProgress(disable=True)
-    first = NS(computed_tokens=40, cached_tokens=0, unique_tokens=100, decode_tokens=0)    # a wave's counts
+    first = NS(computed_tokens=40, cached_tokens=0, unique_tokens=100, decode_tokens=0, decoding_tokens=0,
+               decode_budget=0)    # a wave's counts (no generation)
     p(0, first)
     assert (p.n, p.bar.total) == (40, 100)
     first.computed_tokens, first.cached_tokens = 90, 10
     p(1, first)
-    p(0, NS(computed_tokens=5, cached_tokens=30, unique_tokens=20, decode_tokens=7))    # the next wave's
+    p(0, NS(computed_tokens=5, cached_tokens=30, unique_tokens=20, decode_tokens=7, decoding_tokens=0,
+            decode_budget=7))    # the next wave's: a generation of 7 tokens, ended
     assert p.computed == 90                      # a prefix cached by an earlier wave: less to compute
-    assert (p.n, p.bar.total) == (95, 110)
+    assert (p.n, p.bar.total) == (90 + 5 + 7, 90 + 20 + 7)
     p.close()
-    assert (p.n, p.bar.total) == (95, 95)
+    assert (p.n, p.bar.total) == (102, 102)
 
 
 def test_a_small_runs_bar_ends_at_its_hit_rate(capsys):
@@ -421,7 +423,8 @@ def test_a_small_runs_bar_ends_at_its_hit_rate(capsys):
     from lmbatch.run.progress import TokenProgress
 
     p = TokenProgress()
-    stats = NS(computed_tokens=10, cached_tokens=0, unique_tokens=40, decode_tokens=0)
+    stats = NS(computed_tokens=10, cached_tokens=0, unique_tokens=40, decode_tokens=0, decoding_tokens=0,
+               decode_budget=8)
     p(0, stats)                                             # drawn: nothing cached yet
     stats.computed_tokens, stats.cached_tokens, stats.decode_tokens = 40, 60, 3     # within REDRAW_S
     p(5, stats)
