@@ -73,6 +73,8 @@ class EngineChoice:
     model: str | None = _option(None, "Local HF folder or hub id; default: the embedded SmolLM2-135M-Instruct.")
     device: str = _option("auto", "auto (CUDA when a GPU is visible, else CPU), cpu or cuda.")
     dtype: str | None = _option(None, "float32 (CPU default), bfloat16 (CUDA default) or float16.")
+    threads: int | None = _option(None, "CPU: torch threads of every forward batch (default: the cores other "
+                                        "processes leave free, 1 for a batch of few tokens).")
     attention: str = _option("auto", "Attention kernels: auto (Triton on CUDA, FlashInfer where its kernels for the "
                                      "model are built already; torch on CPU), flashinfer, triton, cascade (Triton, "
                                      "decode reading prefixes that rows share once a step) or torch.")
@@ -122,12 +124,11 @@ class OutputOptions:
 
 RECORDS: dict[str, type] = {"workload": WorkloadOptions, "engine": EngineChoice, "output": OutputOptions}
 # every `lmbatch run` option in the order its --help lists them and summary.json's "options" holds them
-ORDER = ("task", "shots", "model", "limit", "subjects", "device", "dtype", "attention", "max_tokens_per_batch",
-         "kv_cache_tokens", "data_parallel", "ray_address", "tensor_parallel", "schedule", "deterministic", "no_cache",
-         "seed", "out",
-         "run_id", "overwrite", "checkpoint_s", "truncate_left", "save_token_ids", "quiet", "apply_chat_template",
-         "system_instruction", "fewshot_as_multiturn", "think_budget", "think_end", "jump_forward", "workload_cache",
-         "dry_run")
+ORDER = ("task", "shots", "model", "limit", "subjects", "device", "dtype", "threads", "attention",
+         "max_tokens_per_batch", "kv_cache_tokens", "data_parallel", "ray_address", "tensor_parallel", "schedule",
+         "deterministic", "no_cache", "seed", "out", "run_id", "overwrite", "checkpoint_s", "truncate_left",
+         "save_token_ids", "quiet", "apply_chat_template", "system_instruction", "fewshot_as_multiturn",
+         "think_budget", "think_end", "jump_forward", "workload_cache", "dry_run")
 
 
 def option_fields() -> list[tuple[str, Field[Any]]]:
@@ -212,6 +213,8 @@ def check(o: RunOptions, w: Workload) -> None:
         raise UserError("--checkpoint-s must be more than 0")
     if e.kv_cache_tokens is not None and e.kv_cache_tokens < 1:
         raise UserError("--kv-cache-tokens must be at least 1")
+    if e.threads is not None and e.threads < 1:
+        raise UserError(f"--threads {e.threads}: use a number of threads (at least 1), or leave it out")
     check_count("--data-parallel", e.data_parallel)
     check_count("--tensor-parallel", e.tensor_parallel)
     if e.schedule not in SCHEDULES:
@@ -276,7 +279,7 @@ def engine_spec(o: RunOptions, model_dir: Path, generates: bool) -> EngineSpec:
     e = o.engine
     options = EngineOptions(kv_cache_tokens=e.kv_cache_tokens, max_tokens_per_batch=e.max_tokens_per_batch,
                             attention=e.attention, cache=not e.no_cache, jump_forward=e.jump_forward,
-                            deterministic=e.deterministic)
+                            deterministic=e.deterministic, threads=e.threads)
     return EngineSpec(str(model_dir), e.device, e.dtype, options, data_parallel=e.data_parallel,
                       tensor_parallel=e.tensor_parallel, ray_address=e.ray_address,
                       relay_s=min(1.0, o.output.checkpoint_s), graphs_ahead=generates)

@@ -142,8 +142,12 @@ class Engine:
         `progress(i, stats)` is called as request i's last prompt token is issued (scoring) or as its
         generation ends, and as `progress(-1, stats)` between decode steps (`stats.decoding_tokens`).
         `groups` (a program's calls on one device) changes nothing on one engine."""
-        with torch.inference_mode():
-            yield from self._stream(requests, args)
+        try:
+            with torch.inference_mode():
+                yield from self._stream(requests, args)
+        finally:
+            if self.model_runner.threads is not None:
+                self.model_runner.threads.restore()       # the process's own thread setting back
 
     def _stream(self, requests: Sequence[Request], args: StreamArgs) -> Iterator[Handover]:
         t0 = time.perf_counter()

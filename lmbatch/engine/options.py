@@ -19,6 +19,7 @@ class EngineOptions:
     jump_forward: bool = True           # append grammar-forced text without decoding it
     masks: str = "overlap"              # when grammar rows fill their token masks (MASK_MODES)
     deterministic: bool = False         # every logprob and token independent of the batch (ModelRunner)
+    threads: int | None = None          # CPU: torch threads of every forward batch (None: engine/threads.py's policy)
 
     def __post_init__(self) -> None:
         if self.masks not in MASK_MODES:

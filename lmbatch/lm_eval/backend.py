@@ -55,8 +55,8 @@ class LMBatch(TemplateLM):
     `max_tokens_per_batch`, `kv_cache_tokens`, `schedule`, and `data_parallel`, `tensor_parallel`,
     `ray_address` as `lmbatch run` has them: each call's batch is cut along whole subtrees, never
     handed out round-robin; `score_cache`: false computes a loglikelihood call's scores even where
-    the same call on the same model files and numerics kept them, caches/scores.py; and `deterministic`,
-    as `lmbatch run --deterministic`)."""
+    the same call on the same model files and numerics kept them, caches/scores.py; `deterministic`, as
+    `lmbatch run --deterministic`; and `threads`, as `lmbatch run --threads`)."""
 
     backend = "causal"
 
@@ -66,7 +66,8 @@ class LMBatch(TemplateLM):
                  kv_cache_tokens: int | None = None, schedule: str = "dfs", batch_size: Any = None,
                  max_batch_size: Any = None, data_parallel: int | str = "auto", tensor_parallel: int | str = "auto",
                  ray_address: str | None = None, attention: str = "auto", score_cache: bool = True,
-                 think_end_token: str | int | None = None, deterministic: bool = False, **unused: Any):
+                 think_end_token: str | int | None = None, deterministic: bool = False, threads: int | None = None,
+                 **unused: Any):
         super().__init__()
         start = time.perf_counter()
         from transformers import AutoTokenizer
@@ -82,7 +83,7 @@ class LMBatch(TemplateLM):
                           "prefix_token_id": prefix_token_id, "max_tokens_per_batch": max_tokens_per_batch,
                           "kv_cache_tokens": kv_cache_tokens, "schedule": schedule, "data_parallel": data_parallel,
                           "tensor_parallel": tensor_parallel, "attention": attention, "score_cache": score_cache,
-                          "deterministic": deterministic})
+                          "deterministic": deterministic, "threads": threads})
         if batch_size not in (None, 1, "1") or max_batch_size is not None:
             log.info("lmbatch: batch_size/max_batch_size have no effect: each call's requests run as one batch, "
                      "in token-budgeted forward passes, and scores do not depend on batching")
@@ -99,7 +100,8 @@ class LMBatch(TemplateLM):
         spec = engine_spec(model_dir, {"device": device, "dtype": dtype, "kv_cache_tokens": kv_cache_tokens,
                                        "max_tokens_per_batch": max_tokens_per_batch, "attention": attention,
                                        "data_parallel": data_parallel, "tensor_parallel": tensor_parallel,
-                                       "ray_address": ray_address, "deterministic": deterministic})
+                                       "ray_address": ray_address, "deterministic": deterministic,
+                                       "threads": threads})
         self._loader = loader_for(spec, self.tokenizer)
         self._engine: Loaded | None = None
         self._model_dir = Path(model_dir)
@@ -412,7 +414,7 @@ def check_model_args(args: dict[str, Any]) -> None:
     for name, allowed in choices.items():
         if args.get(name) is not None and args[name] not in allowed:
             raise bad(name, f"use {_alternatives(allowed)}")
-    for name in ("max_length", "max_tokens_per_batch", "kv_cache_tokens"):
+    for name in ("max_length", "max_tokens_per_batch", "kv_cache_tokens", "threads"):
         if args.get(name) is not None and not _whole(args[name], 1):
             raise bad(name, "use a whole number, at least 1")
     for name, what in (("data_parallel", "a number of workers"), ("tensor_parallel", "a number of devices")):

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import subprocess
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, cast
 
 import lmbatch
 from lmbatch.requests import RunStats, optimal_hit_rate
@@ -88,6 +89,19 @@ def _data_parallel(loaded: Loaded, stats: RunStats) -> dict[str, Any]:
     return out
 
 
+def _threads(loaded: Loaded) -> dict[str, Any] | None:
+    """A CPU engine's torch threads (engine/threads.py): given (--threads) or not, the most a batch may take,
+    the policy, OpenMP's wait policy and how many forward batches ran on how many threads; a data-parallel
+    run's workers keep theirs (given and wait policy only). None on CUDA."""
+    if loaded.spec.device != "cpu":
+        return None
+    runner = getattr(loaded.engine, "model_runner", None)
+    threads = getattr(runner, "threads", None)
+    if threads is not None:
+        return cast(dict[str, Any], threads.describe())
+    return {"given": loaded.spec.options.threads, "wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
+
+
 def _metrics(w: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Each metric's mean over the instances that have it, with its standard error (a failed instance has
     none: `metric_counts` says how many each mean is over, beside `counts.failed_instances`); accuracy is
@@ -147,6 +161,7 @@ def build(o: RunOptions, w: Workload, loaded: Loaded, merged: Merged, interp: In
         "workload": workload,
         "max_tokens_per_batch": spec.options.max_tokens_per_batch,
         "kv_cache_tokens": spec.options.kv_cache_tokens,
+        "threads": _threads(loaded),
         "options": options,
         "counts": {"instances": len(rows), "failed_instances": sum(r["error"] is not None for r in rows),
                    "scored_instances": sum(r["error"] is None for r in rows),

@@ -479,6 +479,7 @@ BAD_MODEL_ARGS = {   # --model_args beside pretrained=: the one line after "erro
     "max_length=abc": "--model_args max_length=abc: use a whole number, at least 1",
     "max_length=0": "--model_args max_length=0: use a whole number, at least 1",
     "kv_cache_tokens=-5": "--model_args kv_cache_tokens=-5: use a whole number, at least 1",
+    "threads=0": "--model_args threads=0: use a whole number, at least 1",
     "max_tokens_per_batch=1.5": "--model_args max_tokens_per_batch=1.5: use a whole number, at least 1",
     "tensor_parallel=0": "--model_args tensor_parallel=0: use a number of devices (at least 1) or auto",
     "data_parallel=many": "--model_args data_parallel=many: use a number of workers (at least 1) or auto",

@@ -106,6 +106,7 @@ def test_existing_output_dir_needs_overwrite(tiny, tmp_path):
 def test_bad_option_values(tmp_path):
     _error(lmbatch("run", "mmlu", "--schedule", "lifo", "--out", tmp_path), "--schedule lifo")
     _error(lmbatch("run", "mmlu", "--dtype", "int4", "--out", tmp_path), "--dtype int4")
+    _error(lmbatch("run", "mmlu", "--threads", 0, "--out", tmp_path), "--threads 0: use a number of threads")
     _error(lmbatch("run", "mmlu", "--subjects", "astrology", "--out", tmp_path), "astrology")
 
 
@@ -261,6 +262,14 @@ def test_summary_times_every_phase_and_names_the_device(tiny, tmp_path):
     assert sum(v for k, v in t.items() if k in MAIN_LINE) <= t["total"] + 1e-6     # the model's side overlaps them
     assert s["device"] == "cpu" and s["options"]["device"] == "auto"      # no GPU in CI
     assert s["max_tokens_per_batch"] == 4096
+    threads = s["threads"]          # issue 57: the CPU thread policy and what it did, every forward batch counted
+    assert threads["given"] is None and threads["policy"].startswith("the cores other processes leave free")
+    assert threads["wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")      # a user's own setting wins
+    assert sum(threads["batches_by_threads"].values()) == s["forward_batches"]
+    assert lmbatch(*run_args(tiny, tmp_path, "one", "--threads", 1)).exit_code == 0
+    s = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert s["options"]["threads"] == 1 and s["threads"]["given"] == 1
+    assert s["threads"]["batches_by_threads"] == {"1": s["forward_batches"]}
 
 
 def test_device_and_dtype_combinations_that_cannot_run(tiny, tmp_path):
