@@ -19,6 +19,8 @@ if TYPE_CHECKING:      # lmbatch.grammar imports xgrammar: loaded only where a g
     from lmbatch.grammar import Constraint
 
 PROGRESS_S = 0.1       # decode steps tell the progress callback their tokens at most this often
+
+
 @dataclass
 class Queued:
     """A generation request whose prompt is in the pool, waiting for a decode row."""
