@@ -12,6 +12,7 @@ import torch
 from lmbatch.attention.base import ForwardBatch, default_backend, make_backend
 from lmbatch.attention.kv_pool import KVPool, LatentKVPool, Slots
 from lmbatch.attention.registry import REGISTRY
+from lmbatch.engine.threads import CpuThreads
 from lmbatch.errors import UserError
 from lmbatch.model.network import Transformer
 
@@ -101,6 +102,8 @@ class ModelRunner:
         self.attn.deterministic = o.deterministic
         if o.deterministic:
             cast(Transformer, model).set_deterministic(True)
+        # CPU: each forward batch's torch threads sized to the cores other processes leave free (or --threads)
+        self.threads = CpuThreads(o.threads) if self.device.type == "cpu" else None
         self.graphs: DecodeGraphs | None = None
         self._captured = False      # graphs are captured at the first decode step unless asked before
         if use_graphs:
@@ -120,6 +123,8 @@ class ModelRunner:
 
     def forward(self, batch: TokenBatch) -> torch.Tensor:
         """Logits at the batch's logit rows (launched; the device may still be computing them)."""
+        if self.threads is not None:
+            self.threads.apply(batch.num_tokens)
         return self.model(batch.build().to(self.device), self.attn)
 
     def decode(self, rows: list[Running], pending: torch.Tensor | None = None) -> torch.Tensor:

@@ -315,7 +315,8 @@ def _build(rank: int, spec: EngineSpec, port: int) -> tuple[Engine, Any, Ready]:
     with clock("cuda_init"):
         fitted, attention = fit(spec, cfg)
         if fitted.device == "cpu":
-            torch.set_num_threads(spec.threads or max(1, (os.cpu_count() or 1) // (spec.workers * spec.ranks)))
+            torch.set_num_threads(spec.threads or spec.options.threads
+                                  or max(1, (os.cpu_count() or 1) // (spec.workers * spec.ranks)))
         start_cuda(fitted.device)
         if spec.ranks > 1:
             import torch.distributed as dist

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import subprocess
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, cast
 
 import lmbatch
 from lmbatch.model.quantization import declared as checkpoint_quantization
@@ -89,6 +90,19 @@ def _data_parallel(loaded: Loaded, stats: RunStats) -> dict[str, Any]:
     return out
 
 
+def _threads(loaded: Loaded) -> dict[str, Any] | None:
+    """A CPU engine's torch threads (engine/threads.py): given (--threads) or not, the most a batch may take,
+    the policy, OpenMP's wait policy and how many forward batches ran on how many threads; a data-parallel
+    run's workers keep theirs (given and wait policy only). None on CUDA."""
+    if loaded.spec.device != "cpu":
+        return None
+    runner = getattr(loaded.engine, "model_runner", None)
+    threads = getattr(runner, "threads", None)
+    if threads is not None:
+        return cast(dict[str, Any], threads.describe())
+    return {"given": loaded.spec.options.threads, "wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
+
+
 def _metrics(w: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Each metric's mean over the instances that have it, with its standard error (a failed instance has
     none: `metric_counts` says how many each mean is over, beside `counts.failed_instances`); accuracy is
@@ -149,6 +163,7 @@ def build(o: RunOptions, w: Workload, loaded: Loaded, merged: Merged, interp: In
         "workload": workload,
         "max_tokens_per_batch": spec.options.max_tokens_per_batch,
         "kv_cache_tokens": spec.options.kv_cache_tokens,
+        "threads": _threads(loaded),
         "options": options,
         "counts": {"instances": len(rows), "failed_instances": sum(r["error"] is not None for r in rows),
                    "scored_instances": sum(r["error"] is None for r in rows),
@@ -236,15 +251,17 @@ def closing_line(summary: dict[str, Any]) -> str:
             + _scores(summary)
             + f"  hit rate {summary['hit_rate']:.4f} (optimum {summary['optimal_hit_rate']:.4f})  wall "
             f"{t['total']:.1f}s ({largest(t)}" + (f"; model side {side}" if side else "") + ")"
-            + _workers(summary["data_parallel"]) + f"  {runtime}"
+            + _workers(summary["data_parallel"], summary["device"]) + f"  {runtime}"
             + "".join(f"  WARNING: {w}" for w in summary.get("warnings", [])))
 
 
-def _workers(dp: dict[str, Any]) -> str:
-    """'  4 workers busy 96-99% of execute': how evenly the work fell (nothing for one engine)."""
+def _workers(dp: dict[str, Any], device: str) -> str:
+    """'  4 workers busy 96-99%': how evenly the work fell (nothing for one engine); a worker's tensor-parallel
+    ranks are GPUs on CUDA, processes sharing the CPU on the CPU."""
     load = dp.get("workers_load")
     if not load:
         return ""
     busy = [w["busy_s"] / (w["busy_s"] + w["idle_s"]) if w["busy_s"] + w["idle_s"] > 0 else 0.0 for w in load]
-    tp = f" x {dp['tensor_parallel']} GPUs" if dp["tensor_parallel"] > 1 else ""
-    return f"  {len(load)} workers{tp} busy {min(busy):.0%}-{max(busy):.0%}"
+    t = dp["tensor_parallel"]
+    tp = "" if t <= 1 else f" x {t} GPUs" if device.startswith("cuda") else f" x {t} CPU processes"
+    return f"  {len(load)} worker{'s' if len(load) > 1 else ''}{tp} busy {min(busy):.0%}-{max(busy):.0%}"

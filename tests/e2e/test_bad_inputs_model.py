@@ -513,6 +513,7 @@ BAD_MODEL_ARGS = {   # --model_args beside pretrained=: the one line after "erro
     "max_length=abc": "--model_args max_length=abc: use a whole number, at least 1",
     "max_length=0": "--model_args max_length=0: use a whole number, at least 1",
     "kv_cache_tokens=-5": "--model_args kv_cache_tokens=-5: use a whole number, at least 1",
+    "threads=0": "--model_args threads=0: use a whole number, at least 1",
     "max_tokens_per_batch=1.5": "--model_args max_tokens_per_batch=1.5: use a whole number, at least 1",
     "tensor_parallel=0": "--model_args tensor_parallel=0: use a number of devices (at least 1) or auto",
     "data_parallel=many": "--model_args data_parallel=many: use a number of workers (at least 1) or auto",
@@ -589,7 +590,7 @@ def test_lm_eval_hub_task_while_offline_is_one_line(good, task_dir, tmp_path, mo
                     "--tasks", "hellaswag_offline,arc_easy")
     assert line == ("error: --tasks arc_easy: lm-eval task arc_easy reads allenai/ai2_arc from the Hugging Face Hub, "
                     "which is not in the local cache, and HF_HUB_OFFLINE is set: run it once online, or use tasks over "
-                    "local files (lmbatch.lm_eval.backend.write_offline_tasks writes mmlu_offline, hellaswag_offline "
+                    "local files (lmbatch lm-eval-tasks DIR writes mmlu_offline, hellaswag_offline "
                     "and gsm8k_offline for --include_path)")
     assert not (tmp_path / "out").exists()
     from lmbatch.lm_eval.backend import _in_local_cache
