@@ -14,7 +14,9 @@ read back, one kernel instead of two (a decode step's kernels are short: each la
 few microseconds of a step's few milliseconds). The same kernel ends cascade attention: it merges the
 partials of a row's shared levels (kernels/cascade_attention.py) into its own keys' softmax.
 
-WINDOW and SOFTCAP as in the extend kernel: the row's query sits at its last position.
+WINDOW and SOFTCAP as in the extend kernel: the row's query sits at its last position. SINKS (gpt-oss)
+enter where a row is normalized (the merge, or the one-program kernel's end): each head's sink logit
+joins the summed weights, once.
 """
 from __future__ import annotations
 
@@ -70,25 +72,33 @@ def _split_kernel(Q, K, V, MidO, MidL, kv_indices, kv_indptr, kv_skip,  # type: 
 
 
 @triton.jit
-def _merge_kernel(MidO, MidL, O, stride_ot, stride_oh,  # type: ignore[no-untyped-def]
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+def _merge_kernel(MidO, MidL, O, Sinks, stride_ot, stride_oh,  # type: ignore[no-untyped-def]
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr):
     row, head = tl.program_id(0), tl.program_id(1)
     base = row * tl.num_programs(1) + head
     s = tl.arange(0, SPLITS)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
     lse = tl.load(MidL + base * SPLITS + s)
-    w = tl.exp(lse - tl.max(lse, axis=0))           # an empty range: lse -inf, weight 0
+    top = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(Sinks + head).to(tl.float32)
+        top = tl.maximum(top, sink)
+    w = tl.exp(lse - top)                           # an empty range: lse -inf, weight 0
     o = tl.load(MidO + (base * SPLITS + s)[:, None] * HEAD_DIM + dims[None, :], mask=dim_ok[None, :], other=0.0)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    total = tl.sum(w, axis=0)
+    if HAS_SINKS:
+        total += tl.exp(sink - top)
+    out = tl.sum(w[:, None] * o, axis=0) / total
     tl.store(O + row * stride_ot + head * stride_oh + dims, out.to(O.dtype.element_ty), mask=dim_ok)
 
 
 @triton.jit
 def _whole_kernel(Q, K, V, O, MidO, MidL, kv_indices, kv_indptr, kv_skip, levels,  # type: ignore[no-untyped-def]
-                  scale, window, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh,
+                  Sinks, scale, window, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh,
                   SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, LEVELS: tl.constexpr, SPLITS: tl.constexpr):
+                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, LEVELS: tl.constexpr, SPLITS: tl.constexpr,
+                  HAS_SINKS: tl.constexpr):
     """One (row, KV head): the row's keys past its first skip[row] (its shared levels', LEVELS > 0) in one
     online softmax, then the levels' partials MidO/MidL [row, level, head, split] merged in, then the output."""
     row, kv_head = tl.program_id(0), tl.program_id(1)
@@ -132,6 +142,12 @@ def _whole_kernel(Q, K, V, O, MidO, MidL, kv_indices, kv_indptr, kv_skip, levels
                 l_i = l_i * alpha + beta
                 acc = acc * alpha[:, None] + beta[:, None] * part
                 m_i = m_new
+    if HAS_SINKS:       # one more column of each head's softmax: its sink logit
+        sink = tl.load(Sinks + heads, mask=head_ok, other=0.0).to(tl.float32)
+        top = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - top)
+        l_i = l_i * alpha + tl.exp(sink - top)
+        acc = acc * alpha[:, None]
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(O + row * stride_ot + heads[:, None] * stride_oh + dims[None, :], out.to(O.dtype.element_ty),
              mask=head_ok[:, None] & dim_ok[None, :])
@@ -151,9 +167,11 @@ def splits_for(rows: int, kv_heads: int) -> int:
 
 def whole(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indices: torch.Tensor,
           kv_indptr: torch.Tensor, scale: float, window: int | None = None, softcap: float = 0.0,
-          shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+          shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+          sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention with each (row, KV head) in one program. `shared` = (skip, levels, MidO, MidL): a
-    row's first skip[row] keys are its levels', given as partials (kernels/cascade_attention.py)."""
+    row's first skip[row] keys are its levels', given as partials (kernels/cascade_attention.py); `sinks`:
+    [H], each head's sink logit (gpt-oss)."""
     T, H, D = q.shape
     kvh = k_pool.shape[1]
     group = H // kvh
@@ -161,11 +179,12 @@ def whole(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indice
     skip, levels, mid_o, mid_l = shared if shared is not None else (kv_indptr, kv_indptr, out, out)
     n_levels, n_splits = (mid_l.shape[1], mid_l.shape[3]) if shared is not None else (0, 1)
     assert shared is None or not window, "a windowed layer reads its rows' last keys only"
-    _whole_kernel[(T, kvh)](q, k_pool, v_pool, out, mid_o, mid_l, kv_indices, kv_indptr, skip, levels, scale,
-                            window or 0, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0),
-                            out.stride(1), SOFTCAP=float(softcap), GROUP=group, HEAD_DIM=D,
-                            BLOCK_D=triton.next_power_of_2(D), BLOCK_H=max(16, triton.next_power_of_2(group)),
-                            BLOCK_N=64, LEVELS=n_levels, SPLITS=n_splits, num_warps=4, num_stages=2)
+    _whole_kernel[(T, kvh)](q, k_pool, v_pool, out, mid_o, mid_l, kv_indices, kv_indptr, skip, levels,
+                            kv_indptr if sinks is None else sinks, scale, window or 0, q.stride(0), q.stride(1),
+                            k_pool.stride(0), k_pool.stride(1), out.stride(0), out.stride(1),
+                            SOFTCAP=float(softcap), GROUP=group, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
+                            BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=64, LEVELS=n_levels,
+                            SPLITS=n_splits, HAS_SINKS=sinks is not None, num_warps=4, num_stages=2)
     return out
 
 
@@ -194,14 +213,15 @@ def decode_partials(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indices: torch.Tensor,
                      kv_indptr: torch.Tensor, scale: float, window: int | None = None, softcap: float = 0.0,
-                     splits: int | None = None) -> torch.Tensor:
+                     splits: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D], one query per row, row i over keys kv_indices[kv_indptr[i]:kv_indptr[i + 1]] (its
-    last key its own position); k_pool/v_pool: [slots, KVH, D]. Returns [T, H, D]."""
+    last key its own position); k_pool/v_pool: [slots, KVH, D]; `sinks`: [H], each head's sink logit
+    (gpt-oss). Returns [T, H, D]."""
     T, H, D = q.shape
     if (splits or splits_for(T, k_pool.shape[1])) == 1:
-        return whole(q, k_pool, v_pool, kv_indices, kv_indptr, scale, window, softcap)
+        return whole(q, k_pool, v_pool, kv_indices, kv_indptr, scale, window, softcap, sinks=sinks)
     mid_o, mid_l, splits = decode_partials(q, k_pool, v_pool, kv_indices, kv_indptr, scale, window, softcap, splits)
     out = torch.empty_like(q)
-    _merge_kernel[(T, H)](mid_o, mid_l, out, out.stride(0), out.stride(1), HEAD_DIM=D,
-                          BLOCK_D=triton.next_power_of_2(D), SPLITS=splits)
+    _merge_kernel[(T, H)](mid_o, mid_l, out, mid_l if sinks is None else sinks, out.stride(0), out.stride(1),
+                          HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), SPLITS=splits, HAS_SINKS=sinks is not None)
     return out

@@ -7,7 +7,8 @@ cached prefix and the causal new part are one loop. Decode is the case q_len == 
 
 With a WINDOW (> 0) a query at position p sees keys p - WINDOW + 1 .. p only (transformers' sliding
 window), and the walk starts at the first key the block's first row sees; with a SOFTCAP (> 0) each
-scaled score s becomes SOFTCAP * tanh(s / SOFTCAP) before masking (Gemma 2).
+scaled score s becomes SOFTCAP * tanh(s / SOFTCAP) before masking (Gemma 2); with SINKS (gpt-oss) each
+head's learned logit joins its softmax's denominator, once, when the row is normalized.
 """
 from __future__ import annotations
 
@@ -37,10 +38,22 @@ def attend_block(q, K, V, kv_off, kv_ok, visible, scale, m_i, l_i, acc,  # type:
 
 
 @triton.jit
-def _extend_kernel(Q, K, V, O, kv_indices, qo_indptr, kv_indptr,  # type: ignore[no-untyped-def]
+def sink_normalize(acc, m_i, l_i, Sinks, head, HAS_SINKS: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The weighted values over their weights' sum; with sinks, the head's sink logit exp'd into that sum
+    (against the larger of it and the running max, so neither overflows)."""
+    if HAS_SINKS:
+        sink = tl.load(Sinks + head).to(tl.float32)
+        top = tl.maximum(m_i, sink)
+        keep = tl.exp(m_i - top)
+        return acc * (keep / (l_i * keep + tl.exp(sink - top)))[:, None]
+    return acc / l_i[:, None]
+
+
+@triton.jit
+def _extend_kernel(Q, K, V, O, kv_indices, qo_indptr, kv_indptr, Sinks,  # type: ignore[no-untyped-def]
                    scale, window, stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh,
                    SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SINKS: tl.constexpr):
     seq, head, mblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(qo_indptr + seq)
     q_len = tl.load(qo_indptr + seq + 1) - q_start
@@ -76,24 +89,26 @@ def _extend_kernel(Q, K, V, O, kv_indices, qo_indptr, kv_indptr,  # type: ignore
             visible = visible & (cols[None, :] > qpos[:, None] - window)
         m_i, l_i, acc = attend_block(q, K, V, kv_off, col_ok[:, None] & dim_ok[None, :], visible, scale, m_i, l_i,
                                      acc, SOFTCAP)
-    out = acc / l_i[:, None]
+    out = sink_normalize(acc, m_i, l_i, Sinks, head, HAS_SINKS)
     tl.store(O + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
 def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indices: torch.Tensor,
                      qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, max_q_len: int, scale: float,
-                     window: int | None = None, softcap: float = 0.0, fixed: bool = False) -> torch.Tensor:
+                     window: int | None = None, softcap: float = 0.0, fixed: bool = False,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D]; k_pool/v_pool: [slots, KVH, D]; indptrs int32 on the device. Returns [T, H, D].
     `fixed` (deterministic mode): blocks of 16 queries whatever the batch's longest (the dot's shape, and
-    so its order of sums, stays one)."""
+    so its order of sums, stays one). `sinks`: [H], each head's sink logit (gpt-oss)."""
     T, H, D = q.shape
     group = H // k_pool.shape[1]
     out = torch.empty_like(q)
     block_m = 64 if max_q_len > 16 and not fixed else 16
     grid = (qo_indptr.numel() - 1, H, triton.cdiv(max_q_len, block_m))
-    _extend_kernel[grid](q, k_pool, v_pool, out, kv_indices, qo_indptr, kv_indptr, scale, window or 0,
+    _extend_kernel[grid](q, k_pool, v_pool, out, kv_indices, qo_indptr, kv_indptr,
+                         q if sinks is None else sinks, scale, window or 0,
                          q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0), out.stride(1),
                          SOFTCAP=float(softcap), GROUP=group, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
-                         BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=2)
+                         BLOCK_M=block_m, BLOCK_N=64, HAS_SINKS=sinks is not None, num_warps=4, num_stages=2)
     return out

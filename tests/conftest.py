@@ -7,16 +7,21 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     Gemma2Config,
     Gemma3TextConfig,
+    Glm4MoeConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
     Olmo2Config,
+    Olmo3Config,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
+    SmolLM3Config,
 )
 
 from lmbatch.requests import ScoreRequest
@@ -64,6 +69,36 @@ TINY_CONFIGS = {
     "mistral": lambda: MistralConfig(**TINY, sliding_window=12),
     "phi3": lambda: Phi3Config(**TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "olmo2": lambda: Olmo2Config(**TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # a sliding (layer 0) and a full layer (1), YaRN on the full one only
+    "olmo3": lambda: Olmo3Config(
+        **TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=12,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 10000.0,
+                                            "original_max_position_embeddings": 64}}),
+    # a dense layer, then two of 8 experts in 4 groups (the best 2 groups' experts chosen from) beside a
+    # shared expert; RoPE on half of each head; q/k norms and q/k/v biases
+    "glm4_moe": lambda: Glm4MoeConfig(**{**TINY, "num_hidden_layers": 3}, moe_intermediate_size=32, n_routed_experts=8,
+                                      num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                      use_qk_norm=True, attention_bias=True),
+    # a sliding (layer 0) and a full layer with sinks; 4 biased experts whose SwiGLU clamp (limit 1) bites; YaRN
+    # with truncate off
+    "gpt_oss": lambda: GptOssConfig(**TINY, head_dim=16, sliding_window=12, num_local_experts=4, num_experts_per_tok=2,
+                                    swiglu_limit=1.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                    rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
+                                                     "original_max_position_embeddings": 64}),
+    # latent attention (q LoRA, interleaved RoPE, YaRN with mscale and mscale_all_dim: both the rotation's
+    # attention factor and the softmax scale); a dense layer, then GLM-4.5's routing over 8 experts in 4 groups
+    "deepseek_v3": lambda: DeepseekV3Config(
+        **{**TINY, "num_hidden_layers": 3, "num_key_value_heads": 4}, q_lora_rank=24, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, moe_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        rope_parameters={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+                         "mscale_all_dim": 0.7, "rope_theta": 10000.0}),
+    # NoPE every second layer (layer 1), which slides
+    "smollm3": lambda: SmolLM3Config(**TINY, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=12,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # sliding (layer 0) and global (layer 1) layers; caps small enough to bite on random weights
     "gemma2": lambda: Gemma2Config(**TINY, head_dim=16, sliding_window=12, query_pre_attn_scalar=24,
                                    attn_logit_softcapping=2.0, final_logit_softcapping=5.0),
@@ -87,8 +122,13 @@ def make_tiny_hf(kind: str, path, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("sinks"):            # gpt-oss's attention sinks: large enough to weigh
+                p.copy_(1 + torch.randn_like(p))
             else:
                 p.copy_(0.08 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):     # DeepSeek's router bias: a buffer, saved
+                b.copy_(0.1 * torch.randn_like(b))
     model.eval()
     model.save_pretrained(path)
     return model

@@ -15,7 +15,7 @@ from typing import Any
 # a value other than the default for every `lmbatch run` option; a new option must be added here
 VALUES: dict[str, Any] = {
     "task": "mmlu", "shots": 3, "model": "some/model-dir", "limit": 2, "subjects": ["anatomy", "virology"],
-    "device": "cpu", "dtype": "float32", "attention": "torch", "max_tokens_per_batch": 1024,
+    "device": "cpu", "dtype": "float32", "threads": 3, "attention": "torch", "max_tokens_per_batch": 1024,
     "kv_cache_tokens": 5000, "data_parallel": "2", "ray_address": "localhost:6379", "tensor_parallel": "2",
     "schedule": "fcfs", "deterministic": True, "no_cache": True, "seed": 7, "out": Path("smoke-out"), "run_id": "smoke",
     "overwrite": True, "checkpoint_s": 2.5, "truncate_left": True, "save_token_ids": True, "quiet": True,

@@ -81,18 +81,28 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output of the batch's new tokens at `layer` ([T, heads, head_dim]). With a
-        `window`, a token sees only the last `window` positions up to its own (sliding-window layers).
-        k = v = None: the new tokens' KV is in the pool already (`rope_store`)."""
+        `window`, a token sees only the last `window` positions up to its own (sliding-window layers);
+        with `sinks` ([heads], gpt-oss), each head's learned logit joins its softmax's denominator (the
+        torch and Triton backends; FlashInfer and the cascade kernel refuse them). k = v = None: the new
+        tokens' KV is in the pool already (`rope_store`)."""
 
 
-def default_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+def no_sinks(backend: str, sinks: torch.Tensor | None) -> None:
+    """A backend without a sink term refuses a model with attention sinks rather than leave them out (never
+    reached from the command line: engine/build.py and the model runner give such a model triton or torch)."""
+    if sinks is not None:
+        raise ValueError(f"the {backend} attention backend has no attention sinks (gpt-oss)")
+
+
+def default_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16, torch_only: bool = False) -> str:
     """Our Triton kernels on CUDA (FlashInfer compiles its kernels at first use: engine/build.py picks
     it only where they are built); the torch reference on CPU, and for float32 on CUDA (FlashInfer has
     no float32 kernels, and Triton's dots would round float32 inputs to tf32, which is not the
-    precision a float32 run asks for)."""
-    if device.type != "cuda" or dtype == torch.float32:
+    precision a float32 run asks for), and for a model whose attention the GPU kernels do not compute
+    (`torch_only`: ModelConfig.torch_attention_only says why)."""
+    if device.type != "cuda" or dtype == torch.float32 or torch_only:
         return "torch"
     return "triton"
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from lmbatch.attention.base import AttentionBackend, ForwardBatch, to_device
+from lmbatch.attention.base import AttentionBackend, ForwardBatch, no_sinks, to_device
 from lmbatch.attention.kv_pool import KVPool
 
 
@@ -33,19 +33,20 @@ class TritonBackend(_DeviceMeta):
         self.kv_dev = to_device(self.kv_indptr, dev)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One new token per sequence (a decode step): the split decode kernel, as the decode graphs run it;
         otherwise, and in deterministic mode, the extend kernel (a query's keys in blocks from its first key,
-        whatever the batch)."""
+        whatever the batch). Both take gpt-oss's attention sinks."""
         from lmbatch.kernels.decode_attention import decode_attention
         from lmbatch.kernels.extend_attention import extend_attention
 
         self.store(layer, k, v)
         if self.max_q_len == 1 and not self.deterministic:     # the split kernel's ranges depend on the batch
             return decode_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices, self.kv_dev,
-                                    self.scale, window, self.softcap)
+                                    self.scale, window, self.softcap, sinks=sinks)
         return extend_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices, self.qo_dev,
-                                self.kv_dev, self.max_q_len, self.scale, window, self.softcap, self.deterministic)
+                                self.kv_dev, self.max_q_len, self.scale, window, self.softcap, self.deterministic,
+                                sinks)
 
 
 class FlashInferBackend(_DeviceMeta):
@@ -82,7 +83,8 @@ class FlashInferBackend(_DeviceMeta):
         self._planned.add(window)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        no_sinks("flashinfer", sinks)
         if window not in self._planned:      # each window's plan once per batch, at its first layer
             self._plan(window)
         self.store(layer, k, v)

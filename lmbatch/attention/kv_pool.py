@@ -17,6 +17,8 @@ Slots = np.ndarray      # KV slot ids (int64)
 
 
 class KVPool:
+    keys_are_values = False         # LatentKVPool: the values are the keys
+
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
         self.num_slots = num_slots
@@ -25,7 +27,7 @@ class KVPool:
         # on CUDA zeros keep the CUDA-graph scratch slot finite
         alloc = torch.zeros if torch.device(device).type == "cuda" else torch.empty
         self.k = alloc(shape, dtype=dtype, device=device)
-        self.v = alloc(shape, dtype=dtype, device=device)
+        self.v = self.k if self.keys_are_values else alloc(shape, dtype=dtype, device=device)
         # Free slot ids as a stack: alloc pops from the top, free pushes; each moves only its own
         # slots (a free that concatenated the whole list cost a copy of the pool's ids per release).
         # The top holds the next ids in descending order, so an allocation comes out ascending.
@@ -59,3 +61,9 @@ class KVPool:
             raise RuntimeError(f"KV pool: freeing {n} slots would exceed its {len(self._stack)} (a double free)")
         self._stack[self._top:self._top + n] = slots[::-1]
         self._top += n
+
+
+class LatentKVPool(KVPool):
+    """Latent attention's pool (DeepSeek-V3: model/network.py's LatentAttention): a token's one entry per layer
+    (its normalized latent and rotated shared key) is both its key and its value, held once."""
+    keys_are_values = True

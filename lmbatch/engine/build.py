@@ -65,7 +65,7 @@ def _bytes(dtype: str) -> int:
 
 
 def default_kv_tokens(cfg: ModelConfig, device: str, dtype: str) -> int:
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _bytes(dtype)
+    per_token = (1 if cfg.keys_are_values else 2) * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _bytes(dtype)
     if device == "cpu":
         return min(CPU_KV_BYTES // per_token, 1 << 20)
     import torch
@@ -86,6 +86,9 @@ def default_batch_tokens(cfg: ModelConfig, device: str, dtype: str) -> int:
     return budget
 
 
+SINKS = "attention sinks (gpt-oss)"
+
+
 def pick_attention(wanted: str, device: str, dtype: str, cfg: ModelConfig) -> Attention:
     """The attention backend and why: see the module's docstring."""
     from lmbatch.attention.gpu import flashinfer_built
@@ -96,6 +99,16 @@ def pick_attention(wanted: str, device: str, dtype: str, cfg: ModelConfig) -> At
         return Attention("torch", "the transformers fallback attends by itself")
     if wanted == "torch":
         return Attention("torch", "asked for")
+    why_torch = cfg.torch_attention_only()
+    if why_torch and device == "cuda" and dtype != "float32":
+        if wanted != "auto":
+            raise UserError(f"--attention {wanted}: {cfg.model_type} has {why_torch}; use torch or auto")
+        return Attention("torch", why_torch)
+    if cfg.attn_sinks and device == "cuda" and dtype != "float32":
+        if wanted in ("flashinfer", "cascade"):
+            raise UserError(f"--attention {wanted}: {cfg.model_type} has {SINKS}, which only the triton and torch "
+                            "backends compute")
+        return Attention("triton" if wanted == "auto" else wanted, f"{SINKS}: Triton's kernels have them")
     if device != "cuda":
         if wanted != "auto":
             raise UserError(f"--attention {wanted} needs CUDA; on CPU lmbatch runs the torch backend")

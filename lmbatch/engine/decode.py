@@ -69,6 +69,10 @@ class Decode:
         return Running(q.index, q.node, q.slots, len(q.slots), req.params, req.constraint,
                        thinking=bool(req.params.think_end))
 
+    def decoded(self) -> int:
+        """Tokens the requests that have not been released hold (their results do not count them yet)."""
+        return sum(len(r.out) for r in self.running) + sum(len(r.out) for r in self._finished)
+
     # ---- steps -----------------------------------------------------------------------------------
     def run_all(self) -> Iterator[None]:
         """Decode until every queued and running request has ended, pausing after each step (where the

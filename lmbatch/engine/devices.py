@@ -78,10 +78,10 @@ def _nvml() -> tuple[int | None, int | None]:
 def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
     """The model's weights in memory: every linear layer (every expert), embeddings and LM head."""
     h = cfg.hidden_size
-    attention = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim * h
+    attention = cfg.attention_params()
     sparse = sum(cfg.sparse_layers)
     mlp = (cfg.num_layers - sparse) * 3 * h * cfg.intermediate_size + \
-        sparse * (cfg.num_experts * 3 * h * cfg.moe_intermediate_size + h * cfg.num_experts)
+        sparse * ((cfg.num_experts * cfg.moe_intermediate_size + cfg.shared_experts_size) * 3 * h + h * cfg.num_experts)
     embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
     return (cfg.num_layers * attention + mlp + embeddings) * DTYPE_BYTES.get(dtype, 2)
 
@@ -138,7 +138,8 @@ def _tensor_parallel(cfg: ModelConfig, dtype: str, gpus: GPUs) -> tuple[int, str
         return 1, f"the model fits one GPU ({gib})" if gpus.memory else "one GPU a model"
     t = 2
     while t <= gpus.visible:
-        if cfg.num_heads % t == 0 and cfg.num_kv_heads % t == 0 and size / t <= FIT_SHARE * gpus.memory:
+        kv_heads_split = cfg.num_kv_heads % t == 0 or cfg.keys_are_values   # latent attention's entry: on every rank
+        if cfg.num_heads % t == 0 and kv_heads_split and size / t <= FIT_SHARE * gpus.memory:
             return t, f"{gib} split over {t} GPUs"
         t *= 2
     raise UserError(f"the model ({gib}) does not fit the {gpus.visible} visible GPUs of {gpus.memory / 2**30:.0f} GiB "

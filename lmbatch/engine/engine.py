@@ -30,7 +30,7 @@ from lmbatch.engine.protocol import Handover, Progress, Request, Result, StreamA
 from lmbatch.engine.radix_cache import RadixTree
 from lmbatch.engine.sampler import Sampler
 from lmbatch.engine.state import RunState
-from lmbatch.model.config import ModelConfig
+from lmbatch.model.checkpoint import model_config
 from lmbatch.model.network import Transformer
 from lmbatch.model.tensor_parallel import TensorParallel, shard_config
 from lmbatch.requests import GenerateRequest, GenerateResult, RunStats, ScoreRequest, ScoreResult
@@ -78,7 +78,7 @@ class Engine:
 
         load_format, tp = weights
         options = replace(options or EngineOptions(), **overrides)
-        cfg = ModelConfig.from_dir(path)
+        cfg = model_config(path)
         model: LanguageModel
         if tp is not None:
             model = Transformer.empty(shard_config(cfg, tp.size), device, dtype, tp)
@@ -142,9 +142,14 @@ class Engine:
         made already), handing results over as `handover_due()` asks (see `protocol.Handover`).
 
         `progress(i, stats)` is called as request i's last prompt token is issued (scoring) or as its
-        generation ends. `groups` (a program's calls on one device) changes nothing on one engine."""
-        with torch.inference_mode():
-            yield from self._stream(requests, args)
+        generation ends, and as `progress(-1, stats)` between decode steps (`stats.decoding_tokens`).
+        `groups` (a program's calls on one device) changes nothing on one engine."""
+        try:
+            with torch.inference_mode():
+                yield from self._stream(requests, args)
+        finally:
+            if self.model_runner.threads is not None:
+                self.model_runner.threads.restore()       # the process's own thread setting back
 
     def _stream(self, requests: Sequence[Request], args: StreamArgs) -> Iterator[Handover]:
         t0 = time.perf_counter()
@@ -177,6 +182,7 @@ class Engine:
                 yield hand_over()
         prefill.flush()
         for _ in decode.run_all():
+            state.decoding(decode.decoded)
             if handover_due is not None and handover_due():
                 yield hand_over()
         capture.drain()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from lmbatch.attention.base import AttentionBackend, ForwardBatch, to_device
+from lmbatch.attention.base import AttentionBackend, ForwardBatch, no_sinks, to_device
 from lmbatch.engine.cascade import LevelPlan, plan_levels
 from lmbatch.engine.radix_cache import Node
 
@@ -48,7 +48,7 @@ class _GraphAttention(AttentionBackend):
         self.batch = batch
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         from lmbatch.kernels.cascade_attention import cascade_attention
         from lmbatch.kernels.decode_attention import decode_attention
 
@@ -57,12 +57,14 @@ class _GraphAttention(AttentionBackend):
             from lmbatch.kernels.extend_attention import extend_attention
 
             return extend_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices,
-                                    self.qo[:q.shape[0] + 1], self.kv, 1, self.scale, window, self.softcap, True)
+                                    self.qo[:q.shape[0] + 1], self.kv, 1, self.scale, window, self.softcap, True,
+                                    sinks)
         if self.levels is not None and window is None and q.shape[0] >= self.cascade_from:
+            no_sinks("cascade", sinks)          # ModelRunner keeps a model with sinks off the cascade kernel
             return cascade_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices, self.kv, self.scale,
                                      self.softcap, self.levels)
         return decode_attention(q, self.pool.k[layer], self.pool.v[layer], self.kv_indices, self.kv, self.scale,
-                                window, self.softcap)
+                                window, self.softcap, sinks=sinks)
 
 
 class DecodeGraphs:

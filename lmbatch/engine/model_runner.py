@@ -10,8 +10,9 @@ import numpy as np
 import torch
 
 from lmbatch.attention.base import ForwardBatch, default_backend, make_backend
-from lmbatch.attention.kv_pool import KVPool, Slots
+from lmbatch.attention.kv_pool import KVPool, LatentKVPool, Slots
 from lmbatch.attention.registry import REGISTRY
+from lmbatch.engine.threads import CpuThreads
 from lmbatch.errors import UserError
 from lmbatch.model.network import Transformer
 
@@ -83,17 +84,26 @@ class ModelRunner:
             raise UserError(f"--deterministic needs a model lmbatch runs itself; {cfg.model_type} runs on the "
                             "transformers fallback")
         # the transformers fallback attends by itself: of the backend it uses only the pool and plan
-        attention = (o.attention or default_backend(self.device, dtype)) if native else "torch"
+        why_torch = cfg.torch_attention_only() if native else None
+        attention = (o.attention or default_backend(self.device, dtype, why_torch is not None)) if native else "torch"
+        if why_torch and attention != "torch":
+            raise UserError(f"--attention {attention}: {cfg.model_type} has {why_torch}; use torch or auto")
+        if cfg.attn_sinks and attention in ("flashinfer", "cascade"):
+            raise UserError(f"--attention {attention}: {cfg.model_type} has attention sinks, which only the triton "
+                            "and torch backends compute")
         # decode steps replay CUDA graphs (not for the torch reference backend, which stays eager, nor
         # for the fallback); one extra slot is the graphs' scratch for padded rows
         use_graphs = o.cuda_graphs and native and self.device.type == "cuda" and attention != "torch"
-        self.pool = KVPool(cast(int, o.kv_cache_tokens) + use_graphs, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                           dtype, self.device)
+        pool = LatentKVPool if cfg.keys_are_values else KVPool
+        self.pool = pool(cast(int, o.kv_cache_tokens) + use_graphs, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                         dtype, self.device)
         self.attn = make_backend(attention, self.pool, cfg.num_heads, cfg.head_dim, cfg.attn_scale,
                                  cfg.attn_softcap)
         self.attn.deterministic = o.deterministic
         if o.deterministic:
             cast(Transformer, model).set_deterministic(True)
+        # CPU: each forward batch's torch threads sized to the cores other processes leave free (or --threads)
+        self.threads = CpuThreads(o.threads) if self.device.type == "cpu" else None
         self.graphs: DecodeGraphs | None = None
         self._captured = False      # graphs are captured at the first decode step unless asked before
         if use_graphs:
@@ -102,8 +112,8 @@ class ModelRunner:
             scratch = int(self.pool.reserve(1)[0])
             self.graphs = DecodeGraphs(cast(Transformer, model), self.pool, scratch, 2 * o.max_running)
             self.graphs.deterministic = o.deterministic
-            if attention in ("triton", "cascade") and not o.deterministic:
-                self.graphs.use_cascade(every_step=REGISTRY[attention].cascade)
+            if attention in ("triton", "cascade") and not o.deterministic and not cfg.attn_sinks:
+                self.graphs.use_cascade(every_step=REGISTRY[attention].cascade)    # the cascade kernel has no sinks
 
     def capture_graphs(self) -> None:
         """Capture every decode graph now (a run that only scores never needs them)."""
@@ -113,6 +123,8 @@ class ModelRunner:
 
     def forward(self, batch: TokenBatch) -> torch.Tensor:
         """Logits at the batch's logit rows (launched; the device may still be computing them)."""
+        if self.threads is not None:
+            self.threads.apply(batch.num_tokens)
         return self.model(batch.build().to(self.device), self.attn)
 
     def decode(self, rows: list[Running], pending: torch.Tensor | None = None) -> torch.Tensor:

@@ -21,6 +21,7 @@ class EngineOptions:
     deterministic: bool = False         # every logprob and token independent of the batch (ModelRunner)
     fp8_gemm: bool | None = None        # an FP8 checkpoint's linear layers as FP8 GEMMs (model/fp8.py), else its
     # weights dequantized on load; None: fitted (engine/build.py: on a GPU with FP8 tensor cores)
+    threads: int | None = None          # CPU: torch threads of every forward batch (None: engine/threads.py's policy)
 
     def __post_init__(self) -> None:
         if self.masks not in MASK_MODES:

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 Request = Union[ScoreRequest, GenerateRequest]
 Result = Union[ScoreResult, GenerateResult]
-Progress = Callable[[int, RunStats], None]     # (request index, the run's counts so far): a request is done
+# (request index, the run's counts so far): a request is done; index -1: a decode step's tokens (`decoding_tokens`)
+Progress = Callable[[int, RunStats], None]
 
 
 class StreamArgs(TypedDict, total=False):

@@ -5,8 +5,9 @@ Everything here lives for one run: the engine keeps only the model, the KV pool 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, cast
 
 from lmbatch.attention.kv_pool import Slots
 from lmbatch.engine.protocol import Progress, Request, Result
@@ -16,6 +17,10 @@ from lmbatch.scheduler.planner import Plan, PlanNode
 
 if TYPE_CHECKING:      # lmbatch.grammar imports xgrammar: loaded only where a grammar is used
     from lmbatch.grammar import Constraint
+
+PROGRESS_S = 0.1       # decode steps tell the progress callback their tokens at most this often
+
+
 @dataclass
 class Queued:
     """A generation request whose prompt is in the pool, waiting for a decode row."""
@@ -63,12 +68,28 @@ class RunState:
                               unique_tokens=plan.unique_tokens, optimal_hit_rate=plan.optimal_hit_rate,
                               engine_optimal_hit_rate=plan.engine_optimal_hit_rate, order=list(plan.order),
                               members=plan.members)
+        self.stats.decode_budget = sum(r.params.most_tokens for r in requests if isinstance(r, GenerateRequest))
+        self._report_at = 0.0           # when the next decode step reports its tokens to `progress`
 
     def done(self, i: int) -> None:
         """Request i needs nothing more from the engine (its score may still be summed at the end)."""
         self.final.append(i)
+        r = self.requests[i]
+        if isinstance(r, GenerateRequest):      # its tokens moved to decode_tokens; its unused budget goes
+            n = cast(GenerateResult, self.results[i]).decode_tokens
+            self.stats.decode_budget -= r.params.most_tokens - n
+            self.stats.decoding_tokens = max(0, self.stats.decoding_tokens - n)
         if self.progress:
             self.progress(i, self.stats)
+
+    def decoding(self, tokens: Callable[[], int]) -> None:
+        """After a decode step: the tokens decoded so far by the requests that have not ended (`tokens()`), told
+        to `progress` (as request -1) at most every PROGRESS_S, so that a bar moves while generations run."""
+        if self.progress is None or (now := time.monotonic()) < self._report_at:
+            return
+        self._report_at = now + PROGRESS_S
+        self.stats.decoding_tokens = tokens()
+        self.progress(-1, self.stats)
 
 
 def score_positions(r: ScoreRequest) -> range:

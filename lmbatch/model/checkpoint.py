@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import importlib.util
 import json
 import os
@@ -16,7 +17,7 @@ from pathlib import Path
 from lmbatch.cache import cache_dir
 from lmbatch.errors import UserError, first_line
 from lmbatch.model.config import ARCHITECTURES, ModelConfig, config_problem
-from lmbatch.model.names import name_problem
+from lmbatch.model.names import name_problem, unplaced
 from lmbatch.model.quantization import (
     Quantization,
     QuantizationProblem,
@@ -234,15 +235,12 @@ def _check_folder(path: Path) -> Path:
     for name in JSON_FILES:
         if (path / name).is_file():
             _json_object(path, name)
-    native = kind in SUPPORTED_TYPES
-    quantization = _quantization(path, config) if native else None
-    tensors, where = _check_weights(path, native)
-    if native:
-        try:        # a quantized checkpoint's tensors as the model's (model/quantization.py)
-            tensors = logical_tensors(quantization, tensors, ARCHITECTURES[str(kind)].mxfp4_transposed)
-        except QuantizationProblem as e:
-            raise UserError(f"model at {path}: {e}") from None
-        _check_shapes(path, config, {n: TensorHeader(t.shape, t.file) for n, t in tensors.items()}, where)
+    native = kind in SUPPORTED_TYPES and not _pickles_only(path)
+    stored, where = _check_weights(path, native)
+    tensors = _as_model_tensors(path, config, stored) if native and where else _headers(stored)
+    why = not_native(path, config, tensors, where)
+    if why is not None:
+        _to_fallback(path, config, why)
     if (path / "tokenizer.json").is_file():
         from lmbatch.model.tokenizer import check_tokenizer_json
 
@@ -250,6 +248,21 @@ def _check_folder(path: Path) -> Path:
         if problem:
             raise UserError(f"model at {path}: tokenizer.json {problem}")
     return path.resolve()
+
+
+def _headers(tensors: dict[str, StoredTensor]) -> dict[str, TensorHeader]:
+    return {n: TensorHeader(t.shape, t.file) for n, t in tensors.items()}
+
+
+def _as_model_tensors(path: Path, config: dict, tensors: dict[str, StoredTensor]) -> dict[str, TensorHeader]:
+    """A native model's stored tensors as the model's (a quantized checkpoint's weights paired with their scales,
+    model/quantization.py), or a UserError naming the tensor and format lmbatch cannot read."""
+    quantization = _quantization(path, config)
+    try:
+        logical = logical_tensors(quantization, tensors, ARCHITECTURES[str(config.get("model_type"))].mxfp4_transposed)
+    except QuantizationProblem as e:
+        raise UserError(f"model at {path}: {e}") from None
+    return _headers(logical)
 
 
 def _quantization(path: Path, config: dict) -> Quantization | None:
@@ -306,16 +319,122 @@ def _check_weights(path: Path, native: bool) -> tuple[dict[str, StoredTensor], s
     return tensors, where
 
 
-def _check_shapes(path: Path, config: dict, tensors: dict[str, TensorHeader], where: str) -> None:
-    """A native model's config agrees with its weights' shapes (shapes.py) and names (names.py: every tensor
-    has its place in the model, every parameter its tensor), else one line naming both."""
+def _pickles_only(path: Path) -> bool:
+    return not any(path.glob("*.safetensors")) and not (path / "model.safetensors.index.json").is_file() and \
+        any(path.glob("pytorch_model*.bin"))
+
+
+def not_native(path: Path, config: dict, tensors: dict[str, TensorHeader], where: str) -> str | None:
+    """Why lmbatch's own network does not run the folder's model, in a few words naming the model_type, the
+    feature or the tensor; None where it does. A native model_type's checkpoint whose shapes disagree with
+    its config (shapes.py), that lacks a tensor the network needs, or holds one neither lmbatch's network
+    nor transformers' model has a place for is broken (UserError naming both), not one for the fallback.
+    A folder without weights (`--load-format dummy`) is judged by its config alone."""
+    kind = config.get("model_type")
+    if kind not in SUPPORTED_TYPES:
+        return f"model_type {kind!r} is not one lmbatch's network implements"
+    if not where and _pickles_only(path):
+        return "its weights are PyTorch pickles (pytorch_model*.bin), which lmbatch's network does not read"
     try:
         cfg = ModelConfig.from_json(config)
-    except ValueError as e:     # a supported model_type with a variant we do not run (e.g. its RoPE)
-        raise UserError(f"model at {path}: {first_line(e)}") from None
-    problem = shape_problem(cfg, config, tensors, where) or name_problem(cfg, list(tensors), where)
+    except ValueError as e:     # a variant of a native model_type we do not run (e.g. its RoPE)
+        return first_line(e)
+    if not where:               # no weight files: random weights (`--load-format dummy`)
+        return None
+    problem = shape_problem(cfg, config, tensors, where)
     if problem:
         raise UserError(f"model at {path}: {problem}")
+    extra = unplaced(cfg, list(tensors))
+    if extra:
+        why = _unplaced_why(path, config, extra[0])
+        if why is None:
+            raise UserError(f"model at {path}: {name_problem(cfg, list(tensors), where)}")
+        return why
+    problem = name_problem(cfg, list(tensors), where)
+    if problem:
+        raise UserError(f"model at {path}: {problem}")
+    return None
+
+
+def _unplaced_why(path: Path, config: dict, name: str) -> str | None:
+    """Why a tensor lmbatch's network has no place for is one the fallback runs: the checkpoint is quantized in
+    a format this network does not load, or transformers' model of the config has the tensor (a feature of the
+    model_type lmbatch lacks, such as Llama's MLP biases). None: neither (a stray tensor; the checkpoint is
+    broken)."""
+    quant = config.get("quantization_config")
+    if isinstance(quant, dict):
+        return f"{name}: its weights are quantized ({quant.get('quant_method') or 'quantization_config'}), in a " \
+               "format lmbatch's network does not load"
+    if name in transformers_tensors(path):
+        return f"it holds {name}, which transformers' {config.get('model_type')} model of this config.json has " \
+               "and lmbatch's network has no place for"
+    return None
+
+
+@functools.cache
+def transformers_tensors(path: Path) -> frozenset[str]:
+    """The names of the tensors transformers' causal LM of the folder's config has (its state dict, built on
+    the meta device: no memory, a few seconds); empty where it cannot build one."""
+    import lmbatch
+
+    with lmbatch.IMPORT_LOCK:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)))
+    except Exception:  # noqa: BLE001  any failure to build it is transformers' own: no tensor is its
+        return frozenset()
+    return frozenset(model.state_dict())
+
+
+_NOTICED: set[Path] = set()
+
+
+def _to_fallback(path: Path, config: dict, why: str) -> None:
+    """A model lmbatch's network does not run goes to the transformers fallback, with a one-line notice saying
+    why (once per folder and process), where the fallback can run it; else one line saying why neither can."""
+    cannot = fallback_problem(config)
+    if cannot:
+        raise UserError(f"model at {path}: lmbatch's network does not run it ({why}), and the transformers "
+                        f"fallback cannot either: {cannot}")
+    if path.resolve() not in _NOTICED:
+        _NOTICED.add(path.resolve())
+        print(f"lmbatch: model at {path} runs on the transformers fallback (slower; no decode graphs or tensor "
+              f"parallelism): {why}", file=sys.stderr)
+
+
+def fallback_problem(config: dict) -> str | None:
+    """Why the transformers fallback cannot run a model, known from its config.json before anything loads
+    (model/fallback.py checks the rest as it runs), or None."""
+    if config.get("kv_lora_rank"):
+        return ("its multi-head latent attention caches a latent per token, not keys and values of (kv heads, "
+                "head dim), so the fallback's KV pool cannot hold them")
+    return None
+
+
+def model_config(path: str | Path) -> ModelConfig:
+    """The config lmbatch runs the folder's model with: its own network's where `not_native` finds nothing,
+    else the transformers fallback's shape (as transformers reads the config). For a folder `resolve_model`
+    returned (checked); read again by each process that builds the model, to the same decision."""
+    path = Path(path)
+    config = _json_object(path, "config.json")
+    if config.get("model_type") in SUPPORTED_TYPES:
+        weights = any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file()
+        stored, where = _check_weights(path, False) if weights else ({}, "")     # none: random weights, or none
+        tensors = _as_model_tensors(path, config, stored) if where else {}
+        if not_native(path, config, tensors, where) is None:
+            return ModelConfig.from_json(config)
+    import lmbatch
+
+    with lmbatch.IMPORT_LOCK:
+        from transformers import AutoConfig
+    hf = AutoConfig.from_pretrained(str(path))
+    try:
+        return ModelConfig.for_fallback(hf)
+    except AttributeError as e:  # no attention shape (e.g. a state-space model)
+        raise UserError(f"model at {path} has no attention shape lmbatch's KV cache can hold ({e}): "
+                        "lmbatch runs decoder-only attention models") from None
 
 
 def check_tokenizer_files(path: Path) -> None:

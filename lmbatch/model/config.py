@@ -36,12 +36,17 @@ def _with_defaults(raw: dict) -> dict:
     sliding window."""
     arch = ARCHITECTURES[raw["model_type"]]
     c = {**arch.defaults, **raw}
-    if "num_experts" in c:              # an alias of num_local_experts (the config classes' attribute_map)
-        c["num_local_experts"] = c.pop("num_experts")
+    for alias, name in (("num_experts", "num_local_experts"), ("n_routed_experts", "num_local_experts"),
+                        ("num_mtp_layers", "num_nextn_predict_layers")):    # the config classes' attribute_map
+        if alias in c:
+            c[name] = c.pop(alias)
     if c.get("num_key_value_heads") is None:
         c["num_key_value_heads"] = c["num_attention_heads"]
     if arch.sliding_switch and not c.get("use_sliding_window"):
         c["sliding_window"] = None
+    if arch.nope_every and c.get("no_rope_layers") is None:     # 1: the layer rotates; 0: NoPE
+        every = c.get("no_rope_layer_interval") or arch.nope_every
+        c["no_rope_layers"] = [int((i + 1) % every != 0) for i in range(c["num_hidden_layers"])]
     if arch.layer_types and c.get("layer_types") is None:
         c["layer_types"] = _layer_types(arch, c)
     for name in arch.null_is_default:
@@ -57,6 +62,9 @@ def _layer_types(arch: Architecture, c: dict) -> list[str]:
     if arch.layer_types == "qwen":
         return ["sliding_attention" if c["sliding_window"] is not None and i >= c["max_window_layers"]
                 else "full_attention" for i in range(n)]
+    if arch.layer_types == "nope":          # SmolLM3: its NoPE layers slide, where a window is switched on
+        return ["sliding_attention" if c.get("use_sliding_window") and c.get("sliding_window") is not None
+                and not c["no_rope_layers"][i] else "full_attention" for i in range(n)]
     every = int(c.get(arch.sliding_every_field) or arch.sliding_every) if arch.sliding_every_field else \
         arch.sliding_every
     return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
@@ -87,6 +95,8 @@ def _layer_windows(hf: Any) -> tuple[int | None, ...]:
     """Each layer's sliding window: transformers' `layer_types` where the config has them; else the
     config's `sliding_window` for every layer (mistral, mixtral, phi3), unless `use_sliding_window` is off."""
     window = getattr(hf, "sliding_window", None)
+    if getattr(hf, "use_sliding_window", True) is False:     # switched off whatever the layer types say
+        window = None
     layer_types = getattr(hf, "layer_types", None)
     if layer_types:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
@@ -95,27 +105,64 @@ def _layer_windows(hf: Any) -> tuple[int | None, ...]:
     return (int(window),) * hf.num_hidden_layers
 
 
-def _rope(hf: Any) -> tuple[float, dict, float | None]:
-    """(base, llama3 or linear scaling parameters, base of sliding layers where it differs): from
-    transformers v5's `rope_parameters` (one dict, or one per layer type as Gemma 3 has) or v4's
-    `rope_theta`, `rope_scaling` and `rope_local_base_freq`."""
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _rope(hf: Any, arch: Architecture) -> tuple[float, dict, float | None]:
+    """(base, scaling parameters, base of sliding layers where they differ or are left unscaled): from
+    transformers v5's `rope_parameters` (one dict, or one per layer type as Gemma 3 and OLMo 3 have) or
+    v4's `rope_theta`, `rope_scaling` and `rope_local_base_freq`. Scaling parameters come out whole (YaRN's
+    defaults and derived factors filled in as transformers' `_compute_yarn_parameters` fills them), so
+    that a config.json and AutoConfig's reading of it compare equal."""
     params = dict(getattr(hf, "rope_parameters", None) or {})
-    local = None
-    if "full_attention" in params:           # per layer type
-        local = (params.get("sliding_attention") or {}).get("rope_theta")
+    local, nested = None, "full_attention" in params
+    if nested:                               # per layer type
+        sliding = params.get("sliding_attention") or {}
+        if sliding.get("rope_type", sliding.get("type", "default")) != "default":
+            raise ValueError("sliding-window layers with a scaled RoPE are not supported")
+        local = sliding.get("rope_theta")
         params = dict(params["full_attention"] or {})
     theta = params.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
     if not params:
         params = dict(getattr(hf, "rope_scaling", None) or {})
     local = local or getattr(hf, "rope_local_base_freq", None)
+    if arch.rope_per_layer_type and not nested:     # v4 fields, as the config class nests them: scaling on full
+        defaults = arch.defaults                    # layers; sliding ones at their own base, else the default
+        local = local or defaults.get("rope_local_base_freq") or defaults["rope_theta"]   # (not config.json's)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "llama3", "linear"):
-        raise ValueError(f"rope type {rope_type!r} is not supported (default, linear, llama3)")
-    if params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("partial rotary embeddings are not supported")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
     scaling = {k: v for k, v in params.items() if k not in ("type", "partial_rotary_factor")}
     scaling["rope_type"] = rope_type
+    if rope_type in ("llama3", "yarn"):
+        own = getattr(hf, "original_max_position_embeddings", None) if not nested else None
+        scaling["original_max_position_embeddings"] = own or scaling.get("original_max_position_embeddings") \
+            or hf.max_position_embeddings
+    if rope_type == "yarn":
+        scaling = _yarn(scaling, hf.max_position_embeddings, nested)
+    if local is not None and float(local) == float(theta) and rope_type == "default":
+        local = None                         # sliding layers rotate as the others
     return float(theta), (scaling if rope_type != "default" else {}), (float(local) if local else None)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(s: dict, max_positions: int, nested: bool) -> dict:
+    """YaRN's parameters as transformers reads them: the factor (else max over original positions), the
+    attention factor (else from the factor and DeepSeek's mscale / mscale_all_dim), beta_fast and
+    beta_slow (32 and 1), `truncate` (true; read from the outer dict, so always true per layer type)."""
+    original = s["original_max_position_embeddings"]
+    factor = s.get("factor") or max_positions / original
+    attention = s.get("attention_factor")
+    if attention is None:
+        mscale, all_dim = s.get("mscale"), s.get("mscale_all_dim")
+        attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim) if mscale and all_dim else \
+            yarn_mscale(factor)
+    return {**s, "factor": float(factor), "attention_factor": float(attention),
+            "beta_fast": float(s.get("beta_fast") or 32), "beta_slow": float(s.get("beta_slow") or 1),
+            "truncate": True if nested else bool(s.get("truncate", True))}
 
 
 def _eos(hf: Any) -> tuple[int, ...]:
@@ -130,11 +177,65 @@ def _activation(hf: Any) -> str:
     return ACTIVATIONS[act]
 
 
-def _sparse_layers(hf: Any, experts: int) -> tuple[bool, ...]:
+def _rotary_dim(hf: Any, arch: Architecture, head_dim: int) -> int:
+    """The dimensions of a head RoPE rotates where not all of them (GLM-4.5: partial_rotary_factor); 0: all."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    params = params.get("full_attention") or params if "full_attention" in params else params
+    factor = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None) or 1.0)
+    if factor == 1.0:
+        return 0
+    if not arch.partial_rotary:
+        raise ValueError(f"partial rotary embeddings (partial_rotary_factor {factor}) are not supported for "
+                         f"{hf.model_type}")
+    return int(head_dim * factor)
+
+
+def _latent_fields(hf: Any, rope_scaling: dict) -> dict[str, Any]:
+    """Multi-head latent attention's shape (DeepSeek-V3): the KV pool holds one entry per token and layer, the
+    normalized latent (kv_lora_rank) and the rotated shared key (qk_rope_head_dim), as one KV head whose keys
+    are also its values (`head_dim` is their width); each head attends over it with its query absorbed
+    (network.LatentAttention). The softmax scale is the full q/k head's, times YaRN's mscale(mscale_all_dim)
+    squared where RoPE is scaled."""
+    rope, nope, rank = int(hf.qk_rope_head_dim), int(hf.qk_nope_head_dim), int(hf.kv_lora_rank)
+    scale = (nope + rope) ** -0.5
+    if rope_scaling.get("mscale_all_dim"):
+        scale *= yarn_mscale(rope_scaling["factor"], rope_scaling["mscale_all_dim"]) ** 2
+    return dict(num_kv_heads=1, head_dim=rank + rope, rotary_dim=rope, attn_scale=scale, kv_lora_rank=rank,
+                q_lora_rank=int(hf.q_lora_rank or 0), qk_nope_head_dim=nope, v_head_dim=int(hf.v_head_dim),
+                rope_interleaved=bool(getattr(hf, "rope_interleave", False)), o_bias=bool(hf.attention_bias))
+
+
+def _expert_fields(hf: Any, kind: str) -> dict:
+    """ModelConfig's fields of the routed experts (none for a dense model)."""
+    routing = experts_of(kind)
+    experts = int(getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0)
+    if not experts:
+        return {}
+    fields: dict[str, Any] = dict(
+        num_experts=experts, experts_per_token=int(getattr(hf, "num_experts_per_tok", 0) or 0),
+        moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size),
+        norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)) if routing.norm_topk_prob is None
+        else routing.norm_topk_prob,
+        router_weights_in_model_dtype=routing.router_weights_in_model_dtype,
+        sparse_layers=_sparse_layers(hf, experts, routing.dense_first))
+    if routing.routing == "sigmoid":
+        fields.update(router="sigmoid", n_group=int(hf.n_group or 1), topk_group=int(hf.topk_group or 1),
+                      routed_scaling_factor=float(hf.routed_scaling_factor))
+    if routing.shared:
+        fields["shared_experts_size"] = int(hf.n_shared_experts or 0) * fields["moe_intermediate_size"]
+    if routing.gpt_oss:
+        fields.update(expert_bias=True, swiglu_alpha=float(hf.swiglu_alpha), swiglu_limit=float(hf.swiglu_limit))
+    return fields
+
+
+def _sparse_layers(hf: Any, experts: int, dense_first: bool = False) -> tuple[bool, ...]:
     """Which layers route to experts: every one for mixtral; for qwen3_moe those not in `mlp_only_layers`
-    at every `decoder_sparse_step`-th layer."""
+    at every `decoder_sparse_step`-th layer; for DeepSeek's and GLM's, all after the first
+    `first_k_dense_replace`."""
     if not experts:
         return ()
+    if dense_first:
+        return tuple(i >= int(hf.first_k_dense_replace or 0) for i in range(hf.num_hidden_layers))
     only_mlp = set(getattr(hf, "mlp_only_layers", None) or [])
     step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
     return tuple(i not in only_mlp and (i + 1) % step == 0 for i in range(hf.num_hidden_layers))
@@ -161,12 +262,33 @@ class ModelConfig:
     qk_norm: str = ""           # "head": RMSNorm of each head's q and k (qwen3); "proj": of the projections (olmo2)
     norm_layout: str = "pre"    # "pre": norm before attention and MLP (llama); "post": after each (olmo2)
     layer_windows: tuple[int | None, ...] = ()  # per layer: keys a query sees (itself included), None: all
+    nope_layers: tuple[bool, ...] = ()          # per layer: no RoPE at all (SmolLM3's NoPE layers)
     num_experts: int = 0            # routed experts of a sparse MLP (0: dense model)
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True     # renormalize the top-k routing weights to sum to one
     router_weights_in_model_dtype: bool = True   # qwen3_moe rounds routing weights to the model dtype; mixtral does not
     sparse_layers: tuple[bool, ...] = ()         # per layer: MLP is the routed experts (else dense)
+    router: str = "softmax"         # "softmax" or "sigmoid" (DeepSeek's: see architectures.Experts.routing)
+    n_group: int = 1                # "sigmoid": experts in n_group groups, chosen within the best topk_group
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_experts_size: int = 0    # width of the shared experts' MLP beside the routed ones (0: none)
+    rotary_dim: int = 0             # dimensions of each head RoPE rotates, the first ones (0: all)
+    mtp_layers: int = 0             # multi-token-prediction layers stored after the decoder's (not run)
+    # gpt-oss: the output projection's bias, attention sinks, a biased router and experts, a clamped SwiGLU
+    o_bias: bool = False
+    attn_sinks: bool = False
+    expert_bias: bool = False       # router and experts biased
+    swiglu_alpha: float = 0.0       # the experts' SwiGLU: gate * sigmoid(alpha * gate) * (up + 1), gate and up
+    swiglu_limit: float = 0.0       # clamped at limit (0: plain SiLU(gate) * up)
+    # multi-head latent attention (DeepSeek-V3; _latent_fields): num_kv_heads 1 and head_dim kv_lora_rank +
+    # rotary_dim then describe the pool's latent entry, whose keys are its values
+    kv_lora_rank: int = 0           # 0: not latent attention
+    q_lora_rank: int = 0            # 0: a plain q projection
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleaved: bool = False  # the rotated dimensions pair up (x0, x1), (x2, x3), ... (DeepSeek's layout)
     # Gemma: "sandwich" norm layout (norms before and after attention and MLP), RMSNorm scaling by
     # (1 + w) in float32, embeddings times sqrt(hidden), tanh soft-capping of attention and final logits
     norm_offset: float = 0.0        # RMSNorm multiplies by (norm_offset + weight)
@@ -186,13 +308,12 @@ class ModelConfig:
             raise ValueError(f"model_type {kind!r} is not supported natively ({', '.join(ARCHITECTURES)})")
         if getattr(hf, "use_bidirectional_attention", False):
             raise ValueError("bidirectional attention is not supported (causal LMs only)")
-        theta, rope_scaling, local_theta = _rope(hf)
-        arch, routing = ARCHITECTURES[kind], experts_of(kind)
+        arch = ARCHITECTURES[kind]
+        theta, rope_scaling, local_theta = _rope(hf, arch)
         gemma = arch.gemma_scaling
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-        experts = int(getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0)
-        return cls(
+        fields = dict(
             model_type=kind,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -208,17 +329,15 @@ class ModelConfig:
             qkv_bias=arch.qkv_bias or bool(getattr(hf, "attention_bias", False)),
             rope_scaling=rope_scaling,
             eos_token_ids=_eos(hf),
-            qk_norm=arch.qk_norm,
+            qk_norm=arch.qk_norm if not arch.qk_norm_field or getattr(hf, arch.qk_norm_field, False) else "",
             norm_layout=arch.norm_layout,
             layer_windows=_layer_windows(hf),
-            num_experts=experts,
-            experts_per_token=int(getattr(hf, "num_experts_per_tok", 0) or 0) if experts else 0,
-            moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size)
-            if experts else 0,
-            norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)) if routing.norm_topk_prob is None
-            else routing.norm_topk_prob,
-            router_weights_in_model_dtype=routing.router_weights_in_model_dtype,
-            sparse_layers=_sparse_layers(hf, experts),
+            nope_layers=tuple(not r for r in hf.no_rope_layers[:hf.num_hidden_layers]) if arch.nope_every else (),
+            rotary_dim=_rotary_dim(hf, arch, head_dim),
+            mtp_layers=int(getattr(hf, arch.mtp_field, 0) or 0) if arch.mtp_field else 0,
+            o_bias=arch.o_bias and bool(getattr(hf, "attention_bias", False)),
+            attn_sinks=arch.sinks,
+            **_expert_fields(hf, kind),
             norm_offset=1.0 if gemma else 0.0,
             embed_scale=hf.hidden_size ** 0.5 if gemma else 1.0,
             attn_scale=float(hf.query_pre_attn_scalar) ** -0.5 if gemma else None,
@@ -227,6 +346,9 @@ class ModelConfig:
             activation=_activation(hf),
             local_rope_theta=local_theta,
         )
+        if arch.latent:
+            fields.update(_latent_fields(hf, rope_scaling))
+        return cls(**fields)
 
     @classmethod
     def for_fallback(cls, hf: Any) -> "ModelConfig":
@@ -265,14 +387,37 @@ class ModelConfig:
         hf = AutoConfig.from_pretrained(str(path))
         return cls.from_hf(hf) if hf.model_type in ARCHITECTURES else cls.for_fallback(hf)
 
+    @property
+    def keys_are_values(self) -> bool:
+        """The KV pool's values are its keys (latent attention's entry): one tensor, not two."""
+        return self.kv_lora_rank > 0
+
+    def torch_attention_only(self) -> str | None:
+        """Why this model attends with the torch backend on CUDA too (a delta lmbatch's GPU attention kernels
+        do not have yet), or None."""
+        if self.kv_lora_rank:
+            return "latent attention (MLA): the GPU attention kernels have no latent path yet"
+        return None
+
+    def attention_params(self) -> int:
+        """Weights of one layer's attention projections."""
+        h, nh = self.hidden_size, self.num_heads
+        if not self.kv_lora_rank:
+            return h * (nh + 2 * self.num_kv_heads) * self.head_dim + nh * self.head_dim * h
+        qk = self.qk_nope_head_dim + self.rotary_dim
+        q = (h + nh * qk) * self.q_lora_rank if self.q_lora_rank else h * nh * qk
+        return q + h * self.head_dim + self.kv_lora_rank * nh * (self.qk_nope_head_dim + self.v_head_dim) \
+            + nh * self.v_head_dim * h
+
     def active_linear_params(self) -> int:
         """Weights of the linear layers one token runs through (an MoE layer: its router and the
         experts it is routed to, not all of them): its model FLOPs outside attention and the LM head
         are twice this."""
         h = self.hidden_size
-        attention = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim + self.num_heads * self.head_dim * h
+        attention = self.attention_params()
         dense = 3 * h * self.intermediate_size
-        sparse = self.experts_per_token * 3 * h * self.moe_intermediate_size + h * self.num_experts
+        sparse = (self.experts_per_token * self.moe_intermediate_size + self.shared_experts_size) * 3 * h \
+            + h * self.num_experts
         n_sparse = sum(self.sparse_layers)
         return self.num_layers * attention + (self.num_layers - n_sparse) * dense + n_sparse * sparse
 
@@ -281,7 +426,7 @@ class ModelConfig:
         those of sliding-window layers (their own base, unscaled, where the config gives them one)."""
         import torch
 
-        d = self.head_dim
+        d = self.rotary_dim or self.head_dim
         theta = self.local_rope_theta if local and self.local_rope_theta else self.rope_theta
         inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         s = self.rope_scaling
@@ -289,6 +434,8 @@ class ModelConfig:
             return inv
         if s["rope_type"] == "linear":
             return inv / s["factor"]
+        if s["rope_type"] == "yarn":
+            return _yarn_inv_freq(inv, d, theta, s)
         factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
         old_len = s["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv
@@ -298,3 +445,29 @@ class ModelConfig:
         out = torch.where(wavelen > lo_wavelen, inv / factor, inv)
         is_mid = (wavelen >= hi_wavelen) & (wavelen <= lo_wavelen)
         return torch.where(is_mid, mid, out)
+
+    def rope_attention_factor(self, local: bool = False) -> float:
+        """What YaRN multiplies cos and sin by (1.0 for other RoPE and for sliding layers of their own base)."""
+        s = self.rope_scaling
+        if not s or s["rope_type"] != "yarn" or (local and self.local_rope_theta):
+            return 1.0
+        return float(s["attention_factor"])
+
+
+def _yarn_inv_freq(inv: torch.Tensor, d: int, theta: float, s: dict) -> torch.Tensor:
+    """YaRN's frequencies: interpolated (divided by the factor) below the correction range, kept above it,
+    a linear ramp between (transformers' `_compute_yarn_parameters`)."""
+    import torch
+
+    def dim_of(rotations: float) -> float:
+        return d * math.log(s["original_max_position_embeddings"] / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(s["beta_fast"]), dim_of(s["beta_slow"])
+    if s["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    return inv / s["factor"] * (1 - keep) + inv * keep

@@ -17,6 +17,8 @@ FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.shared_experts.gate_proj": ("mlp.shared_experts.gate_up_proj", 0),     # DeepSeek's, GLM's
+    "mlp.shared_experts.up_proj": ("mlp.shared_experts.gate_up_proj", 1),
 }
 # one expert's weight, under any architecture's naming (architectures.py: Qwen3-MoE's, Mixtral's w1 gate,
 # w3 up, w2 down)
@@ -42,18 +44,37 @@ def renamed(name: str, tie_word_embeddings: bool) -> str | None:
     return ours
 
 
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def beyond_the_decoder(name: str, cfg: ModelConfig) -> bool:
+    """A tensor of the multi-token-prediction layers DeepSeek's and GLM's checkpoints store after the
+    decoder's (layers num_hidden_layers on, as many as config.json's count of them), which scoring does
+    not run: not loaded, as transformers skips them."""
+    m = _LAYER.match(name.removeprefix("model."))
+    return m is not None and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + cfg.mtp_layers
+
+
+def fused(module: str, cfg: ModelConfig) -> tuple[str, str, int] | None:
+    """(our fused parameter's module, its suffix, the shard's index) of a checkpoint module loaded as a slice
+    of one of ours, else None. Latent attention's projections are its own (its q_proj is not one of q/k/v)."""
+    for hf_sfx, (our_sfx, shard) in FUSED.items():
+        if module.endswith(hf_sfx) and not (cfg.kv_lora_rank and hf_sfx.startswith("self_attn.")):
+            return module[: -len(hf_sfx)] + our_sfx, our_sfx, shard
+    return None
+
+
 def target(name: str, cfg: ModelConfig) -> str | None:
     """The parameter the checkpoint tensor `name` is copied into (a fused or stacked one: a slice of it), or
     None where it is not loaded. The parameter may not exist: `parameter_names` says."""
     ours = renamed(name, cfg.tie_word_embeddings)
-    if ours is None:
+    if ours is None or beyond_the_decoder(name, cfg):
         return None
     if m := EXPERT.fullmatch(ours):
         return f"{m.group(1)}.mlp.{'down_proj' if EXPERT_PART[m.group(3)] is None else 'gate_up_proj'}"
     module, _, kind = ours.rpartition(".")
-    for hf_sfx, (our_sfx, _) in FUSED.items():
-        if module.endswith(hf_sfx):
-            return f"{module[: -len(hf_sfx)]}{our_sfx}.{kind}"
+    if (into := fused(module, cfg)) is not None:
+        return f"{into[0]}.{kind}"
     return ours
 
 
@@ -63,16 +84,47 @@ def parameter_names(cfg: ModelConfig) -> set[str]:
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         names |= {f"{p}{norm}.weight" for norm in _NORMS.get(cfg.norm_layout, _NORMS["pre"])}
-        names |= {p + "self_attn.qkv_proj.weight", p + "self_attn.o_proj.weight"}
-        if cfg.qkv_bias:
+        names |= _latent_names(cfg, p + "self_attn.") if cfg.kv_lora_rank else {p + "self_attn.qkv_proj.weight"}
+        names.add(p + "self_attn.o_proj.weight")
+        if cfg.qkv_bias and not cfg.kv_lora_rank:
             names.add(p + "self_attn.qkv_proj.bias")
+        if cfg.o_bias:
+            names.add(p + "self_attn.o_proj.bias")
+        if cfg.attn_sinks:
+            names.add(p + "self_attn.sinks")
         if cfg.qk_norm:
             names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
         # network.py: only a pre-norm Block routes to experts
         sparse = cfg.norm_layout not in ("post", "sandwich") and bool(cfg.sparse_layers) and cfg.sparse_layers[i]
-        names |= {p + "mlp.gate.weight", p + "mlp.gate_up_proj", p + "mlp.down_proj"} if sparse else \
-            {p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight"}
+        names |= _moe_names(cfg, p + "mlp.") if sparse else {p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight"}
     return names
+
+
+def _latent_names(cfg: ModelConfig, p: str) -> set[str]:
+    """Latent attention's projections and norms (network.LatentAttention), as DeepSeek's checkpoints name them."""
+    names = {p + "kv_a_proj_with_mqa.weight", p + "kv_a_layernorm.weight", p + "kv_b_proj.weight"}
+    names |= {p + "q_a_proj.weight", p + "q_a_layernorm.weight", p + "q_b_proj.weight"} if cfg.q_lora_rank else \
+        {p + "q_proj.weight"}
+    if cfg.qkv_bias:
+        names |= {p + "kv_a_proj_with_mqa.bias"} | ({p + "q_a_proj.bias"} if cfg.q_lora_rank else set())
+    return names
+
+
+def _moe_names(cfg: ModelConfig, p: str) -> set[str]:
+    names = {p + "gate.weight", p + "gate_up_proj", p + "down_proj"}
+    if cfg.router == "sigmoid":
+        names.add(p + "gate.e_score_correction_bias")
+    if cfg.shared_experts_size:
+        names |= {p + "shared_experts.gate_up_proj.weight", p + "shared_experts.down_proj.weight"}
+    if cfg.expert_bias:
+        names |= {p + "gate.bias", p + "gate_up_proj_bias", p + "down_proj_bias"}
+    return names
+
+
+def unplaced(cfg: ModelConfig, tensors: list[str]) -> list[str]:
+    """The checkpoint tensors the network has no place for."""
+    params = parameter_names(cfg)
+    return [name for name in tensors if (key := target(name, cfg)) is not None and key not in params]
 
 
 def name_problem(cfg: ModelConfig, tensors: list[str], where: str) -> str | None:

@@ -24,6 +24,7 @@ from torch import nn
 
 from lmbatch.attention.base import AttentionBackend, ForwardBatch
 from lmbatch.model.config import ModelConfig
+from lmbatch.model.routing import grouped_sigmoid_top_k, softmax_top_k
 from lmbatch.model.tensor_parallel import TensorParallel
 
 
@@ -68,6 +69,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.float().chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def _rope_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dims: int) -> torch.Tensor:
+    """RoPE on each head's first `dims` dimensions (partial rotary), the rest as they are."""
+    return torch.cat([apply_rope(x[..., :dims], cos, sin), x[..., dims:]], dim=-1)
 
 
 def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
@@ -128,6 +134,34 @@ def _reduce(x: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
     return x if tp is None else tp.all_reduce(x)
 
 
+def _row_parallel(proj: Linear, x: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
+    """A row-parallel projection summed over the ranks, its bias (gpt-oss's o_proj) added once, after the sum."""
+    if tp is None or proj.bias is None:
+        return _reduce(proj(x), tp)
+    return tp.all_reduce(_linear(x, proj.weight, proj.fixed)) + proj.bias
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts' activation of [S, 2I] (gate | up): the gate clamped above at `limit`, the up on both
+    sides, gate * sigmoid(alpha * gate) * (up + 1)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+
+def _split_proj_norms(q_norm: RMSNorm, k_norm: RMSNorm, q: torch.Tensor, k: torch.Tensor,
+                      tp: TensorParallel) -> tuple[torch.Tensor, torch.Tensor]:
+    """OLMo's RMSNorms over the whole q and k projections when their heads are split over ranks: each
+    rank's sums of squares, summed over the ranks (one all-reduce for both), normalize its slice."""
+    squares = torch.stack([q.float().pow(2).sum(-1), k.float().pow(2).sum(-1)])
+    tp.all_reduce(squares)
+    out = []
+    for x, norm, ss in ((q, q_norm, squares[0]), (k, k_norm, squares[1])):
+        xf = x.float() * torch.rsqrt(ss[:, None] / (x.shape[-1] * tp.size) + norm.eps)
+        out.append(norm.weight * xf.to(x.dtype))
+    return out[0], out[1]
+
+
 class Attention(nn.Module):
     """Heads and KV heads: this rank's, under tensor parallelism (cfg is then one rank's shape)."""
 
@@ -136,8 +170,11 @@ class Attention(nn.Module):
         self.layer, self.tp = layer, tp
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = cfg.layer_windows[layer] if cfg.layer_windows else None
+        self.rope = not (cfg.nope_layers and cfg.nope_layers[layer])      # SmolLM3's NoPE layers: none
+        self.rotary = cfg.rotary_dim or self.hd                             # GLM-4.5: the first half of a head
         self.qkv_proj = Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_bias)
+        self.sinks = nn.Parameter(torch.empty(self.nh)) if cfg.attn_sinks else None     # gpt-oss's, this rank's heads
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:      # over each head (qwen3, gemma3) or over the whole projection (olmo2)
             per_head = cfg.qk_norm == "head"
@@ -150,37 +187,129 @@ class Attention(nn.Module):
         T = x.shape[0]
         cos, sin = rope["local"] if self.window is not None and "local" in rope else rope["global"]
         q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
-        if self.qk_norm == "proj":
+        if self.qk_norm == "proj" and self.tp is not None:
+            q, k = _split_proj_norms(self.q_norm, self.k_norm, q, k, self.tp)
+        elif self.qk_norm == "proj":
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         elif self.qk_norm == "head":
             q = self.q_norm(q.reshape(T * self.nh, self.hd))
             k = self.k_norm(k.reshape(T * self.nkv, self.hd))
         q, k, v = q.view(T, self.nh, self.hd), k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd)
-        if _use_fused(x) is not None:       # RoPE and the KV store, one kernel: attention reads k, v from the pool
-            attn.rope_store(self.layer, q, k, v, (cos, sin))
-            o = attn.forward(self.layer, q, None, None, window=self.window)
+        sinks = {} if self.sinks is None else {"sinks": self.sinks}
+        if self.rope and self.rotary == self.hd and _use_fused(x) is not None:
+            attn.rope_store(self.layer, q, k, v, (cos, sin))    # one kernel: attention reads k, v from the pool
+            o = attn.forward(self.layer, q, None, None, window=self.window, **sinks)
         else:
-            o = attn.forward(self.layer, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, window=self.window)
-        return _reduce(self.o_proj(o.reshape(T, self.nh * self.hd)), self.tp)
+            if self.rotary < self.hd and self.rope:
+                q, k = _rope_part(q, cos, sin, self.rotary), _rope_part(k, cos, sin, self.rotary)
+            elif self.rope:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            o = attn.forward(self.layer, q, k, v, window=self.window, **sinks)
+        return _row_parallel(self.o_proj, o.reshape(T, self.nh * self.hd), self.tp)
+
+
+def _per_head(x: torch.Tensor, w: torch.Tensor, fixed: bool) -> torch.Tensor:
+    """Each head's own projection: x [T, heads, a] by w [heads, b, a] -> [T, heads, b] (deterministic mode:
+    one fixed_linear per head, each row's result independent of the batch)."""
+    if not fixed:
+        return torch.einsum("tha,hba->thb", x, w)
+    return torch.stack([fixed_linear(x[:, h], w[h]) for h in range(w.shape[0])], dim=1)
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3), absorbed. A token's keys and values are a function of
+    its latent: c (kv_lora_rank, normalized) and one rotated key part k_pe (rotary_dim) shared by every
+    head. The KV pool holds (c | k_pe) once per token and layer, as one KV head whose keys are its values
+    (config._latent_fields); each head attends over it with its query absorbed: q_nope through the key
+    half of kv_b_proj (W_UK) into the latent space, beside its rotated q_pe, so q.k = q_nope.(W_UK c) +
+    q_pe.k_pe; the output's latent part goes through the value half (W_UV). One MQA over (kv_lora_rank +
+    rotary_dim) wide entries, prefill and decode alike: what FlashMLA-style GPU kernels read. Under tensor
+    parallelism the heads split (q_b_proj, kv_b_proj, o_proj) and every rank keeps the whole latent."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel | None = None):
+        super().__init__()
+        self.layer, self.tp = layer, tp
+        self.nh, self.rank, self.rope, self.nope, self.v_dim = (cfg.num_heads, cfg.kv_lora_rank, cfg.rotary_dim,
+                                                                cfg.qk_nope_head_dim, cfg.v_head_dim)
+        self.interleaved = cfg.rope_interleaved
+        H, qk = cfg.hidden_size, cfg.qk_nope_head_dim + cfg.rotary_dim
+        self.q_a_proj = Linear(H, cfg.q_lora_rank, bias=cfg.qkv_bias) if cfg.q_lora_rank else None
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6) if cfg.q_lora_rank else None   # transformers' eps
+        self.q_b_proj = Linear(cfg.q_lora_rank, self.nh * qk, bias=False) if cfg.q_lora_rank else None
+        self.q_proj = None if cfg.q_lora_rank else Linear(H, self.nh * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(H, self.rank + self.rope, bias=cfg.qkv_bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
+        self.kv_b_proj = Linear(self.rank, self.nh * (self.nope + self.v_dim), bias=False)
+        self.o_proj = Linear(self.nh * self.v_dim, H, bias=cfg.o_bias)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE of [T, heads, rotary_dim]; DeepSeek's pairs (x0, x1), (x2, x3), ... first laid out as halves
+        (evens | odds), as transformers' interleaved RoPE leaves them."""
+        if self.interleaved:
+            x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+        return apply_rope(x, cos, sin)
+
+    def forward(self, x: torch.Tensor, rope: dict, attn: AttentionBackend) -> torch.Tensor:
+        T = x.shape[0]
+        cos, sin = rope["global"]
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = cast(Linear, self.q_b_proj)(cast(RMSNorm, self.q_a_layernorm)(cast(Linear, self.q_a_proj)(x)))
+        q_nope, q_pe = q.view(T, self.nh, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        c = self.kv_a_layernorm(c.contiguous())
+        entry = torch.cat([c.view(T, 1, self.rank), self._rotate(k_pe.reshape(T, 1, self.rope), cos, sin)], dim=-1)
+        w = self.kv_b_proj.weight.view(self.nh, self.nope + self.v_dim, self.rank)
+        fixed = self.kv_b_proj.fixed
+        q = torch.cat([_per_head(q_nope, w[:, :self.nope].transpose(1, 2), fixed), self._rotate(q_pe, cos, sin)],
+                      dim=-1)
+        o = attn.forward(self.layer, q, entry, entry)       # [T, heads, kv_lora_rank + rotary_dim]
+        o = _per_head(o[..., :self.rank], w[:, self.nope:], fixed)
+        return _row_parallel(self.o_proj, o.reshape(T, self.nh * self.v_dim), self.tp)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
+    """SwiGLU (or GeGLU) of `width` (default: the config's intermediate size); with `tp`, this rank's slice,
+    summed over the ranks."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None, width: int = 0):
         super().__init__()
         self.activation, self.tp = cfg.activation, tp
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        width = width or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * width, bias=False)
+        self.down_proj = Linear(width, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _reduce(self.down_proj(act_mul(self.gate_up_proj(x), self.activation)), self.tp)
 
 
+class SigmoidRouter(nn.Module):
+    """DeepSeek-V3's and GLM-4.5's router (routing.grouped_sigmoid_top_k): float32 weights and correction
+    bias, as transformers keeps them whatever the model's dtype."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H = cfg.num_experts, cfg.hidden_size
+        self.weight = nn.Parameter(torch.empty(E, H, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32))
+        self.top_k, self.renorm, self.scale = cfg.experts_per_token, cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.groups, self.top_groups = cfg.n_group, cfg.topk_group
+        self.fixed = False
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = _linear(x.float(), self.weight, self.fixed)
+        return grouped_sigmoid_top_k(logits, self.e_score_correction_bias, self.top_k, (self.groups, self.top_groups),
+                                     self.renorm, self.scale)
+
+
 class MoE(nn.Module):
-    """Routed experts: a softmax router picks each token's top-k experts, whose SwiGLU MLPs' outputs are
-    summed with the routing weights (renormalized over the top k where the config says so). On CUDA
-    the experts run as two grouped GEMMs over the tokens sorted by expert (lmbatch.kernels.moe: no
+    """Routed experts: the router picks each token's top-k experts (a softmax's top k, renormalized where
+    the config says so; or DeepSeek's grouped sigmoid, `SigmoidRouter`), whose SwiGLU MLPs' outputs are
+    summed with the routing weights; shared experts (DeepSeek, GLM) are a dense MLP added to them. On
+    CUDA the experts run as two grouped GEMMs over the tokens sorted by expert (lmbatch.kernels.moe: no
     host synchronization, so decode steps can be CUDA graphs); elsewhere each expert runs once, on the
-    tokens routed to it."""
+    tokens routed to it. Under tensor parallelism every part is this rank's slice, summed once."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
@@ -188,26 +317,52 @@ class MoE(nn.Module):
         self.top_k, self.renorm = cfg.experts_per_token, cfg.norm_topk_prob
         self.weights_in_model_dtype = cfg.router_weights_in_model_dtype
         E, H, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate = Linear(H, E, bias=False)
+        self.gate: nn.Module = SigmoidRouter(cfg) if cfg.router == "sigmoid" else Linear(H, E, bias=cfg.expert_bias)
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * i, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, i))
+        # gpt-oss: each expert's biases and its clamped SwiGLU
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * i)) if cfg.expert_bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(E, H)) if cfg.expert_bias else None
+        self.swiglu = (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.swiglu_limit else None
+        # summed with the routed experts' partial outputs before the one reduction (hence no tp of its own)
+        self.shared_experts = MLP(cfg, None, cfg.shared_experts_size) if cfg.shared_experts_size else None
         self.fixed = False          # deterministic mode: each expert's GEMMs as fixed_linear (CPU path)
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(self.gate, SigmoidRouter):
+            weights, experts = self.gate(x)
+        else:
+            weights, experts = softmax_top_k(self.gate(x), self.top_k, self.renorm)
+        return (weights.to(x.dtype) if self.weights_in_model_dtype else weights), experts
+
+    def _act(self, gate_up: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The activation of rows of the experts' first GEMM ([S, 2I]), each row of the expert in `experts`
+        ([S]): SwiGLU, or gpt-oss's clamped SwiGLU after the expert's gate/up bias."""
+        if self.swiglu is None:
+            return act_mul(gate_up)
+        if self.gate_up_proj_bias is not None:
+            gate_up = gate_up + self.gate_up_proj_bias[experts]
+        return clamped_swiglu(gate_up, *self.swiglu)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.renorm:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.weights_in_model_dtype:
-            weights = weights.to(x.dtype)
+        weights, experts = self.route(x)
         if x.is_cuda and (kern := _kernels("moe")) is not None:
-            return _reduce(kern.fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts, act_mul), self.tp)
-        out = torch.zeros_like(x)
-        for e in experts.unique().tolist():
-            token, slot = torch.where(experts == e)
-            h = _linear(act_mul(_linear(x[token], self.gate_up_proj[e], self.fixed)), self.down_proj[e], self.fixed)
-            out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
-        return _reduce(out, self.tp)
+            slot_experts = experts.reshape(-1)        # the kernel's rows: token * k + j
+            out = kern.fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts,
+                                 lambda h: self._act(h, slot_experts))
+        else:
+            out = torch.zeros_like(x)
+            for e in experts.unique().tolist():
+                token, slot = torch.where(experts == e)
+                h = self._act(_linear(x[token], self.gate_up_proj[e], self.fixed), experts[token, slot])
+                h = _linear(h, self.down_proj[e], self.fixed)
+                out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        out = _reduce(out, self.tp)
+        if self.down_proj_bias is not None:     # sum_j w_j * bias of expert j, once, after the ranks' sum
+            out = out + (weights[..., None] * self.down_proj_bias[experts]).sum(dim=1).to(x.dtype)
+        return out
 
 
 def _first_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,7 +379,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, tp)
+        self.self_attn: nn.Module = LatentAttention(cfg, layer, tp) if cfg.kv_lora_rank else Attention(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg, tp) if cfg.sparse_layers and cfg.sparse_layers[layer] else MLP(cfg, tp)
 
@@ -300,7 +455,7 @@ class Transformer(nn.Module):
         alone, not on what else its batch holds. The attention backend has its own switch."""
         self.deterministic = on
         for m in self.modules():
-            if isinstance(m, (Linear, MoE)):
+            if isinstance(m, (Linear, MoE, SigmoidRouter)):
                 m.fixed = on
 
     @classmethod
@@ -324,7 +479,8 @@ class Transformer(nn.Module):
                 inv = self.cfg.inv_freq(local=kind == "local").float().double()
                 self._inv_freq[pos.device, kind] = inv.to(pos.device)
             freqs = pos[:, None].double() * self._inv_freq[pos.device, kind][None, :]
-            out[kind] = (freqs.cos().float(), freqs.sin().float())
+            scale = self.cfg.rope_attention_factor(local=kind == "local")     # YaRN's; else 1
+            out[kind] = ((freqs.cos() * scale).float(), (freqs.sin() * scale).float())
         return out
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:

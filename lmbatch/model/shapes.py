@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 from lmbatch.model.architectures import ARCHITECTURES, EXPERT_NAMINGS, experts_of
 from lmbatch.model.config import ModelConfig
+from lmbatch.model.names import beyond_the_decoder
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -109,7 +110,8 @@ class _Shapes:
 
     def layers(self) -> None:
         n = self.cfg.num_layers
-        found = {int(m.group(1)) for key in self.tensors if (m := _LAYER.match(key))}
+        found = {int(m.group(1)) for key in self.tensors
+                 if (m := _LAYER.match(key)) and not beyond_the_decoder(key, self.cfg)}
         words = f"config.json num_hidden_layers is {n}"
         if not found:
             raise _Mismatch(f"{words} but there are no {self.prefix}layers.* tensors in {self.where}")
@@ -123,6 +125,9 @@ class _Shapes:
 
     def attention(self, i: int) -> None:
         c, p = self.cfg, f"layers.{i}.self_attn."
+        if c.kv_lora_rank:
+            self.latent_attention(p)
+            return
         hidden = (self.size("hidden_size", c.hidden_size), "columns")
         q = self.heads("num_attention_heads", c.num_heads)
         kv = self.heads("num_key_value_heads", c.num_kv_heads)
@@ -139,6 +144,8 @@ class _Shapes:
             self.dims(p + "q_norm.weight", (q, "entries"))
             self.dims(p + "k_norm.weight", (kv, "entries"))
         self.dims(p + "o_proj.weight", (self.size("hidden_size", c.hidden_size), "rows"), (q, "columns"))
+        if c.attn_sinks:
+            self.dims(p + "sinks", (self.size("num_attention_heads", c.num_heads), "entries"))
 
     def dense_mlp(self, i: int) -> None:
         c, p = self.cfg, f"layers.{i}.mlp."
@@ -159,15 +166,25 @@ class _Shapes:
         named = next((b for b in sorted(EXPERT_NAMINGS, key=lambda b: b == "mlp")
                       if f"layers.{i}.{b}.gate.weight" in self.tensors), own.block)
         block = f"layers.{i}.{named}."
-        n = self.size("num_experts" if "num_experts" in self.raw else "num_local_experts", c.num_experts)
+        n = self.size(next((f for f in ("num_experts", "n_routed_experts") if f in self.raw), "num_local_experts"),
+                      c.num_experts)
         field = own.size_field
         inter = self.size(field, c.moe_intermediate_size)
         hidden = self.size("hidden_size", c.hidden_size)
-        if block + "gate.weight" not in self.tensors:
+        router = block + ("router." if own.gpt_oss else "gate.")
+        if router + "weight" not in self.tensors:
             why = (f"yet config.json's mlp_only_layers and decoder_sparse_step make layer {i} one of routed experts"
-                   if own.by_config else f"and every layer of a {c.model_type} model routes to experts")
-            raise _Mismatch(f"there is no {self.prefix}{block}gate.weight (the experts' router) in {self.where}, {why}")
-        self.dims(block + "gate.weight", (n, "rows (experts)"), (hidden, "columns"))
+                   if own.by_config else f"yet config.json's first_k_dense_replace makes layer {i} one of routed "
+                   "experts" if own.dense_first else f"and every layer of a {c.model_type} model routes to experts")
+            raise _Mismatch(f"there is no {self.prefix}{router}weight (the experts' router) in {self.where}, {why}")
+        self.dims(router + "weight", (n, "rows (experts)"), (hidden, "columns"))
+        if c.router == "sigmoid":
+            self.dims(router + "e_score_correction_bias", (n, "entries"))
+        if c.shared_experts_size:
+            self.shared_experts(i)
+        if own.gpt_oss:
+            self.gpt_oss_experts(i, n, inter, hidden)
+            return
         stacked = f"layers.{i}.mlp.experts."
         if stacked + "gate_up_proj" in self.tensors:
             both = (f"2 x {field} is 2 x {c.moe_intermediate_size} = {2 * c.moe_intermediate_size}",
@@ -181,3 +198,47 @@ class _Shapes:
             self.dims(f"{x}{gate}.weight", (inter, "rows"), (hidden, "columns"))
             self.dims(f"{x}{up}.weight", (inter, "rows"), (hidden, "columns"))
             self.dims(f"{x}{down}.weight", (hidden, "rows"), (inter, "columns"))
+
+    def shared_experts(self, i: int) -> None:
+        c, p = self.cfg, f"layers.{i}.mlp.shared_experts."
+        width = (f"n_shared_experts x moe_intermediate_size is {c.shared_experts_size}", c.shared_experts_size)
+        hidden = self.size("hidden_size", c.hidden_size)
+        self.dims(p + "gate_proj.weight", (width, "rows"), (hidden, "columns"))
+        self.dims(p + "up_proj.weight", (width, "rows"), (hidden, "columns"))
+        self.dims(p + "down_proj.weight", (hidden, "rows"), (width, "columns"))
+
+    def gpt_oss_experts(self, i: int, n: tuple[str, int], inter: tuple[str, int], hidden: tuple[str, int]) -> None:
+        """gpt-oss's router bias and stacked, transposed experts with their biases."""
+        p, c = f"layers.{i}.mlp.", self.cfg
+        both = (f"2 x intermediate_size is 2 x {c.moe_intermediate_size} = {2 * c.moe_intermediate_size}",
+                2 * c.moe_intermediate_size)
+        self.dims(p + "router.bias", (n, "entries"))
+        self.dims(p + "experts.gate_up_proj", (n, "experts"), (hidden, "rows per expert"), (both, "columns"))
+        self.dims(p + "experts.gate_up_proj_bias", (n, "experts"), (both, "columns"))
+        self.dims(p + "experts.down_proj", (n, "experts"), (inter, "rows per expert"), (hidden, "columns"))
+        self.dims(p + "experts.down_proj_bias", (n, "experts"), (hidden, "columns"))
+
+    def latent_attention(self, p: str) -> None:
+        """DeepSeek's multi-head latent attention: its q (LoRA or plain), the latent's down-projection and
+        norm, the per-head up-projection of keys and values, and the output projection."""
+        c = self.cfg
+        hidden = self.size("hidden_size", c.hidden_size)
+        nh, nope, rope, v = c.num_heads, c.qk_nope_head_dim, c.rotary_dim, c.v_head_dim
+        q = (f"num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim) is {nh} x ({nope} + {rope}) = "
+             f"{nh * (nope + rope)}", nh * (nope + rope))
+        rank = self.size("kv_lora_rank", c.kv_lora_rank)
+        if c.q_lora_rank:
+            q_rank = self.size("q_lora_rank", c.q_lora_rank)
+            self.dims(p + "q_a_proj.weight", (q_rank, "rows"), (hidden, "columns"))
+            self.dims(p + "q_a_layernorm.weight", (q_rank, "entries"))
+            self.dims(p + "q_b_proj.weight", (q, "rows"), (q_rank, "columns"))
+        else:
+            self.dims(p + "q_proj.weight", (q, "rows"), (hidden, "columns"))
+        latent = (f"kv_lora_rank + qk_rope_head_dim is {c.kv_lora_rank} + {rope} = {c.head_dim}", c.head_dim)
+        self.dims(p + "kv_a_proj_with_mqa.weight", (latent, "rows"), (hidden, "columns"))
+        self.dims(p + "kv_a_layernorm.weight", (rank, "entries"))
+        kv = (f"num_attention_heads x (qk_nope_head_dim + v_head_dim) is {nh} x ({nope} + {v}) = {nh * (nope + v)}",
+              nh * (nope + v))
+        self.dims(p + "kv_b_proj.weight", (kv, "rows"), (rank, "columns"))
+        out = (f"num_attention_heads x v_head_dim is {nh} x {v} = {nh * v}", nh * v)
+        self.dims(p + "o_proj.weight", (hidden, "rows"), (out, "columns"))

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from lmbatch.model.architectures import ARCHITECTURES
+from lmbatch.model.architectures import ARCHITECTURES, experts_of
 from lmbatch.model.config import ModelConfig
 from lmbatch.model.dequantize import QuantizedCheckpoint
-from lmbatch.model.names import EXPERT, EXPERT_PART, FUSED, renamed, target
+from lmbatch.model.names import EXPERT, EXPERT_PART, beyond_the_decoder, fused, renamed, target
 from lmbatch.model.network import Transformer
 from lmbatch.model.quantization import read_quantization
 from lmbatch.model.tensor_parallel import shard_tensor
@@ -45,7 +45,7 @@ def _fused_slice(model: Transformer, target: str, shard: int) -> slice:
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         starts = [0, q, q + kv, q + 2 * kv]
     else:
-        i = cfg.intermediate_size
+        i = cfg.shared_experts_size if target.endswith("shared_experts.gate_up_proj") else cfg.intermediate_size
         starts = [0, i, 2 * i]
     return slice(starts[shard], starts[shard + 1])
 
@@ -75,6 +75,22 @@ def _plain_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def _our_layout(cfg: ModelConfig, ours: str, t: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's stacked experts as transformers stores them (after any dequantization), in our layout:
+    gate_up [E, H, 2I] with gate and up columns interleaved -> [E, 2I, H], the gate rows then the up rows
+    (its bias [E, 2I] alike); down [E, I, H] -> [E, H, I]. Other tensors as they are."""
+    if not experts_of(cfg.model_type).gpt_oss:
+        return t
+    if ours.endswith("mlp.gate_up_proj"):
+        t = t.transpose(1, 2)
+        return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
+    if ours.endswith("mlp.gate_up_proj_bias"):
+        return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
+    if ours.endswith("mlp.down_proj"):
+        return t.transpose(1, 2)
+    return t
+
+
 @torch.no_grad()
 def load_weights(model: Transformer, source: str | Path | dict[str, torch.Tensor],
                  full: ModelConfig | None = None, fp8_gemm: bool = False) -> None:
@@ -88,7 +104,7 @@ def load_weights(model: Transformer, source: str | Path | dict[str, torch.Tensor
     tp = model.tp
     for name, whole in tensors:
         ours = renamed(name, model.lm_head is None)
-        if ours is None:
+        if ours is None or beyond_the_decoder(name, model.cfg):
             continue
         if (slot := _expert_slot(model, ours)) is not None:
             key, expert, rows = slot
@@ -97,20 +113,19 @@ def load_weights(model: Transformer, source: str | Path | dict[str, torch.Tensor
             pending.discard(key)
             continue
         module, kind = ours.rsplit(".", 1)
-        for hf_sfx, (our_sfx, shard) in FUSED.items():
-            if module.endswith(hf_sfx):
-                key = module[: -len(hf_sfx)] + our_sfx + "." + kind
-                tensor = whole if tp is None else shard_tensor(key, whole, full or model.cfg, tp)
-                rows = _fused_slice(model, our_sfx, shard)
-                if kind == "weight_scale":      # an FP8 layer's scales: the rows of its blocks (model/fp8.py)
-                    per = getattr(model.get_submodule(key.removesuffix(".weight_scale")), "fp8_block")[0]
-                    rows = slice(rows.start // per, -(-rows.stop // per))
-                params[key][rows].copy_(tensor)
-                pending.discard(key)
-                break
+        if (into := fused(module, model.cfg)) is not None:
+            key = f"{into[0]}.{kind}"
+            tensor = whole if tp is None else shard_tensor(key, whole, full or model.cfg, tp)
+            rows = _fused_slice(model, into[1], into[2])
+            if kind == "weight_scale":      # an FP8 layer's scales: the rows of its blocks (model/fp8.py)
+                per = getattr(model.get_submodule(key.removesuffix(".weight_scale")), "fp8_block")[0]
+                rows = slice(rows.start // per, -(-rows.stop // per))
+            params[key][rows].copy_(tensor)
+            pending.discard(key)
         else:
             if ours not in params:
                 raise KeyError(f"checkpoint tensor {name} has no place in the model")
+            whole = _our_layout(model.cfg, ours, whole)
             params[ours].copy_(whole if tp is None else shard_tensor(ours, whole, full or model.cfg, tp))
             pending.discard(ours)
     if pending:

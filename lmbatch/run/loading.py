@@ -110,10 +110,10 @@ class ModelLoader:
         where the run spans several devices; else built here."""
         from lmbatch.engine.build import several
         from lmbatch.engine.devices import resolved
-        from lmbatch.model.config import ModelConfig
+        from lmbatch.model.checkpoint import model_config
 
         clock = Phases(since_start=False)
-        cfg = ModelConfig.from_dir(self.spec.model_dir)
+        cfg = model_config(self.spec.model_dir)
         spec, layout = resolved(self.spec, cfg, self.work)
         if several(spec):
             self.imported.set()         # this process imports no torch: its workers do
@@ -165,9 +165,9 @@ def make_parallel(spec: EngineSpec, clock: Phases) -> ParallelEngine:
     """The worker processes of a spec whose sizes are decided, each ready (`clock`: "workers")."""
     from lmbatch.engine.build import gpus
     from lmbatch.engine.parallel import ParallelEngine
-    from lmbatch.model.config import ModelConfig
+    from lmbatch.model.checkpoint import model_config
 
     with clock("workers"):
-        return ParallelEngine(spec, ModelConfig.from_dir(spec.model_dir),
+        return ParallelEngine(spec, model_config(spec.model_dir),
                               gpus(spec.workers * spec.ranks) if spec.device == "cuda" and not spec.ray_address
                               else None)

@@ -1,7 +1,8 @@
-"""What a user watches while the model works: prompt tokens computed of those planned so far (each
-wave's plan adds its unique tokens), their rate, the hit rate and tokens decoded, so progress is told
-from a hang.
-Fed by the engine's per-request callback."""
+"""What a user watches while the model works: the tokens of model work done of those planned so far, prompt
+tokens computed and tokens decoded (each wave's plan adds its unique prompt tokens and its generations' most
+tokens, a generation that ends early gives back what it did not use), their rate, the hit rate and tokens
+decoded, so progress is told from a hang. Fed by the engine's callback: as each request is done and, while
+generations run, between decode steps."""
 from __future__ import annotations
 
 import time
@@ -11,16 +12,16 @@ REDRAW_S = 0.1
 
 
 class TokenProgress:
-    """The engine's progress callback (`progress(i, stats)`: a request needs nothing more; `stats` are
-    its run's counts so far). A run of several waves (multi-stage programs) is several engine runs,
-    each with counts of its own: a new one starts when other counts arrive."""
+    """The engine's progress callback (`progress(i, stats)`: a request needs nothing more, or, i = -1, a decode
+    step's tokens; `stats` are its run's counts so far). A run of several waves (multi-stage programs) is
+    several engine runs, each with counts of its own: a new one starts when other counts arrive."""
 
     def __init__(self, desc: str = "execute", disable: bool = False):
         from tqdm import tqdm
 
         self.bar = tqdm(total=0, unit="tok", unit_scale=True, desc=desc, dynamic_ncols=True, disable=disable)
         self.computed = self.cached = self.decoded = 0      # of the engine runs done
-        self.n = 0                                          # computed so far
+        self.n = 0                                          # prompt tokens computed and tokens decoded so far
         self._run: Any = None                               # the counts of the engine run under way
         self._redraw = 0.0
 
@@ -29,13 +30,15 @@ class TokenProgress:
         if stats is not self._run:
             self._fold()
             self._run = stats
-        done = self.n = self.computed + stats.computed_tokens
-        self.bar.total = self.computed + max(stats.unique_tokens, stats.computed_tokens)
+        decoded = stats.decode_tokens + stats.decoding_tokens
+        done = self.n = self.computed + self.decoded + stats.computed_tokens + decoded
+        self.bar.total = (self.computed + self.decoded + max(stats.unique_tokens, stats.computed_tokens)
+                          + max(stats.decode_budget, decoded))
         now = time.monotonic()
         if now < self._redraw:
             return
         self._redraw = now + REDRAW_S
-        self._postfix(self.cached + stats.cached_tokens, done, self.decoded + stats.decode_tokens)
+        self._postfix(self.cached + stats.cached_tokens, self.computed + stats.computed_tokens, self.decoded + decoded)
         self.bar.update(done - self.bar.n)
 
     def _postfix(self, cached: int, computed: int, decoded: int) -> None:
@@ -44,16 +47,17 @@ class TokenProgress:
 
     def _fold(self) -> None:
         """An engine run ended: its counts join the totals (it computed less than its plan's unique
-        tokens where an earlier wave had cached a prefix)."""
+        tokens where an earlier wave had cached a prefix, and decoded less than its most tokens where
+        generations ended early)."""
         s, self._run = self._run, None
         if s is None:
             return
         self.computed += s.computed_tokens
         self.cached += s.cached_tokens
         self.decoded += s.decode_tokens
-        self.n = self.bar.total = self.computed
+        self.n = self.bar.total = self.computed + self.decoded
         self._postfix(self.cached, self.computed, self.decoded)     # a run's last counts, drawn or not yet
-        self.bar.update(self.computed - self.bar.n)
+        self.bar.update(self.n - self.bar.n)
 
     def close(self) -> None:
         self._fold()

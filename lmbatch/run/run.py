@@ -134,18 +134,11 @@ def model_work(w: Workload, prep: Preparation) -> float | None:
 def open_model(o: RunOptions) -> ModelFiles:
     """The model folder (the embedded model converted on first use), its tokenizer and its shape, checked."""
     from lmbatch.frontend.tokenize import TextEncoder
-    from lmbatch.model.checkpoint import resolve_model
-    from lmbatch.model.config import ModelConfig
+    from lmbatch.model.checkpoint import model_config, resolve_model
 
     model_dir = resolve_model(o.engine.model)
     encoder = TextEncoder.for_model(model_dir)
-    try:
-        shape = ModelConfig.from_dir(model_dir)
-    except ValueError as e:     # a supported model_type with a variant we do not run (e.g. its RoPE)
-        raise UserError(f"model at {model_dir}: {first_line(e)}") from None
-    except AttributeError as e:  # no attention shape (e.g. a state-space model)
-        raise UserError(f"model at {model_dir} has no attention shape lmbatch's KV cache can hold ({e}): "
-                        "lmbatch runs decoder-only attention models") from None
+    shape = model_config(model_dir)
     if o.engine.tensor_parallel != "auto" and int(o.engine.tensor_parallel) > 1:
         from lmbatch.model.tensor_parallel import shard_config
         try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import subprocess
 from collections import defaultdict
 from pathlib import Path
@@ -22,6 +23,7 @@ from lmbatch.rundir.records import (
     Stage,
     Summary,
     Throughput,
+    Threads,
     Tokens,
     WorkerLoad,
 )
@@ -101,6 +103,19 @@ def _data_parallel(loaded: Loaded, stats: RunStats) -> DataParallel:
                         workers_load=[WorkerLoad.from_json(w) for w in load] if load else ABSENT)
 
 
+def _threads(loaded: Loaded) -> Threads | None:
+    """A CPU engine's torch threads (engine/threads.py): given (--threads) or not, the most a batch may take,
+    the policy, OpenMP's wait policy and how many forward batches ran on how many threads; a data-parallel
+    run's workers keep theirs (given and wait policy only). None on CUDA."""
+    if loaded.spec.device != "cpu":
+        return None
+    runner = getattr(loaded.engine, "model_runner", None)
+    threads = getattr(runner, "threads", None)
+    if threads is not None:
+        return Threads.from_json(threads.describe())
+    return Threads(given=loaded.spec.options.threads, wait_policy=os.environ.get("OMP_WAIT_POLICY", "unset"))
+
+
 def _by_subject(ok: list[InstanceRow]) -> dict[str, list[float]]:
     """MMLU's acc by subject, of the instances scored."""
     by_subject = defaultdict(list)
@@ -160,6 +175,7 @@ def build(o: RunOptions, w: Workload, loaded: Loaded, merged: Merged, interp: In
         quantization=quantization(spec, engine.cfg.runtime),
         attention=Attention(loaded.attention.name, loaded.attention.why), workload=facts.workload,
         max_tokens_per_batch=spec.options.max_tokens_per_batch, kv_cache_tokens=spec.options.kv_cache_tokens,
+        threads=_threads(loaded),
         options={k: (str(v) if isinstance(v, Path) else v) for k, v in o.flat().items()},
         counts=_counts(rows, interp, len(record.attempts)),
         accuracy=_mean(primary), accuracy_stderr=mean_stderr(primary),
@@ -237,15 +253,17 @@ def closing_line(summary: Summary) -> str:
             + _scores(summary)
             + f"  hit rate {summary.hit_rate:.4f} (optimum {summary.optimal_hit_rate:.4f})  wall "
             f"{t['total']:.1f}s ({largest(t)}" + (f"; model side {side}" if side else "") + ")"
-            + _workers(summary.data_parallel) + f"  {runtime}"
+            + _workers(summary.data_parallel, summary.device) + f"  {runtime}"
             + "".join(f"  WARNING: {w}" for w in summary.warnings or []))
 
 
-def _workers(dp: DataParallel | None) -> str:
-    """'  4 workers busy 96-99% of execute': how evenly the work fell (nothing for one engine)."""
+def _workers(dp: DataParallel | None, device: str) -> str:
+    """'  4 workers busy 96-99%': how evenly the work fell (nothing for one engine); a worker's tensor-parallel
+    ranks are GPUs on CUDA, processes sharing the CPU on the CPU."""
     load = [] if dp is None or dp.workers_load is ABSENT else dp.workers_load
     if dp is None or not load:
         return ""
     busy = [w.busy_s / (w.busy_s + w.idle_s) if w.busy_s + w.idle_s > 0 else 0.0 for w in load]
-    tp = f" x {dp.tensor_parallel} GPUs" if (dp.tensor_parallel or 1) > 1 else ""
-    return f"  {len(load)} workers{tp} busy {min(busy):.0%}-{max(busy):.0%}"
+    t = dp.tensor_parallel or 1
+    tp = "" if t <= 1 else f" x {t} GPUs" if device.startswith("cuda") else f" x {t} CPU processes"
+    return f"  {len(load)} worker{'s' if len(load) > 1 else ''}{tp} busy {min(busy):.0%}-{max(busy):.0%}"

@@ -320,6 +320,18 @@ class DataParallel(Record):
 
 
 @dataclass(kw_only=True)
+class Threads(Record):
+    """A CPU engine's torch threads (lmbatch/engine/threads.py): the count given (--threads) or None, the most a
+    batch may take, the policy, OpenMP's wait policy and how many forward batches ran on how many threads (a
+    data-parallel run's summary has the first and the wait policy only: its workers keep theirs)."""
+    given: int | None = None
+    most: int | Absent = ABSENT
+    policy: str | Absent = ABSENT
+    wait_policy: str | None = None
+    batches_by_threads: dict[str, int] | Absent = ABSENT
+
+
+@dataclass(kw_only=True)
 class Summary(Record):
     """summary.json (docs/outputs.md: what each field means), in the order it is written."""
     run_id: str
@@ -338,6 +350,7 @@ class Summary(Record):
     workload: str | None = None
     max_tokens_per_batch: int | None = None
     kv_cache_tokens: int | None = None
+    threads: Threads | None = None               # CPU runs only (null on CUDA)
     options: dict[str, Any] | None = None        # every option by name (options.RunOptions.flat)
     counts: Counts
     accuracy: float | None

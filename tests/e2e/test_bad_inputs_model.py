@@ -328,6 +328,21 @@ FAMILY_CASES = {   # (family, config changes, the line after "model at DIR: conf
                          "model.layers.0.self_attn.q_proj.weight"),
     "qwen2-layers": ("qwen2", {"num_hidden_layers": 1, "layer_types": None},
                      "num_hidden_layers is 1 but model.safetensors holds 2 layers (model.layers.0 to model.layers.1)"),
+    "gpt-oss-experts": ("gpt_oss", {"num_local_experts": 8},
+                        "num_local_experts is 8 but model.safetensors has 4 rows (experts) in "
+                        "model.layers.0.mlp.router.weight"),
+    "deepseek-v3-kv-lora-rank": ("deepseek_v3", {"kv_lora_rank": 16},
+                                 "kv_lora_rank + qk_rope_head_dim is 16 + 8 = 24 but model.safetensors has 40 rows in "
+                                 "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"),
+    "deepseek-v3-v-head-dim": ("deepseek_v3", {"v_head_dim": 16},
+                               "num_attention_heads x (qk_nope_head_dim + v_head_dim) is 4 x (16 + 16) = 128 but "
+                               "model.safetensors has 112 rows in model.layers.0.self_attn.kv_b_proj.weight"),
+    "glm4-moe-shared-experts": ("glm4_moe", {"n_shared_experts": 2},
+                                "n_shared_experts x moe_intermediate_size is 64 but model.safetensors has 32 rows in "
+                                "model.layers.1.mlp.shared_experts.gate_proj.weight"),
+    "glm4-moe-experts": ("glm4_moe", {"n_routed_experts": 4},
+                         "n_routed_experts is 4 but model.safetensors has 8 rows (experts) in "
+                         "model.layers.1.mlp.gate.weight"),
 }
 
 
@@ -394,6 +409,25 @@ def test_every_tiny_family_passes_the_shape_check(families, kind):
     assert len(tensors) > 10 and where == "model.safetensors"
     assert shape_problem(ModelConfig.from_json(raw), raw, tensors, where) is None
     assert resolve_model(str(folder)) == folder.resolve()
+
+
+def test_multi_token_prediction_layers_are_skipped(families, tmp_path):
+    """GLM-4.5's and DeepSeek-V3's checkpoints store their multi-token-prediction layers after the decoder's
+    (layers num_hidden_layers on, as many as num_nextn_predict_layers): they pass the checks and are not
+    loaded, as transformers skips them; a layer past those is still one the config does not have."""
+    from lmbatch.engine import Engine
+    from lmbatch.requests import ScoreRequest
+
+    model = tmp_path / "model"
+    shutil.copytree(families / "glm4_moe", model)
+    reqs = [ScoreRequest([1, 5, 9, 4], [7, 3])]
+    want = Engine.from_pretrained(model).score(reqs)[0][0].logprob
+    _extra_tensor("model.layers.3.eh_proj.weight")(model)         # 3 layers and 1 MTP layer
+    assert resolve_model(str(model)) == model.resolve()
+    assert Engine.from_pretrained(model).score(reqs)[0][0].logprob == want
+    _extra_tensor("model.layers.4.eh_proj.weight")(model)
+    with pytest.raises(UserError, match="num_hidden_layers is 3 but model.safetensors holds 5 layers"):
+        resolve_model(str(model))
 
 
 @pytest.mark.parametrize("kind", list(TINY_CONFIGS))
@@ -479,6 +513,7 @@ BAD_MODEL_ARGS = {   # --model_args beside pretrained=: the one line after "erro
     "max_length=abc": "--model_args max_length=abc: use a whole number, at least 1",
     "max_length=0": "--model_args max_length=0: use a whole number, at least 1",
     "kv_cache_tokens=-5": "--model_args kv_cache_tokens=-5: use a whole number, at least 1",
+    "threads=0": "--model_args threads=0: use a whole number, at least 1",
     "max_tokens_per_batch=1.5": "--model_args max_tokens_per_batch=1.5: use a whole number, at least 1",
     "tensor_parallel=0": "--model_args tensor_parallel=0: use a number of devices (at least 1) or auto",
     "data_parallel=many": "--model_args data_parallel=many: use a number of workers (at least 1) or auto",
@@ -555,7 +590,7 @@ def test_lm_eval_hub_task_while_offline_is_one_line(good, task_dir, tmp_path, mo
                     "--tasks", "hellaswag_offline,arc_easy")
     assert line == ("error: --tasks arc_easy: lm-eval task arc_easy reads allenai/ai2_arc from the Hugging Face Hub, "
                     "which is not in the local cache, and HF_HUB_OFFLINE is set: run it once online, or use tasks over "
-                    "local files (lmbatch.lm_eval.backend.write_offline_tasks writes mmlu_offline, hellaswag_offline "
+                    "local files (lmbatch lm-eval-tasks DIR writes mmlu_offline, hellaswag_offline "
                     "and gsm8k_offline for --include_path)")
     assert not (tmp_path / "out").exists()
     from lmbatch.lm_eval.backend import _in_local_cache

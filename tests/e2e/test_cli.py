@@ -106,6 +106,7 @@ def test_existing_output_dir_needs_overwrite(tiny, tmp_path):
 def test_bad_option_values(tmp_path):
     _error(lmbatch("run", "mmlu", "--schedule", "lifo", "--out", tmp_path), "--schedule lifo")
     _error(lmbatch("run", "mmlu", "--dtype", "int4", "--out", tmp_path), "--dtype int4")
+    _error(lmbatch("run", "mmlu", "--threads", 0, "--out", tmp_path), "--threads 0: use a number of threads")
     _error(lmbatch("run", "mmlu", "--subjects", "astrology", "--out", tmp_path), "astrology")
 
 
@@ -261,6 +262,14 @@ def test_summary_times_every_phase_and_names_the_device(tiny, tmp_path):
     assert sum(v for k, v in t.items() if k in MAIN_LINE) <= t["total"] + 1e-6     # the model's side overlaps them
     assert s["device"] == "cpu" and s["options"]["device"] == "auto"      # no GPU in CI
     assert s["max_tokens_per_batch"] == 4096
+    threads = s["threads"]          # issue 57: the CPU thread policy and what it did, every forward batch counted
+    assert threads["given"] is None and threads["policy"].startswith("the cores other processes leave free")
+    assert threads["wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")      # a user's own setting wins
+    assert sum(threads["batches_by_threads"].values()) == s["forward_batches"]
+    assert lmbatch(*run_args(tiny, tmp_path, "one", "--threads", 1)).exit_code == 0
+    s = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert s["options"]["threads"] == 1 and s["threads"]["given"] == 1
+    assert s["threads"]["batches_by_threads"] == {"1": s["forward_batches"]}
 
 
 def test_device_and_dtype_combinations_that_cannot_run(tiny, tmp_path):
@@ -286,6 +295,47 @@ def test_lm_eval_without_lm_eval_installed_is_one_line(monkeypatch):
     res = CliRunner().invoke(app, ["lm-eval", "--tasks", "hellaswag"])
     assert res.exit_code == 2
     assert res.output.strip().count("\n") == 0 and "pip install -e '.[lm-eval]'" in res.output
+
+
+def test_lm_eval_tasks_writes_the_offline_task_files(tmp_path):
+    """Issue 57: `lmbatch lm-eval-tasks DIR` writes the files `write_offline_tasks` writes (the same bytes), each
+    including a file of lm-eval's and reading files that exist; the function is importable from the package
+    (lazily: importing the package loads none of its modules) and from backend, its old home."""
+    import importlib
+
+    from lmbatch.lm_eval import write_offline_tasks as package_level
+    from lmbatch.lm_eval.backend import write_offline_tasks as old_home
+    from lmbatch.lm_eval.offline import TASKS, write_offline_tasks
+
+    assert package_level is old_home is write_offline_tasks
+    with pytest.raises(AttributeError):
+        importlib.import_module("lmbatch.lm_eval").no_such_name  # noqa: B018
+    r = lmbatch("lm-eval-tasks", tmp_path / "cli" / "tasks")
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith(f"wrote {', '.join(TASKS)} ")
+    assert f"--include_path {tmp_path / 'cli' / 'tasks'}" in r.output
+    assert write_offline_tasks(tmp_path / "py") == list(TASKS)
+    cli = {p.name: p.read_bytes() for p in (tmp_path / "cli" / "tasks").iterdir()}
+    assert cli == {p.name: p.read_bytes() for p in (tmp_path / "py").iterdir()}
+    assert len(cli) == len(TASKS) + 57 and {f"{t}.yaml" for t in TASKS} <= set(cli)
+    for text in cli.values():
+        spec = json.loads(text)
+        assert "include" not in spec or os.path.isfile(spec["include"])
+        files = spec.get("dataset_kwargs", {}).get("data_files", {}).values()
+        assert all(os.path.isfile(f) for f in files) and ("include" not in spec or files)
+
+
+def test_lm_eval_tasks_bad_places_and_no_lm_eval_are_one_line(tmp_path, monkeypatch):
+    import sys
+
+    (tmp_path / "f").write_text("keep me")
+    _error(lmbatch("lm-eval-tasks", tmp_path / "f"), "is a file")
+    _error(lmbatch("lm-eval-tasks", tmp_path / "f" / "sub"), "cannot write the task files into")
+    _error(lmbatch("lm-eval-tasks", ""), "name a folder")
+    assert (tmp_path / "f").read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    _error(lmbatch("lm-eval-tasks", tmp_path / "t"), "lm-eval is not installed", "pip install -e '.[lm-eval]'")
+    assert not (tmp_path / "t").exists()
 
 
 def _out_is_a_file(tmp_path):
@@ -360,16 +410,18 @@ def test_token_progress_over_waves():
     from lmbatch.run.progress import TokenProgress
 
     p = TokenProgress(disable=True)
-    first = NS(computed_tokens=40, cached_tokens=0, unique_tokens=100, decode_tokens=0)    # a wave's counts
+    first = NS(computed_tokens=40, cached_tokens=0, unique_tokens=100, decode_tokens=0, decoding_tokens=0,
+               decode_budget=0)    # a wave's counts (no generation)
     p(0, first)
     assert (p.n, p.bar.total) == (40, 100)
     first.computed_tokens, first.cached_tokens = 90, 10
     p(1, first)
-    p(0, NS(computed_tokens=5, cached_tokens=30, unique_tokens=20, decode_tokens=7))    # the next wave's
+    p(0, NS(computed_tokens=5, cached_tokens=30, unique_tokens=20, decode_tokens=7, decoding_tokens=0,
+            decode_budget=7))    # the next wave's: a generation of 7 tokens, ended
     assert p.computed == 90                      # a prefix cached by an earlier wave: less to compute
-    assert (p.n, p.bar.total) == (95, 110)
+    assert (p.n, p.bar.total) == (90 + 5 + 7, 90 + 20 + 7)
     p.close()
-    assert (p.n, p.bar.total) == (95, 95)
+    assert (p.n, p.bar.total) == (102, 102)
 
 
 def test_a_small_runs_bar_ends_at_its_hit_rate(capsys):
@@ -380,7 +432,8 @@ def test_a_small_runs_bar_ends_at_its_hit_rate(capsys):
     from lmbatch.run.progress import TokenProgress
 
     p = TokenProgress()
-    stats = NS(computed_tokens=10, cached_tokens=0, unique_tokens=40, decode_tokens=0)
+    stats = NS(computed_tokens=10, cached_tokens=0, unique_tokens=40, decode_tokens=0, decoding_tokens=0,
+               decode_budget=8)
     p(0, stats)                                             # drawn: nothing cached yet
     stats.computed_tokens, stats.cached_tokens, stats.decode_tokens = 40, 60, 3     # within REDRAW_S
     p(5, stats)
@@ -470,6 +523,23 @@ def test_report_of_an_incomplete_run_says_how_to_resume(tmp_path):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "INCOMPLETE").write_text("")
     _error(lmbatch("report", tmp_path / "x"), "incomplete run", "resume")
+
+
+def test_version_prints_the_installed_version():
+    """Issue 57: `lmbatch --version` prints the package's version (the installed distribution's) and exits 0,
+    before any command runs; the console script does the same."""
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    import lmbatch as package
+
+    r = lmbatch("--version")
+    assert r.exit_code == 0 and r.output == f"lmbatch {version('lmbatch')}\n" == f"lmbatch {package.__version__}\n"
+    assert lmbatch("--version", "run", "mmlux").output == r.output          # eager: no command is looked at
+    p = subprocess.run([sys.executable, "-c", "from lmbatch.cli import main; main()", "--version"],
+                       capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stdout, p.stderr) == (0, r.output, "")
 
 
 def test_h_is_help_for_every_command_and_lm_eval_keeps_its_own():

@@ -42,6 +42,99 @@ def make_tiny(kind: str, path, seed: int = 0):
     return model
 
 
+def _run(model, out, *extra):
+    return CliRunner().invoke(app, ["run", "hellaswag", "--shots", str(SHOTS), "--limit", str(LIMIT), "--model",
+                                    str(model), "--device", "cpu", "--out", str(out), "--run-id", "r", *extra])
+
+
+def _parity(hf, model, out):
+    """The run's scores against transformers' own, with lm-eval's context/continuation split."""
+    ours = pq.read_table(out / "r" / "instances.parquet").column("logprobs").to_pylist()
+    tok = AutoTokenizer.from_pretrained(str(model))
+    insts = hellaswag.WORKLOAD.instances(LoadArgs(tok, shots=SHOTS, limit=LIMIT))
+    base = score_pairs(hf, first_selects(hellaswag.program, insts, tok))
+    assert [len(o) for o in ours] == [len(b) for b in base.logprobs]
+    worst = max(abs(a - b) for o, lps in zip(ours, base.logprobs) for a, b in zip(o, lps))
+    assert worst < 1e-4, worst
+
+
+def _notice(res) -> str:
+    lines = [ln for ln in res.stderr.splitlines() if "transformers fallback (slower" in ln]
+    assert len(lines) == 1, res.stderr
+    return lines[0]
+
+
+# issue 58: a native model_type's checkpoint with what lmbatch's network lacks runs on the fallback, saying why
+NOT_NATIVE = {
+    # a tensor transformers' Llama has (mlp_bias) and lmbatch's network has no place for
+    "llama-mlp-bias": ({"mlp_bias": True}, ".mlp.down_proj.bias, which transformers' llama model of this "
+                                            "config.json has and lmbatch's network has no place for"),
+    # a feature: a RoPE lmbatch does not compute
+    "llama-dynamic-rope": ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+                           "rope type 'dynamic' is not supported (default, linear, llama3, yarn)"),
+    # weights lmbatch's network does not read
+    "llama-pickles": ({}, "its weights are PyTorch pickles (pytorch_model*.bin), which lmbatch's network does not "
+                          "read"),
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_NATIVE))
+def test_what_the_network_lacks_runs_on_the_fallback_saying_why(case, tmp_path):
+    from conftest import make_tiny_hf
+
+    changes, why = NOT_NATIVE[case]
+    model, out = tmp_path / "model", tmp_path / "out"
+    hf = make_tiny_hf("llama", model, vocab_size=len(make_small_tokenizer(model)), max_position_embeddings=2048,
+                      **SPECIAL, **changes)
+    if case == "llama-pickles":
+        torch.save(hf.state_dict(), model / "pytorch_model.bin")
+        (model / "model.safetensors").unlink()
+    res = _run(model, out)
+    assert res.exit_code == 0, res.output
+    notice = _notice(res)
+    assert notice.startswith(f"lmbatch: model at {model} runs on the transformers fallback (slower; no decode "
+                             "graphs or tensor parallelism): ") and notice.endswith(why), notice
+    summary = json.loads((out / "r" / "summary.json").read_text())
+    assert (summary["model_runtime"], summary["model_type"]) == ("transformers", "llama")
+    _parity(hf, model, out)
+
+
+def test_latent_attention_the_network_cannot_run_is_one_line(tmp_path):
+    """A DeepSeek-V3 checkpoint with a RoPE lmbatch lacks cannot go to the fallback either (its KV pool holds
+    keys and values, not a latent): one line saying both, before any data is loaded."""
+    from conftest import make_tiny_hf
+
+    model, out = tmp_path / "model", tmp_path / "out"
+    make_tiny_hf("deepseek_v3", model, vocab_size=len(make_small_tokenizer(model)),
+                 rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    res = _run(model, out)
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert lines == [f"error: model at {model}: lmbatch's network does not run it (rope type 'dynamic' is not "
+                     "supported (default, linear, llama3, yarn)), and the transformers fallback cannot either: its "
+                     "multi-head latent attention caches a latent per token, not keys and values of (kv heads, "
+                     "head dim), so the fallback's KV pool cannot hold them"], res.stderr
+    assert "Traceback" not in res.output and not (out / "r").exists()
+
+
+def test_a_stray_tensor_is_still_a_broken_checkpoint(tmp_path):
+    """A tensor neither lmbatch's network nor transformers' model has a place for is not a feature to fall back
+    for (transformers would drop it silently): one line naming it."""
+    from conftest import make_tiny_hf
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    make_tiny_hf("llama", model, vocab_size=len(make_small_tokenizer(model)))
+    tensors = load_file(str(model / "model.safetensors"))
+    save_file({**tensors, "model.layers.0.mlp.stray.weight": torch.zeros(4)}, str(model / "model.safetensors"),
+              metadata={"format": "pt"})
+    res = _run(model, tmp_path / "out")
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "holds model.layers.0.mlp.stray.weight, which a llama model of this config.json " \
+        "has no place for" in lines[0], res.stderr
+
+
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_fallback_scores_as_transformers(kind, tmp_path):
     assert kind not in ARCHITECTURES
@@ -52,6 +145,7 @@ def test_fallback_scores_as_transformers(kind, tmp_path):
     assert res.exit_code == 0, res.output
     closing = [ln for ln in res.stderr.splitlines() if ln.strip()][-1]
     assert f"  transformers fallback {kind}  -> " in closing, closing
+    assert _notice(res).endswith(f": model_type {kind!r} is not one lmbatch's network implements")
     summary = json.loads((out / "r" / "summary.json").read_text())
     assert (summary["model_runtime"], summary["model_type"]) == ("transformers", kind)
     assert summary["hit_rate"] > 0.5

@@ -68,6 +68,35 @@ VARIANTS = {
                                "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
     "gemma3-layer-types": {"model_type": "gemma3_text", **SIZES, "head_dim": 16,
                            "layer_types": ["full_attention", "sliding_attention"] * 3},
+    # v4 rope_scaling: the full layers' only; YaRN's attention factor and betas filled in
+    "olmo3-v4-yarn": {"model_type": "olmo3", **SIZES, "sliding_window": 16, "max_position_embeddings": 4096,
+                      "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512}},
+    "smollm3-nope-list-window-off": {"model_type": "smollm3", **SIZES, "no_rope_layers": [1, 0, 1, 1, 0, 1],
+                                     "sliding_window": 16},
+    "smollm3-interval-window": {"model_type": "smollm3", **SIZES, "no_rope_layer_interval": 3,
+                                "use_sliding_window": True, "sliding_window": 16},
+    # gpt-oss-20b's config.json as published (v4 RoPE fields, YaRN without truncation), its sizes shrunk
+    "gpt_oss-hub": {"model_type": "gpt_oss", **SIZES, "num_hidden_layers": 4, "attention_bias": True, "head_dim": 16,
+                    "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 4, "sliding_window": 128,
+                    "experts_per_token": 4, "initial_context_length": 4096, "eos_token_id": 200002,
+                    "layer_types": ["sliding_attention", "full_attention"] * 2, "max_position_embeddings": 131072,
+                    "rope_theta": 150000, "swiglu_limit": 7.0, "rope_scaling": {
+                        "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                        "rope_type": "yarn", "truncate": False}},
+    # DeepSeek-V3's config.json as published (v4 YaRN with mscale, "type" key, MTP layer count), sizes shrunk
+    "deepseek_v3-hub": {"model_type": "deepseek_v3", **SIZES, "num_key_value_heads": 4, "q_lora_rank": 24,
+                        "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                        "n_routed_experts": 16, "n_group": 4, "topk_group": 2, "first_k_dense_replace": 3,
+                        "moe_layer_freq": 1, "num_nextn_predict_layers": 1, "topk_method": "noaux_tc",
+                        "scoring_func": "sigmoid", "max_position_embeddings": 163840, "rope_theta": 10000,
+                        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                         "type": "yarn"}},
+    "deepseek_v3-no-q-lora": {"model_type": "deepseek_v3", **SIZES, "q_lora_rank": None, "kv_lora_rank": 32,
+                              "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_group": 1,
+                              "topk_group": 1, "n_routed_experts": 8, "rope_interleave": False},
+    "olmo3-layer-types": {"model_type": "olmo3", **SIZES, "layer_types": ["full_attention", "sliding_attention"] * 3,
+                          "rope_theta": 10000.0},
 }
 
 

@@ -45,6 +45,31 @@ def test_fixed_attention_of_a_query_does_not_depend_on_the_cut(softcap, window):
         assert torch.equal(attend_fixed(q[end - n:end], k[:end], v[:end], 0.125, softcap, window), full[end - n:end])
 
 
+@pytest.mark.parametrize("window", [None, 50])
+def test_fixed_attention_with_sinks(window):
+    """gpt-oss's attention sinks in deterministic mode: the same bits however the sequence is cut, and
+    transformers' eager attention (the sink one more softmax column, dropped) to float32 rounding."""
+    from lmbatch.attention.torch_ref import attend_fixed_sinks
+
+    g = torch.Generator().manual_seed(2)
+    H, KVH, D, L = 8, 2, 32, 300
+    q = torch.randn(L, H, D, generator=g)
+    k, v = torch.randn(L, KVH, D, generator=g), torch.randn(L, KVH, D, generator=g)
+    sinks = 3 * torch.randn(H, generator=g)
+    full = attend_fixed_sinks(q, k, v, 0.125, window, sinks)
+    keys, queries = torch.arange(L)[None, :], torch.arange(L)[:, None]
+    mask = (keys <= queries) & ((keys > queries - window) if window else True)
+    kt, vt = k.repeat_interleave(4, 1).transpose(0, 1), v.repeat_interleave(4, 1).transpose(0, 1)
+    s = (q.transpose(0, 1) @ kt.transpose(1, 2) * 0.125).masked_fill(~mask, float("-inf"))
+    s = torch.cat([s, sinks.view(H, 1, 1).expand(H, L, 1)], -1)
+    ref = (s.softmax(-1)[..., :-1] @ vt).transpose(0, 1)
+    assert (full - ref).abs().max() < 1e-5
+    assert (full - attend_fixed(q, k, v, 0.125, 0.0, window)).abs().max() > 0.1      # the sinks weigh
+    for end, n in [(300, 1), (300, 17), (129, 5)]:
+        assert torch.equal(attend_fixed_sinks(q[end - n:end], k[:end], v[:end], 0.125, window, sinks),
+                           full[end - n:end])
+
+
 @pytest.fixture(scope="module")
 def requests_():
     g = random.Random(0)

@@ -251,6 +251,45 @@ def test_stop_strings_cut_the_text(llama):
     assert res[0].text == text[: text.find(stop)]
 
 
+def test_progress_counts_decoded_tokens_as_they_come(llama, monkeypatch):
+    """Issue 57: a generating run's progress callback hears of its tokens between decode steps (request -1), not
+    only as each generation ends, so a bar moves while samples decode; its decode budget (each generation's
+    most tokens) gives back what a generation that ends early (a stop string) did not use. TokenProgress fed so
+    counts prompt tokens computed and tokens decoded, and ends at their sum."""
+    import lmbatch.engine.state
+    from lmbatch.run.progress import TokenProgress
+
+    monkeypatch.setattr(lmbatch.engine.state, "PROGRESS_S", 0.0)     # every step reports
+    path, _ = llama
+    probe, _ = engine(path, tokenizer=CharTokenizer()).generate(
+        [GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=12, ignore_eos=True))])
+    stop = CharTokenizer().decode(probe[0].token_ids)[4:6]
+    reqs = [GenerateRequest([3, 1, 4, i], SamplingParams(max_new_tokens=n, ignore_eos=True))
+            for i, n in enumerate([30, 8, 8])]
+    reqs.append(GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=12, stop=(stop,), ignore_eos=True)))
+    bar = TokenProgress(disable=True)
+    seen = []
+
+    def progress(i, stats):
+        seen.append((i, stats.decode_tokens + stats.decoding_tokens, stats.decode_budget))
+        bar(i, stats)
+        if i == -1 and not any(k >= 0 for k, _, _ in seen):     # nothing has ended yet: the bar moves anyway
+            assert bar.n == stats.computed_tokens + stats.decoding_tokens > stats.computed_tokens
+            assert bar.bar.total == stats.unique_tokens + 30 + 8 + 8 + 12
+
+    res, stats = engine(path, tokenizer=CharTokenizer(), max_running=2).generate(reqs, schedule="fcfs",
+                                                                                 progress=progress)
+    assert res[3].finish_reason == "stop" and len(res[3].token_ids) < 12
+    first_end = next(k for k, (i, _, _) in enumerate(seen) if i >= 0)
+    assert first_end >= 5 and all(i == -1 for i, _, _ in seen[:first_end])
+    decoded = [d for _, d, _ in seen]
+    assert decoded == sorted(decoded) and decoded[first_end - 1] >= 5       # told as they came, never backwards
+    assert seen[0][2] == 30 + 8 + 8 + 12 and seen[-1][2] == stats.decode_tokens == sum(len(r.token_ids) for r in res)
+    assert stats.decoding_tokens == 0 and decoded[-1] == stats.decode_tokens
+    bar.close()
+    assert bar.n == bar.bar.total == stats.computed_tokens + stats.decode_tokens
+
+
 def test_finished_generations_are_cached_for_later_calls(llama):
     path, _ = llama
     eng = engine(path)

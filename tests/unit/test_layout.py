@@ -181,10 +181,29 @@ def test_few_top_level_modules():
     assert len(top) <= TOP_LEVEL_MODULES, top
 
 
+def _loads_nothing(node: ast.stmt) -> bool:
+    """A statement of a docstring-only package's __init__ beside its docstring that loads none of its modules:
+    `from __future__`/`typing` imports, an `if TYPE_CHECKING:` block, a module `__getattr__` (PEP 562: its lazy
+    imports run when a name is first asked for)."""
+    if isinstance(node, ast.ImportFrom):
+        return node.module in ("__future__", "typing")
+    if isinstance(node, ast.If):
+        return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+    return isinstance(node, ast.FunctionDef) and node.name == "__getattr__"
+
+
 def test_new_packages_init_is_a_docstring():
+    import subprocess
+    import sys
+
     for name in DOCSTRING_ONLY:
         body = ast.parse((SOURCES["lmbatch"] / name / "__init__.py").read_text()).body
-        assert len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant), name
+        assert isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant), name
+        assert all(_loads_nothing(node) for node in body[1:]), name
+    code = (f"import sys, importlib; [importlib.import_module('lmbatch.' + n) for n in {DOCSTRING_ONLY!r}]; "
+            f"print(sorted(m for m in sys.modules if m.count('.') > 1 and m.split('.')[1] in {DOCSTRING_ONLY!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 # functions whose parameters are someone else's convention: lm-eval's model_args; the DSL's gen, whose keywords

@@ -136,6 +136,30 @@ def test_mxfp4_experts_score_as_transformers_mxfp4_decoder(tmp_path):
     assert (lp - theirs(AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32))).abs().max() < TOL
 
 
+def test_gpt_oss_mxfp4_release_scores_as_transformers_dequantized(tmp_path):
+    """gpt-oss as it is released: its experts in MXFP4 (`*_blocks` / `*_scales`, out-major), the rest as is;
+    against transformers' own gpt-oss MXFP4 loader (Mxfp4Config(dequantize=True))."""
+    from conftest import TINY_CONFIGS
+    from transformers import Mxfp4Config
+
+    tensors = _save_random(TINY_CONFIGS["gpt_oss"](), tmp_path / "float", seed=4)
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            # stored [E, in, out] unquantized; the release packs [E, out, in / 32, 16]
+            out[name + "_blocks"], out[name + "_scales"] = mxfp4_pack(t.transpose(1, 2).contiguous())
+        else:
+            out[name] = t
+    assert sum(name.endswith("_blocks") for name in out) == 4         # 2 layers x gate_up, down
+    config = json.loads((tmp_path / "float" / "config.json").read_text())
+    unconverted = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+    _write(tmp_path / "mx", out, config, {"quant_method": "mxfp4", "modules_to_not_convert": unconverted})
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "mx", dtype=torch.float32,
+                                              quantization_config=Mxfp4Config(dequantize=True))
+    _, lp = ours(tmp_path / "mx")
+    assert (lp - theirs(hf)).abs().max() < TOL
+
+
 def test_mxfp4_decoder_matches_transformers_transposed():
     """gpt-oss's layout: the dequantized experts transposed ([E, in, out]) as its unquantized checkpoint stores them."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors

@@ -40,7 +40,8 @@ def _compare(got, want):
 
 @pytest.mark.parametrize("kind,overrides", [("llama", {}), ("llama", {"vocab_size": 127}), ("qwen2", {}),
                                             ("qwen3", {}), ("qwen3_moe", {}), ("mixtral", {}), ("gemma2", {}),
-                                            ("phi3", {})])
+                                            ("phi3", {}), ("olmo3", {}),
+                                            ("glm4_moe", {}), ("gpt_oss", {}), ("deepseek_v3", {})])
 def test_two_ranks_equal_one(kind, overrides, tmp_path):
     make_tiny_hf(kind, tmp_path, **overrides)
     cfg = ModelConfig.from_dir(tmp_path)
@@ -76,9 +77,6 @@ def test_data_parallel_times_tensor_parallel(tmp_path):
 
 
 def test_models_that_do_not_split(tmp_path):
-    make_tiny_hf("olmo2", tmp_path)
-    with pytest.raises(ValueError, match="q/k norm over the whole projection"):
-        shard_config(ModelConfig.from_dir(tmp_path), 2)
     make_tiny_hf("llama", tmp_path / "l")
     with pytest.raises(ValueError, match=r"3 ranks do not divide the model's num_heads \(4\)"):
         shard_config(ModelConfig.from_dir(tmp_path / "l"), 3)
@@ -95,3 +93,15 @@ def test_a_worker_that_fails_is_named(tmp_path):
 
 
 torch.set_num_threads(1)
+
+
+def test_the_closing_line_names_a_ranks_device():
+    """`--tensor-parallel 3 --device cpu` runs three gloo processes on the CPU: the run's closing line says so,
+    never "3 GPUs" (issue 57)."""
+    from lmbatch.run.summary import _workers
+
+    dp = {"tensor_parallel": 3, "workers_load": [{"busy_s": 1.0, "idle_s": 0.0}]}
+    assert _workers(dp, "cpu") == "  1 worker x 3 CPU processes busy 100%-100%"
+    assert _workers(dp, "cuda") == "  1 worker x 3 GPUs busy 100%-100%"
+    two = {"tensor_parallel": 1, "workers_load": [{"busy_s": 1.0, "idle_s": 1.0}, {"busy_s": 3.0, "idle_s": 1.0}]}
+    assert _workers(two, "cuda") == "  2 workers busy 50%-75%"
