@@ -10,7 +10,7 @@ import numpy as np
 from lmbatch.frontend.calls import EngineRequest
 from lmbatch.frontend.dsl import Gen, Pending, Select
 from lmbatch.requests import GenerateResult, RunStats, ScoreResult, TokenCounts, optimal_hit_rate
-from lmbatch.rundir.records import RequestRow
+from lmbatch.rundir.rows import RequestRow
 from lmbatch.scheduler.planner import posthoc_figures, posthoc_unique, sub_lcps, summarize
 
 

@@ -15,7 +15,8 @@ from lmbatch.results.stats import mean, mean_stderr
 from lmbatch.results.task_results import STDERR
 from lmbatch.rundir.codec import RecordError
 from lmbatch.rundir.layout import INSTANCES, MARKER, REQUESTS, SUMMARY
-from lmbatch.rundir.records import ColumnMissing, FileRecord, InstanceScores, Summary, Tokens, read_scores
+from lmbatch.rundir.records import FileRecord, Summary, Tokens
+from lmbatch.rundir.rows import ColumnMissing, InstanceScores, read_scores
 
 
 def run_dir_of(path: Path) -> Path:

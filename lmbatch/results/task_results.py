@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 from lmbatch.requests import TokenCounts, optimal_hit_rate
 from lmbatch.results.stats import mean_stderr
-from lmbatch.rundir.records import InstanceRow, TaskBlock
+from lmbatch.rundir.records import TaskBlock
+from lmbatch.rundir.rows import InstanceRow
 
 if TYPE_CHECKING:
     from lmbatch.frontend.workload import Workload

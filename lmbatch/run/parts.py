@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lmbatch.results.task_results import NAN_ERROR
-from lmbatch.rundir.records import InstanceRow
+from lmbatch.rundir.rows import InstanceRow
 
 if TYPE_CHECKING:
     from lmbatch.frontend.runs import ProgramRun

@@ -18,15 +18,15 @@ from lmbatch.rundir.records import (
     Attention,
     Counts,
     DataParallel,
-    InstanceRow,
     RunRecord,
     Stage,
     Summary,
-    Throughput,
     Threads,
+    Throughput,
     Tokens,
     WorkerLoad,
 )
+from lmbatch.rundir.rows import InstanceRow
 from lmbatch.timing import largest
 
 if TYPE_CHECKING:

@@ -15,7 +15,8 @@ from lmbatch.errors import UserError, first_line
 from lmbatch.rundir.codec import RecordError
 from lmbatch.rundir.layout import PART_KINDS, PARTS, RUN_JSON, SUMMARY, part_file, part_files, temporaries
 from lmbatch.rundir.place import Claim, clean_up, refuse_foreign
-from lmbatch.rundir.records import FileRecord, PartRecord, RunRecord, numbered, sha256
+from lmbatch.rundir.records import FileRecord, PartRecord, RunRecord, sha256
+from lmbatch.rundir.rows import numbered
 
 
 @dataclass

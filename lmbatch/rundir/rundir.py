@@ -32,14 +32,11 @@ from lmbatch.rundir.layout import (
     part_name,
 )
 from lmbatch.rundir.place import Claim, RunLock, clean_up, clear, found, move_aside
-from lmbatch.rundir.records import (
-    Attempt,
-    FileRecord,
+from lmbatch.rundir.records import Attempt, FileRecord, PartRecord, RunRecord, Summary
+from lmbatch.rundir.resume import Kept
+from lmbatch.rundir.rows import (
     InstanceRow,
-    PartRecord,
     RequestRow,
-    RunRecord,
-    Summary,
     in_order,
     instance_rows,
     instance_schema,
@@ -47,7 +44,6 @@ from lmbatch.rundir.records import (
     table,
     unnumbered,
 )
-from lmbatch.rundir.resume import Kept
 
 # a hook for tests: called with the name of each file operation of a part and of the final write,
 # before it (a test raises there to leave the directory as a kill at that moment would)

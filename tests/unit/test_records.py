@@ -1,4 +1,4 @@
-"""The run directory's files as typed records (lmbatch/rundir/records.py, issue 59): docs/outputs.md describes
+"""The run directory's files as typed records (lmbatch/rundir/records.py, rows.py; issue 59): docs/outputs.md describes
 exactly the records, the derived Arrow schemas are those lmbatch always wrote, summaries round-trip byte for byte,
 and a file of another shape is one line naming its field."""
 from __future__ import annotations
@@ -13,17 +13,8 @@ import pyarrow as pa
 import pytest
 
 from lmbatch.rundir.codec import ABSENT, Record, RecordError
-from lmbatch.rundir.records import (
-    Attempt,
-    InstanceRow,
-    RequestRow,
-    RunRecord,
-    Summary,
-    instance_rows,
-    instance_schema,
-    request_schema,
-    table,
-)
+from lmbatch.rundir.records import Attempt, RunRecord, Summary
+from lmbatch.rundir.rows import InstanceRow, RequestRow, instance_rows, instance_schema, request_schema, table
 
 OUTPUTS = Path(__file__).resolve().parents[2] / "docs" / "outputs.md"
 

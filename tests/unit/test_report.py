@@ -213,7 +213,7 @@ def instances_table(task: str, scores: dict, errors: dict | None = None):
     (errors: id -> message; such an instance has no metrics)."""
     import pyarrow as pa
 
-    from lmbatch.rundir.records import instance_schema
+    from lmbatch.rundir.rows import instance_schema
 
     errors = errors or {}
     ids = list(dict.fromkeys([*scores, *errors]))
@@ -838,7 +838,7 @@ def test_the_tasks_block_names_a_primary_metric_its_instances_carry():
     and every one of their metrics is compared; a declared primary metric (acc, an OLMES config's) stays."""
     from lmbatch.frontend.workload import Workload
     from lmbatch.results.task_results import accuracy, tasks_block
-    from lmbatch.rundir.records import InstanceRow
+    from lmbatch.rundir.rows import InstanceRow
 
     def row(error: str | None, metrics: dict) -> InstanceRow:
         return InstanceRow(task="qa", subject="", id="i", prediction=None, gold=None, correct=None, logprobs=[],
