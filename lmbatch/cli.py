@@ -276,11 +276,11 @@ def lm_eval(ctx: typer.Context) -> None:
     start_early(list(ctx.args))     # the model loads while lm-eval imports and builds its tasks
     try:
         try:
-            from lmbatch.lm_eval import backend
+            from lmbatch.lm_eval import command
         except ImportError as e:
             _fail(UserError(f"lm-eval is not installed ({e.name}): pip install -e '.[lm-eval]' (lm-eval==0.4.13)"))
         try:
-            code = backend.main(list(ctx.args))
+            code = command.main(list(ctx.args))
         except UserError as e:
             _fail(e)
         except WorkerFailed as e:

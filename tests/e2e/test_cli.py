@@ -290,8 +290,9 @@ def test_lm_eval_without_lm_eval_installed_is_one_line(monkeypatch):
 
     for name in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")] + ["lm_eval"]:
         monkeypatch.setitem(sys.modules, name, None)             # import lm_eval... -> ImportError
-    monkeypatch.delitem(sys.modules, "lmbatch.lm_eval.backend", raising=False)
-    monkeypatch.delattr(lmbatch.lm_eval, "backend", raising=False)   # as if never imported
+    for module in ("backend", "command"):
+        monkeypatch.delitem(sys.modules, f"lmbatch.lm_eval.{module}", raising=False)
+        monkeypatch.delattr(lmbatch.lm_eval, module, raising=False)   # as if never imported
     res = CliRunner().invoke(app, ["lm-eval", "--tasks", "hellaswag"])
     assert res.exit_code == 2
     assert res.output.strip().count("\n") == 0 and "pip install -e '.[lm-eval]'" in res.output

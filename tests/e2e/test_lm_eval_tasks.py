@@ -104,7 +104,7 @@ def test_cached_templates_give_lm_evals_prompts(task_dir, monkeypatch):
     from lm_eval import utils
     from lm_eval.tasks import TaskManager
 
-    from lmbatch.lm_eval.backend import cache_templates
+    from lmbatch.lm_eval.patches import cache_templates
 
     def requests() -> list:
         tasks = TaskManager(include_path=str(task_dir), include_defaults=False).load(
