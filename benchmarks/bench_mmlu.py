@@ -53,7 +53,7 @@ def main() -> None:
 
     from lmbatch.engine import Engine
     from lmbatch.frontend.workload import LoadArgs
-    from lmbatch.model.checkpoint import embedded_model_dir
+    from lmbatch.model.embedded import embedded_model_dir
     from lmbatch.programs import mmlu
     from lmbatch.requests import ScoreRequest
 

@@ -42,8 +42,8 @@ def main() -> None:
 
     from lmbatch.engine.options import EngineOptions, EngineSpec
     from lmbatch.frontend.workload import LoadArgs
-    from lmbatch.model.checkpoint import embedded_model_dir
     from lmbatch.model.config import ModelConfig
+    from lmbatch.model.embedded import embedded_model_dir
     from lmbatch.programs import mmlu
     from lmbatch.requests import ScoreRequest
     from lmbatch.run.loading import make_engine

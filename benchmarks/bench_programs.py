@@ -209,7 +209,7 @@ def main() -> None:
     from lmbatch.frontend.calls import CallOptions
     from lmbatch.frontend.interpreter import Interpreter
     from lmbatch.frontend.workload import LoadArgs
-    from lmbatch.model.checkpoint import embedded_model_dir
+    from lmbatch.model.embedded import embedded_model_dir
     from lmbatch.programs.registry import get_workload
 
     dev = torch.device(args.device)

@@ -17,7 +17,7 @@ from lmbatch.frontend.calls import CallOptions
 from lmbatch.frontend.interpreter import Interpreter
 from lmbatch.frontend.tokenize import TextEncoder
 from lmbatch.frontend.workload import LoadArgs
-from lmbatch.model.checkpoint import embedded_model_dir
+from lmbatch.model.embedded import embedded_model_dir
 from lmbatch.programs.registry import get_workload
 from lmbatch.requests import ScoreRequest
 

@@ -24,7 +24,8 @@ from typer.testing import CliRunner
 
 from lmbatch.cli import app
 from lmbatch.errors import UserError
-from lmbatch.model.checkpoint import embedded_model_dir, resolve_model
+from lmbatch.model.checkpoint import resolve_model
+from lmbatch.model.embedded import embedded_model_dir
 
 # the task: one instance, whose loading leaves a mark next to the program file
 PROGRAM = '''from pathlib import Path

@@ -6,7 +6,7 @@ from transformers import AutoTokenizer
 
 from lmbatch.engine import Engine
 from lmbatch.frontend.workload import LoadArgs
-from lmbatch.model.checkpoint import embedded_model_dir
+from lmbatch.model.embedded import embedded_model_dir
 from lmbatch.programs import mmlu
 from lmbatch.requests import ScoreRequest
 

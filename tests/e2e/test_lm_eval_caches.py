@@ -16,7 +16,7 @@ from lmbatch.lm_eval.backend import LMBatch, write_offline_tasks
 from lmbatch.lm_eval.index import index_built_once
 from lmbatch.lm_eval.patches import _local_arrow
 from lmbatch.lm_eval.tokens import PairTokenizer
-from lmbatch.model.checkpoint import embedded_model_dir
+from lmbatch.model.embedded import embedded_model_dir
 
 STEM = ("The museum by the river opened in the north of the city. Its tower was the tallest landmark, and "
         "many people came to the park beside it because")

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from lmbatch.cli import app
 from lmbatch.lm_eval.backend import INSTANCES, LMBatch, write_offline_tasks
-from lmbatch.model.checkpoint import embedded_model_dir
+from lmbatch.model.embedded import embedded_model_dir
 
 LIMITS = {"mmlu_offline_anatomy": 4, "hellaswag_offline": 6, "gsm8k_offline": 5}
 GSM8K = {"num_fewshot": 5, "gen_kwargs": {"max_gen_toks": 64}}    # lm-eval's HF backend takes minutes for 256

@@ -7,7 +7,7 @@ from lmbatch.engine import Engine
 from lmbatch.frontend.calls import CallOptions
 from lmbatch.frontend.interpreter import Interpreter
 from lmbatch.frontend.workload import LoadArgs
-from lmbatch.model.checkpoint import embedded_model_dir
+from lmbatch.model.embedded import embedded_model_dir
 from lmbatch.programs import hellaswag, tot_gsm8k
 
 

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from lmbatch.frontend.tokenize import TextEncoder, _splittable, choice_texts, split_choices
 from lmbatch.frontend.workload import LoadArgs
-from lmbatch.model.checkpoint import embedded_model_dir
+from lmbatch.model.embedded import embedded_model_dir
 
 # Qwen2's pre-tokenizer, exactly as in its tokenizer.json
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
