@@ -90,7 +90,7 @@ def _check_folder(path: Path) -> Path:
     if why is not None:
         _to_fallback(path, config, why)
     if (path / "tokenizer.json").is_file():
-        from lmbatch.model.tokenizer import check_tokenizer_json
+        from lmbatch.model.tokenizer_build import check_tokenizer_json
 
         problem = check_tokenizer_json(path / "tokenizer.json")
         if problem:

@@ -389,7 +389,7 @@ def test_for_model_caches_what_autotokenizer_made(tmp_path, monkeypatch):
     rebuilt the file (a qwen2 folder); any change to the folder's files makes another entry."""
     from transformers import Qwen2Config
 
-    import lmbatch.model.tokenizer as tokenizer_module
+    import lmbatch.model.tokenizer_build as tokenizer_module
     from lmbatch.frontend.tokenize import tokenizer_cache_file
 
     monkeypatch.setattr(tokenizer_module, "_validated", lambda: False)
