@@ -233,3 +233,31 @@ def test_classes_and_functions_stay_small():
                         not name.startswith(KERNELS):
                     big.append(f"{name}.{node.name}: {len(params)} parameters")
     assert not big
+
+
+MAX_MODULE_LINES = 400
+
+
+def test_modules_stay_under_the_cap():
+    """One job a module: none over MAX_MODULE_LINES lines (issue 59: five rooms had grown to four to six jobs
+    each, 400 to 840 lines, with nothing to stop them). A module that reaches the cap is split by its jobs."""
+    big = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not big, f"modules over {MAX_MODULE_LINES} lines: {big}"
+
+
+ROWS = "lmbatch.rundir.rows"        # the Parquet tables' rows; records.py has the JSON files'
+
+
+def test_the_run_directorys_tables_become_rows_in_one_module():
+    """Rows of instances.parquet and requests.parquet are made from and into Arrow tables in rows.py alone
+    (`to_pylist` / `from_pylist`), so every column name is spelled there: a renamed column fails mypy at its
+    readers, not a user's `lmbatch report` (issue 59)."""
+    offenders = []
+    for name, path in MODULES.items():
+        if name == ROWS or not name.startswith(("lmbatch.rundir", "lmbatch.results", "lmbatch.run", "lmbatch.frontend",
+                                                "lmbatch.cli")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("to_pylist", "from_pylist", "to_pydict"):
+                offenders.append(f"{name}:{node.lineno}")
+    assert not offenders
