@@ -155,7 +155,7 @@ class DecodeGraphs:
         attn.cascade_from = self.cascade_from
         batch = ForwardBatch(self.ids[:b], self.pos[:b], self.out_slots[:b], [], [], self.kv_indices, self.rows[:b])
         self.kv_indptr[:b + 1] = torch.arange(b + 1, dtype=torch.int32, device=self.ids.device)
-        if cascade:     # each replay loads its step's tables again
+        if cascade and self.levels is not None:     # each replay loads its step's tables again
             self.levels.clear()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
