@@ -17,90 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-ROOT = Path(__file__).resolve().parent.parent
-BLOCK = 1 << 24         # random bf16 values drawn once and tiled over every tensor
+from random_checkpoint import ROOT, write_random_checkpoint  # noqa: E402
 
-
-def _tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """The HF checkpoint's tensor names and shapes of a llama / qwen2 / qwen3 config."""
-    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    d = cfg.get("head_dim") or h // heads
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not cfg.get("tie_word_embeddings", False):
-        out["lm_head.weight"] = (v, h)
-    for n in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        out |= {p + "self_attn.q_proj.weight": (heads * d, h), p + "self_attn.k_proj.weight": (kv * d, h),
-                p + "self_attn.v_proj.weight": (kv * d, h), p + "self_attn.o_proj.weight": (h, heads * d),
-                p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,)}
-        if cfg["model_type"] == "qwen2":
-            out |= {p + "self_attn.q_proj.bias": (heads * d,), p + "self_attn.k_proj.bias": (kv * d,),
-                    p + "self_attn.v_proj.bias": (kv * d,)}
-        if cfg["model_type"] == "qwen3":
-            out |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
-    return out
-
-
-def write_random_checkpoint(preset: str, target: Path, tokenizer: Path) -> Path:
-    """presets/PRESET's shape as an HF folder of random bf16 weights (about N(0, 0.02); norms 1), written
-    with numpy: a file per 4 GB, an index, the tokenizer's files. Reused when present."""
-    cfg = json.loads((ROOT / "presets" / preset / "config.json").read_text())
-    if not (target / "config.json").is_file():
-        tmp = target.with_name(target.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        rng = np.random.default_rng(0)
-        block = (rng.standard_normal(BLOCK, dtype=np.float32) * 0.02).view(np.uint32) >> 16
-        block = block.astype(np.uint16)
-        one = np.uint16(0x3F80)     # bf16 1.0
-        shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-        size = 0
-        for name, shape in _tensors(cfg).items():
-            n = int(np.prod(shape)) * 2
-            if size and size + n > 4 << 30:
-                shards.append([])
-                size = 0
-            shards[-1].append((name, shape))
-            size += n
-        weight_map = {}
-        for k, shard in enumerate(shards):
-            fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-            header, offset = {}, 0
-            for name, shape in shard:
-                n = int(np.prod(shape)) * 2
-                header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + n]}
-                offset += n
-                weight_map[name] = fname
-            raw = json.dumps(header).encode()
-            raw += b" " * (-len(raw) % 8)
-            with open(tmp / fname, "wb") as f:
-                f.write(len(raw).to_bytes(8, "little") + raw)
-                for name, shape in shard:
-                    count = int(np.prod(shape))
-                    if name.endswith("norm.weight"):
-                        f.write(np.full(count, one, dtype=np.uint16).tobytes())
-                        continue
-                    for start in range(0, count, BLOCK):
-                        f.write(block[:min(BLOCK, count - start)].tobytes())
-        (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-        (tmp / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "torch_dtype"}))
-        tmp.rename(target)
-    for f in tokenizer.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")) or f.suffix == ".jinja":
-            shutil.copy(f, target / f.name)
-    return target
+__all__ = ["ROOT", "cli", "lmbatch", "record", "timed", "write_random_checkpoint"]
 
 
 def timed(cmd: list[str], log: Path) -> float:

@@ -4,8 +4,9 @@ process (or bench_decode.py's), random bf16 weights, side by side in one call.
     python benchmarks/bench_generation.py --tokenizer TOK --out OUT [--jobs tot,decode,long,cot,sc16,json]
 
 - tot: `lmbatch run tot-gsm8k` (all 1,319 programs), SmolLM2-135M shape, twice;
-- decode: bench_decode.py, 1.5B, 256 rows sharing a 2,000-token prefix + 100 own tokens, 256 new: plain
-  decode and `--attention cascade` against the shared-prefix roofline;
+- decode: bench_decode.py, 1.5B, 256 rows sharing a 2,000-token prefix + 100 own tokens, 256 new: the
+  default (`auto`), plain decode and `--attention cascade` against the shared-prefix roofline;
+- own: bench_decode.py, 1.5B, 64 and 256 rows x 1,000 own tokens (no sharing), `auto` and plain decode;
 - long: bench_decode.py, 1.5B, 256 rows x 256 prompt tokens, 4,096 new tokens each;
 - cot: lm-eval's gsm8k_cot (8-shot fixed chain-of-thought prompt, all 1,319): `lmbatch lm-eval` and
   `lm_eval --model hf --batch_size 64`;
@@ -82,7 +83,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--models", default="/tmp/bench-models")
-    ap.add_argument("--jobs", default="decode,tot,cot,sc16,long,json")
+    ap.add_argument("--jobs", default="decode,own,tot,cot,sc16,long,json")
     ap.add_argument("--out", default="results/generation")
     args = ap.parse_args()
     out = Path(args.out)
@@ -117,7 +118,10 @@ def run_job(args, out: Path, job: str, model) -> None:
             job_run(args, out, "tot-gsm8k", model("smollm2-135m"), f"tot-{k}", [])
     elif job == "decode":
         job_decode(out, "decode", ["--rows", "256", "--contexts", "100", "--shared-prefix", "2000",
-                                   "--new-tokens", "256", "--kernels", "decode,cascade"])
+                                   "--new-tokens", "256", "--kernels", "auto,decode,cascade"])
+    elif job == "own":
+        job_decode(out, "own", ["--rows", "64,256", "--contexts", "1000", "--new-tokens", "256",
+                                "--kernels", "auto,decode"])
     elif job == "long":
         job_decode(out, "long", ["--rows", "256", "--contexts", "256", "--new-tokens", "4096",
                                  "--kernels", "decode"])

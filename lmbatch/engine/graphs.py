@@ -5,12 +5,14 @@ Each bucket's whole forward is captured once over static input buffers and repla
 inside the graph is our Triton decode kernel (a KV head's query heads together; split over key ranges
 where rows are few), or in large buckets the cascade kernel (rows' shared radix-tree levels read once
 per block of rows), which read their metadata (kv_indptr, kv_indices, level tables) from device buffers
-refreshed before each replay. A batch is padded up to its bucket: padding rows read and write one
+refreshed before each replay. A step of a cascade bucket whose rows share no level replays that
+bucket's plain-decode graph instead (captured when first needed): the empty level machinery cost 0.3 ms
+a step (1.5B, 256 rows, H200). A batch is padded up to its bucket: padding rows read and write one
 scratch KV slot that the pool never hands out.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -80,7 +82,8 @@ class DecodeGraphs:
         # at least a slot per row of the largest bucket: a capture's rows read one index each
         self.kv_indices = torch.full((max(pool.num_slots, n),), scratch_slot, dtype=torch.int32, device=dev)
         self.rows = torch.arange(n, dtype=torch.int64, device=dev)  # every graph input must outlive capture
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (bucket, attends with the level tables) -> the graph and its logits
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool_handle: _POOL_HANDLE | None = None
         # a step's inputs are written into pinned host memory and copied from there without waiting:
         # two buffers in turn, each written again only once its last copy is done (its event)
@@ -136,18 +139,23 @@ class DecodeGraphs:
         """Capture every bucket now, largest first (the others reuse its memory), so that no run
         pays for a capture."""
         for b in reversed(self.buckets):
-            if b not in self.graphs:
-                self._capture(b)
+            key = (b, self._cascades(b))
+            if key not in self.graphs:
+                self._capture(*key)
 
-    def _capture(self, b: int) -> None:
+    def _cascades(self, b: int) -> bool:
+        """Whether bucket b's graph attends with the level tables where its rows share levels."""
+        return self.levels is not None and b >= self.cascade_from
+
+    def _capture(self, b: int, cascade: bool) -> None:
         cfg = self.model.cfg
         attn = _GraphAttention(self.pool, cfg.num_heads, cfg.head_dim, cfg.attn_scale, cfg.attn_softcap,
-                               (self.kv_indptr[:b + 1], self.kv_indices, self.levels))
+                               (self.kv_indptr[:b + 1], self.kv_indices, self.levels if cascade else None))
         attn.qo = self.qo if self.deterministic else None
         attn.cascade_from = self.cascade_from
         batch = ForwardBatch(self.ids[:b], self.pos[:b], self.out_slots[:b], [], [], self.kv_indices, self.rows[:b])
         self.kv_indptr[:b + 1] = torch.arange(b + 1, dtype=torch.int32, device=self.ids.device)
-        if self.levels is not None:     # each replay loads its step's tables again
+        if cascade and self.levels is not None:     # each replay loads its step's tables again
             self.levels.clear()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -159,7 +167,7 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool_handle):
             logits = self.model(batch, attn)
         self.pool_handle = graph.pool()
-        self.graphs[b] = (graph, logits)
+        self.graphs[b, cascade] = (graph, logits)
 
     def run(self, tokens: list[int], positions: list[int], seqs: list, rows: list[int] | None = None,
             pending: tuple[np.ndarray, torch.Tensor] | None = None, ends: list[Node | None] | None = None
@@ -192,8 +200,9 @@ class DecodeGraphs:
                 pending: tuple[np.ndarray, torch.Tensor] | None, plan: LevelPlan | None) -> torch.Tensor:
         n = len(tokens)
         b = next(x for x in self.buckets if x >= n)
-        if b not in self.graphs:
-            self._capture(b)
+        key = (b, self._cascades(b) and plan is not None)
+        if key not in self.graphs:
+            self._capture(*key)
         pad = b - n
         # host: one int64 array [ids | positions | out slots | kv_indptr | src | kv_indices | levels], one copy
         lens = np.fromiter(map(len, seqs), dtype=np.int64, count=n)
@@ -204,7 +213,7 @@ class DecodeGraphs:
             self.pool_handle = None     # the graphs' memory pool went with them: capturing into it asserts
             self.capture_all()
             return self._replay(tokens, positions, seqs, pending, plan)
-        levels = 0 if self.levels is None else level_size(b, plan, self.levels.per_block)
+        levels = level_size(b, plan, self.levels.per_block) if self.levels is not None and key[1] else 0
         staged = self._staging(3 * b + b + 1 + b + total + levels)
         host = staged.numpy()
         ids, pos, out, indptr, src, flat, lv = np.split(host, np.cumsum([b, b, b, b + 1, b, total]))
@@ -216,7 +225,7 @@ class DecodeGraphs:
         np.concatenate(seqs, out=flat[:total - pad], casting="unsafe")
         flat[total - pad:] = self.scratch
         out[:] = flat[indptr[1:] - 1]
-        if self.levels is not None:
+        if levels:
             stage_levels(lv, b, plan, indptr)
         dev = staged.to(self.ids.device, non_blocking=True)
         copied = self._copied[self._turn] = torch.cuda.Event()
@@ -227,9 +236,9 @@ class DecodeGraphs:
             s = dev[4 * b + 1:5 * b + 1]
             self.ids[:b] = torch.where(s >= 0, pending[1][s.clamp(min=0)], self.ids[:b])
         self.kv_indices[:total] = dev[5 * b + 1:5 * b + 1 + total]
-        if self.levels is not None:
-            load_levels(self.levels, dev[5 * b + 1 + total:], b, plan)
-        graph, logits = self.graphs[b]
+        if levels:
+            load_levels(cast("CascadeLevels", self.levels), dev[5 * b + 1 + total:], b, plan)
+        graph, logits = self.graphs[key]
         graph.replay()
         return logits[:n]
 

@@ -319,7 +319,7 @@ def test_jump_forward_rows_in_decode_graphs_match_eager(tmp_path, dtype):
 
     _, eager = run(cuda_graphs=False)
     eng, graphed = run()
-    assert eng.graphs is not None and max(eng.graphs.graphs) == 8, "graphs of up to 2 x max_running rows"
+    assert eng.graphs is not None and max(b for b, _ in eng.graphs.graphs) == 8, "graphs of up to 2 x max_running rows"
     assert all(r.grammar_complete is not None for r in graphed)
     assert all(r.jumped_tokens > 0 for r in graphed)
     same = sum(a.token_ids == b.token_ids for a, b in zip(eager, graphed))
@@ -597,6 +597,25 @@ def test_cascade_decode_gives_the_tokens_of_plain_decode(tiny_graphed, dtype, wh
                                                     ScoreRequest(ctx, [b.token_ids[j]])])[0])
             assert routed or abs(la - lb) < 0.1, (j, la, lb)
     assert differ <= len(reqs) // 2, differ
+
+
+def test_cascade_bucket_whose_rows_share_nothing_replays_the_plain_graph(tmp_path):
+    """A step of a cascade bucket with no shared level replays the bucket's plain-decode graph (captured then),
+    and a step whose rows share levels its cascade graph: float32 tokens equal plain decode's either way."""
+    make_tiny_hf("llama", tmp_path, hidden_size=256, head_dim=64)
+    g = random.Random(5)
+    alone = [[5 + j] + [g.randrange(5, 120) for _ in range(30 + j)] for j in range(40)]     # first keys differ
+    shared = [[4] * 60 + [g.randrange(5, 120) for _ in range(10 + j)] for j in range(40)]
+    for prompts, cascade in ((alone, False), (shared, True)):
+        reqs = [GenerateRequest(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in prompts]
+        eng = Engine.from_pretrained(tmp_path, device="cuda", dtype=torch.float32, attention="cascade", max_running=64)
+        got = eng.generate(reqs)[0]
+        graphs = eng.model_runner.graphs
+        assert graphs is not None and graphs.levels is not None
+        assert {c for (b, c) in graphs.graphs if b >= 40} >= {cascade}, sorted(graphs.graphs)
+        want = Engine.from_pretrained(tmp_path, device="cuda", dtype=torch.float32, attention="triton",
+                                      max_running=64).generate(reqs)[0]
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma2"])

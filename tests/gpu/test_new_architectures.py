@@ -110,12 +110,12 @@ def test_sink_kernels_match_the_reference(window, new):
     sinks = (2 * torch.randn(H, generator=g, device="cuda") + 1).to(torch.bfloat16)
     outs = {}
     for name in ("torch", "triton"):
-        pool = KVPool(4096, 1, KVH, D, torch.bfloat16, "cuda")
+        pool = KVPool(4 * 2048, 1, KVH, D, torch.bfloat16, "cuda")      # a sequence's slots in its own 2,048
         pool.k.normal_(generator=torch.Generator("cuda").manual_seed(1))
         pool.v.normal_(generator=torch.Generator("cuda").manual_seed(2))
         qo, kv, seqs = [0], [0], []
         for i, n in enumerate(lens):
-            seqs.append(torch.arange(i * 1024, i * 1024 + n + new))
+            seqs.append(torch.arange(i * 2048, i * 2048 + n + new))
             qo.append(qo[-1] + new)
             kv.append(kv[-1] + n + new)
         slots = torch.cat([s[-new:] for s in seqs])
