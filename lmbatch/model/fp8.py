@@ -2,9 +2,11 @@
 beside its scales, one per block of it (DeepSeek-V3 / Qwen3 `-FP8`: 128x128) or per output channel
 (compressed-tensors' channel and tensor scales, a tensor's spread over its channels), and the activations are
 quantized as they run, per token and group of the block's width of inputs (a channel-scaled weight: per token),
-each by its largest magnitude. On CUDA a block-scaled GEMM is lmbatch.kernels.fp8_gemm (Triton) and a
-channel-scaled one torch's `_scaled_mm` (row-wise scales); elsewhere `reference` computes the same products from
-the dequantized operands, so the CPU runs and tests the path's loading and dispatch. Routed experts, the
+each by its largest magnitude. On CUDA a block-scaled GEMM quantizes its activations in one Triton pass and
+runs as cuBLAS's block-scaled GEMM (torch's `_scaled_mm`) where it takes the shape, else as
+lmbatch.kernels.fp8_gemm's Triton kernel; a channel-scaled one is torch's `_scaled_mm` (row-wise scales);
+elsewhere `reference` computes the same products from the dequantized operands, so the CPU runs and tests
+the path's loading and dispatch. Routed experts, the
 embedding, the LM head and the router are dequantized on load (model/dequantize.py) whatever the path.
 
 Whether a run takes this path is fitted per engine (engine/build.py `fit`, `EngineOptions.fp8_gemm`): a GPU
@@ -117,8 +119,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tu
         xq, xs = quantize_activations(F.pad(x2, (0, 0, 0, pad)) if pad else x2, k)
         out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)[:rows]
     else:
-        xq, xs = quantize_activations(x2, block[1])
-        out = kern.block_fp8_gemm(xq, xs, weight, scale, block, x.dtype)
+        xq, xs = kern.quantize_rows(x2, block[1])
+        out = kern.block_scaled_mm(xq, xs, weight, scale, block, x.dtype, x2.shape[0])
     if bias is not None:
         out = out + bias
     return out.view(*lead, weight.shape[0])
