@@ -3,7 +3,8 @@ case needs two GPUs: `-m gpu2`). Each type on the path a run picks for it (Trito
 for olmo3, smollm3, glm4_moe and gpt_oss, whose sinks the Triton kernels take; the torch backend for DeepSeek's
 latent attention, `ModelConfig.torch_attention_only`) against the torch reference backend and transformers:
 scores as close to transformers' float32 ones as transformers' own bf16 scores are, and within real margins of
-the reference's; greedy tokens of the reference; the sink kernels compiled against the reference; and the
+the reference's (a routed model's in float32: bf16 routers flip experts on random weights' near-ties); greedy
+tokens of the reference (a routed model's exactly in float32); the sink kernels compiled against the reference; and the
 grouped-GEMM MoE kernel running GLM's and DeepSeek's grouped sigmoid routing and gpt-oss's biased, clamped
 experts as the CPU loop does."""
 import copy
@@ -80,8 +81,15 @@ def test_scores_against_transformers_and_reference(tiny):
     ours_err = sum(abs(b.logprob - e) for b, e in zip(got, exact)) / tokens
     hf_err = sum(abs(h - e) for h, e in zip(hf_bf16, exact)) / tokens
     assert ours_err <= 1.1 * hf_err + 0.005, (kind, ours_err, hf_err)
+    tol = 0.05
+    if kind in ROUTED:      # bf16 routers flip experts on these weights' near-ties (gpt-oss: 0.65 nats on one
+        # request, H200): each request against the reference path in float32, on the run's kernels
+        tol = 2e-3
+        ref, _ = _engine(path, "torch", dtype=torch.float32).score(reqs)
+        got, _ = _engine(path, None if kind in ON_TORCH else "triton", dtype=torch.float32,
+                         max_tokens_per_batch=48).score(reqs)
     for req, a, b in zip(reqs, ref, got):
-        assert abs(b.logprob - a.logprob) < 0.05 * len(req.continuation), (kind, a.logprob, b.logprob)
+        assert abs(b.logprob - a.logprob) < tol * len(req.continuation), (kind, a.logprob, b.logprob)
 
 
 @pytest.mark.parametrize("n", [1, 5, 13])
@@ -95,7 +103,8 @@ def test_greedy_decode_matches_reference(tiny, n):
             for i in range(n)]
     for dtype in (torch.bfloat16, torch.float32) if kind in ROUTED else (torch.bfloat16,):
         ref, _ = _engine(path, "torch", dtype=dtype).generate(reqs)
-        eng = _engine(path, dtype=dtype)
+        # float32 attends on the torch backend by default: the Triton kernels and graphs asked for
+        eng = _engine(path, "triton" if dtype == torch.float32 and kind not in ON_TORCH else None, dtype=dtype)
         got, _ = eng.generate(reqs)
         if kind not in ON_TORCH:
             assert eng.model_runner.graphs is not None and eng.model_runner.graphs.graphs, "no graph was captured"
