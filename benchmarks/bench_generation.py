@@ -3,7 +3,7 @@ process (or bench_decode.py's), random bf16 weights, side by side in one call.
 
     python benchmarks/bench_generation.py --tokenizer TOK --out OUT [--jobs tot,decode,long,cot,sc16,json]
 
-- tot: `lmbatch run tot-gsm8k` (all 1,319 programs), SmolLM2-135M shape, twice;
+- tot: `lmbatch run tot-gsm8k` (all 1,319 programs), SmolLM2-135M shape, twice; tot-1.5b: once, Qwen2.5-1.5B shape;
 - decode: bench_decode.py, 1.5B, 256 rows sharing a 2,000-token prefix + 100 own tokens, 256 new: the
   default (`auto`), plain decode and `--attention cascade` against the shared-prefix roofline;
 - own: bench_decode.py, 1.5B, 64 and 256 rows x 1,000 own tokens (no sharing), `auto` and plain decode;
@@ -116,6 +116,8 @@ def run_job(args, out: Path, job: str, model) -> None:
     if job == "tot":
         for k in range(2):
             job_run(args, out, "tot-gsm8k", model("smollm2-135m"), f"tot-{k}", [])
+    elif job == "tot-1.5b":
+        job_run(args, out, "tot-gsm8k", model("qwen2.5-1.5b"), "tot-1.5b", [])
     elif job == "decode":
         job_decode(out, "decode", ["--rows", "256", "--contexts", "100", "--shared-prefix", "2000",
                                    "--new-tokens", "256", "--kernels", "auto,decode,cascade"])

@@ -126,10 +126,12 @@ _CUBLAS: bool | None = None
 def block_scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                     block: tuple[int, int], out_dtype: torch.dtype, rows: int) -> torch.Tensor:
     """`quantize_rows`'s a and a_scale (M' rows) times b [N, K] with its block scales: cuBLAS's block-scaled GEMM
-    where it takes the shape (128x128 blocks, N and K multiples of 128; measured 1.8-2x faster than the Triton
-    kernel at prefill sizes, H200), else the Triton kernel; the first `rows` rows in out_dtype."""
+    where it takes the shape (128x128 blocks; N and K multiples of 512, so that each scale grid's sides are
+    multiples of 4: with 3 K blocks it read the last output block's scales wrongly, H200, CUDA 13; measured
+    1.8-2x faster than the Triton kernel at prefill sizes), else the Triton kernel; the first `rows` rows in
+    out_dtype."""
     n, k = b.shape
-    if block == (128, 128) and n % 128 == 0 and k % 128 == 0 and cublas_block_scaled():
+    if block == (128, 128) and n % 512 == 0 and k % 512 == 0 and cublas_block_scaled():
         out = torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale.t(), out_dtype=out_dtype)
         return out[:rows]
     return block_fp8_gemm(a[:rows], a_scale[:rows], b, b_scale, block, out_dtype)

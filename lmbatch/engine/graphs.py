@@ -154,6 +154,11 @@ class DecodeGraphs:
         attn.qo = self.qo if self.deterministic else None
         attn.cascade_from = self.cascade_from
         batch = ForwardBatch(self.ids[:b], self.pos[:b], self.out_slots[:b], [], [], self.kv_indices, self.rows[:b])
+        # the capture's forwards store their rows' KV: into the scratch slot, not the slots of the step
+        # that last filled these buffers (a capture mid-run, of a bucket first needed then or after the
+        # pool grew, overwrote those tokens' cached KV with what a one-key context gives)
+        self.out_slots[:b] = self.scratch
+        self.ids[:b], self.pos[:b] = 0, 0
         self.kv_indptr[:b + 1] = torch.arange(b + 1, dtype=torch.int32, device=self.ids.device)
         if cascade and self.levels is not None:     # each replay loads its step's tables again
             self.levels.clear()

@@ -618,6 +618,30 @@ def test_cascade_bucket_whose_rows_share_nothing_replays_the_plain_graph(tmp_pat
         assert [r.token_ids for r in got] == [r.token_ids for r in want]
 
 
+def test_graphs_captured_mid_run_leave_the_cache_alone(tmp_path, monkeypatch):
+    """Buckets captured mid-run (here: only the largest ahead, the others as rows finish and the step
+    shrinks into them) give the float32 tokens of graphs all captured before the first step (the same
+    kernels a bucket): a capture's forwards store KV into the scratch slot, not into the slots of the
+    tokens the last step wrote."""
+    from lmbatch.engine import graphs
+
+    make_tiny_hf("llama", tmp_path, hidden_size=256, head_dim=64)
+    g = random.Random(7)
+    reqs = [GenerateRequest([g.randrange(5, 120) for _ in range(20 + 3 * i)],
+                            SamplingParams(max_new_tokens=4 + 2 * i, ignore_eos=True)) for i in range(24)]
+    want = Engine.from_pretrained(tmp_path, device="cuda", dtype=torch.float32, attention="triton",
+                                  max_running=32).generate(reqs)[0]
+    captured = []
+    original = graphs.DecodeGraphs._capture
+    monkeypatch.setattr(graphs.DecodeGraphs, "capture_all",
+                        lambda self: self._capture(self.buckets[-1], self._cascades(self.buckets[-1])))
+    monkeypatch.setattr(graphs.DecodeGraphs, "_capture", lambda self, b, c: captured.append(b) or original(self, b, c))
+    eng = Engine.from_pretrained(tmp_path, device="cuda", dtype=torch.float32, attention="triton", max_running=32)
+    got = eng.generate(reqs)[0]
+    assert len(set(captured)) >= 4, captured       # buckets met mid-run as the step shrank
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma2"])
 def test_deterministic_engine_bits_do_not_depend_on_the_batch(tmp_path, kind):
     """bf16 on CUDA with --deterministic: scores and greedy / sampled tokens bit for bit the same across

@@ -3,7 +3,8 @@ case needs two GPUs: `-m gpu2`). Each type on the path a run picks for it (Trito
 for olmo3, smollm3, glm4_moe and gpt_oss, whose sinks the Triton kernels take; the torch backend for DeepSeek's
 latent attention, `ModelConfig.torch_attention_only`) against the torch reference backend and transformers:
 scores as close to transformers' float32 ones as transformers' own bf16 scores are, and within real margins of
-the reference's; greedy tokens of the reference; the sink kernels compiled against the reference; and the
+the reference's (a routed model's in float32: bf16 routers flip experts on random weights' near-ties); greedy
+tokens of the reference (a routed model's exactly in float32); the sink kernels compiled against the reference; and the
 grouped-GEMM MoE kernel running GLM's and DeepSeek's grouped sigmoid routing and gpt-oss's biased, clamped
 experts as the CPU loop does."""
 import copy
@@ -25,10 +26,13 @@ from lmbatch.requests import GenerateRequest, SamplingParams  # noqa: E402
 
 # sizes of the GPU kernels' usual shapes where the family has them (head_dim 64); DeepSeek's config derives its
 # head_dim (its RoPE width) itself, so only its width grows
+# gpt-oss's released clamp (7.0; the CPU tiny config's 1.0 clamps more): transformers before 5.24 fixes its
+# experts' clamp at 7.0 whatever the config says, and the GPU machine's may be older
 SIZES = {"olmo3": dict(hidden_size=256, head_dim=64), "smollm3": dict(hidden_size=256, head_dim=64),
-         "glm4_moe": dict(hidden_size=256), "gpt_oss": dict(hidden_size=256, head_dim=64),
+         "glm4_moe": dict(hidden_size=256), "gpt_oss": dict(hidden_size=256, head_dim=64, swiglu_limit=7.0),
          "deepseek_v3": dict(hidden_size=256)}
 ON_TORCH = {"deepseek_v3"}       # attention the GPU kernels do not compute yet
+ROUTED = {"glm4_moe", "gpt_oss", "deepseek_v3"}
 
 
 @pytest.fixture(scope="module", params=list(SIZES))
@@ -38,9 +42,9 @@ def tiny(request, tmp_path_factory):
     return request.param, path
 
 
-def _engine(path, attention=None, **kw):
+def _engine(path, attention=None, dtype=torch.bfloat16, **kw):
     extra = {"attention": attention} if attention else {}
-    return Engine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, **extra, **kw)
+    return Engine.from_pretrained(path, device="cuda", dtype=dtype, **extra, **kw)
 
 
 def _hf_scores(path, dtype, reqs) -> list[float]:
@@ -77,24 +81,36 @@ def test_scores_against_transformers_and_reference(tiny):
     ours_err = sum(abs(b.logprob - e) for b, e in zip(got, exact)) / tokens
     hf_err = sum(abs(h - e) for h, e in zip(hf_bf16, exact)) / tokens
     assert ours_err <= 1.1 * hf_err + 0.005, (kind, ours_err, hf_err)
+    tol = 0.05
+    if kind in ROUTED:      # bf16 routers flip experts on these weights' near-ties (gpt-oss: 0.65 nats on one
+        # request, H200): each request against the reference path in float32, on the run's kernels
+        tol = 2e-3
+        ref, _ = _engine(path, "torch", dtype=torch.float32).score(reqs)
+        got, _ = _engine(path, None if kind in ON_TORCH else "triton", dtype=torch.float32,
+                         max_tokens_per_batch=48).score(reqs)
     for req, a, b in zip(reqs, ref, got):
-        assert abs(b.logprob - a.logprob) < 0.05 * len(req.continuation), (kind, a.logprob, b.logprob)
+        assert abs(b.logprob - a.logprob) < tol * len(req.continuation), (kind, a.logprob, b.logprob)
 
 
 @pytest.mark.parametrize("n", [1, 5, 13])
 def test_greedy_decode_matches_reference(tiny, n):
     """The run's decode path (decode graphs where the model has them) gives the torch reference's greedy
-    tokens; bf16: a GEMM of another shape may flip a near-tie in one row."""
+    tokens; bf16: a GEMM of another shape may flip a near-tie in one row. A routed model's bf16 router flips
+    experts on near-ties of these random weights (glm4_moe: 2 rows of 5 on an H200), and a row's later tokens
+    follow, so there float32 must give the reference's tokens exactly and bf16 at least half of them."""
     kind, path = tiny
     reqs = [GenerateRequest([3, 17, 42, 9, i] * (1 + i % 3), SamplingParams(max_new_tokens=12, ignore_eos=True))
             for i in range(n)]
-    ref, _ = _engine(path, "torch").generate(reqs)
-    eng = _engine(path)
-    got, _ = eng.generate(reqs)
-    if kind not in ON_TORCH:
-        assert eng.model_runner.graphs is not None and eng.model_runner.graphs.graphs, "no graph was captured"
-    same = sum(a.token_ids == b.token_ids for a, b in zip(ref, got))
-    assert same >= n - max(1, n // 8), (kind, same, n)
+    for dtype in (torch.bfloat16, torch.float32) if kind in ROUTED else (torch.bfloat16,):
+        ref, _ = _engine(path, "torch", dtype=dtype).generate(reqs)
+        # float32 attends on the torch backend by default: the Triton kernels and graphs asked for
+        eng = _engine(path, "triton" if dtype == torch.float32 and kind not in ON_TORCH else None, dtype=dtype)
+        got, _ = eng.generate(reqs)
+        if kind not in ON_TORCH:
+            assert eng.model_runner.graphs is not None and eng.model_runner.graphs.graphs, "no graph was captured"
+        same = sum(a.token_ids == b.token_ids for a, b in zip(ref, got))
+        need = n if dtype == torch.float32 else -(-n // 2) if kind in ROUTED else n - max(1, n // 8)
+        assert same >= need, (kind, dtype, same, n)
 
 
 @pytest.mark.parametrize("window", [None, 50])

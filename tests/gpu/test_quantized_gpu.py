@@ -54,21 +54,23 @@ def test_fp8_gemm_against_its_dequantized_forms(layout, rows, monkeypatch):
 @pytest.mark.parametrize("rows", [1, 37, 300])
 def test_one_pass_quantization_and_cublas_block_gemm(rows):
     """kernels/fp8_gemm.quantize_rows gives quantize_activations' bits (rows padded to 16 with zeros), and
-    the block-scaled GEMM of a shape cuBLAS takes (N, K multiples of 128) runs there, to the same products."""
+    the block-scaled GEMM runs on cuBLAS where the scale grids' sides are multiples of 4 (N, K multiples of 512)
+    and on the Triton kernel elsewhere (K 384: cuBLAS misread the last block's scales), to the same products."""
     from lmbatch.kernels import fp8_gemm
 
     torch.manual_seed(rows)
-    x = torch.randn(rows, 384, device="cuda", dtype=torch.bfloat16) * 3
-    q, s = fp8.quantize_activations(x, 128)
-    rq, rs = fp8_gemm.quantize_rows(x, 128)
-    assert torch.equal(rq[:rows].view(torch.uint8), q.view(torch.uint8)) and torch.equal(rs[:rows], s)
-    assert not rq[rows:].float().any()
     assert fp8_gemm.cublas_block_scaled(), "torch's _scaled_mm took no block scales here"
-    wq, ws = fp8_blocks(0.05 * torch.randn(512, 384))
-    wq, ws = wq.cuda(), ws.cuda().contiguous()
-    got = fp8.linear(x, wq, ws, (128, 128))
-    triton = fp8_gemm.block_fp8_gemm(q, s, wq, ws, (128, 128), torch.bfloat16)
-    assert _rel(got, triton) < 0.01 and _rel(got, fp8.reference(x.float(), wq, ws, (128, 128))) < 0.01
+    for k in (384, 1024):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) * 3
+        q, s = fp8.quantize_activations(x, 128)
+        rq, rs = fp8_gemm.quantize_rows(x, 128)
+        assert torch.equal(rq[:rows].view(torch.uint8), q.view(torch.uint8)) and torch.equal(rs[:rows], s)
+        assert not rq[rows:].float().any()
+        wq, ws = fp8_blocks(0.05 * torch.randn(512, k))
+        wq, ws = wq.cuda(), ws.cuda().contiguous()
+        got = fp8.linear(x, wq, ws, (128, 128))
+        triton = fp8_gemm.block_fp8_gemm(q, s, wq, ws, (128, 128), torch.bfloat16)
+        assert _rel(got, triton) < 0.01 and _rel(got, fp8.reference(x.float(), wq, ws, (128, 128))) < 0.01, k
 
 
 @needs_fp8
