@@ -223,7 +223,7 @@ def main() -> None:
     if args.tokenizer and not args.preset:
         raise SystemExit("error: --tokenizer goes with --preset (a --model folder brings its own tokenizer)")
 
-    from lmbatch.model.checkpoint import embedded_model_dir
+    from lmbatch.model.embedded import embedded_model_dir
     if args.preset:
         tok_dir = Path(args.tokenizer).expanduser() if args.tokenizer else embedded_model_dir()
         target = (Path(args.models_dir).expanduser() if args.models_dir

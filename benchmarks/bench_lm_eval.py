@@ -29,7 +29,7 @@ def _command(variant: str, args, tasks_dir: Path, out: Path) -> list[str]:
     if args.limit:
         common += ["--limit", str(args.limit)]
     if variant.startswith("dummy"):     # lm-eval's random-score model: lm-eval's own work alone
-        patch = ("from lmbatch.lm_eval.backend import cache_templates; cache_templates(); "
+        patch = ("from lmbatch.lm_eval.patches import cache_templates; cache_templates(); "
                  if variant == "dummy-cached" else "")
         return [sys.executable, "-c", f"import sys; {patch}from lm_eval.__main__ import cli_evaluate; "
                 "sys.argv[0] = 'lm-eval'; cli_evaluate()", "run", "--model", "dummy", *common]

@@ -47,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from lmbatch.lm_eval.backend import write_offline_tasks
-    from lmbatch.model.checkpoint import embedded_model_dir
+    from lmbatch.model.embedded import embedded_model_dir
 
     model = args.model or str(embedded_model_dir())
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")

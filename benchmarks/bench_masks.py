@@ -22,7 +22,7 @@ def main() -> None:
 
     from lmbatch.engine.sampler import AHEAD_ROWS
     from lmbatch.grammar import GrammarCompiler, allocate_bitmask, fill_masks
-    from lmbatch.model.checkpoint import embedded_model_dir
+    from lmbatch.model.embedded import embedded_model_dir
     from lmbatch.programs.json_cities import SCHEMA
 
     ap = argparse.ArgumentParser()

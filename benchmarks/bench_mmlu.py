@@ -12,10 +12,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))     # baseline.py: the transformers reference
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,12 +48,12 @@ def main() -> None:
     ap.add_argument("--torch-profile", action="store_true", help="device time by kernel, on the first 4000 requests")
     args = ap.parse_args()
 
+    from baseline import first_selects, score_choices
     from transformers import AutoTokenizer
 
     from lmbatch.engine import Engine
-    from lmbatch.frontend.baseline import first_selects, score_choices
     from lmbatch.frontend.workload import LoadArgs
-    from lmbatch.model.checkpoint import embedded_model_dir
+    from lmbatch.model.embedded import embedded_model_dir
     from lmbatch.programs import mmlu
     from lmbatch.requests import ScoreRequest
 

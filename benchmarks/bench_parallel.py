@@ -15,8 +15,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))     # baseline.py: the transformers reference
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,13 +37,13 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
+    from baseline import first_selects
     from transformers import AutoTokenizer
 
     from lmbatch.engine.options import EngineOptions, EngineSpec
-    from lmbatch.frontend.baseline import first_selects
     from lmbatch.frontend.workload import LoadArgs
-    from lmbatch.model.checkpoint import embedded_model_dir
     from lmbatch.model.config import ModelConfig
+    from lmbatch.model.embedded import embedded_model_dir
     from lmbatch.programs import mmlu
     from lmbatch.requests import ScoreRequest
     from lmbatch.run.loading import make_engine

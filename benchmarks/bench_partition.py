@@ -1,7 +1,7 @@
 """Data parallelism at scale, simulated on the host (no model): how long cutting a batch's radix tree
 into N parts takes and how much memory it needs, how balanced the parts are (the slowest worker
 sets the wall time: its computed tokens over the mean), how many tokens the cut duplicates, and what
-merging every worker's results back into request order costs (`parallel._Gather`).
+merging every worker's results back into request order costs (`dispatch.Gather`).
 
 Workload: `--programs` MMLU-like programs, `--subjects` few-shot heads of `--head` tokens each, a
 question of 30 to 90 tokens after its head, four one-token choices (four score requests with one
@@ -18,7 +18,8 @@ import resource
 import time
 import tracemalloc
 
-from lmbatch.engine.parallel import CHUNKS, _Gather
+from lmbatch.engine.dispatch import Gather
+from lmbatch.engine.parallel import CHUNKS
 from lmbatch.engine.worker import Part
 from lmbatch.requests import ScoreRequest, ScoreResult, TokenCounts
 from lmbatch.scheduler.partition import Batch, chunk_batch, partition
@@ -66,7 +67,7 @@ def main() -> None:
         # merge: each chunk's results reported (here: in one message each, as a chunk's end does)
         requests = [ScoreRequest(prompts[i], [1]) for i in range(len(prompts))]
         chunks = chunk_batch(Batch(prompts, groups, flags), n, CHUNKS)
-        gather = _Gather(requests, chunks, None, n)
+        gather = Gather(requests, chunks, None, n)
         t = time.perf_counter()
         for c, ch in enumerate(chunks.chunks):
             gather.part(Part(c, [(i, ScoreResult()) for i in range(len(ch.requests))], {}, TokenCounts()))

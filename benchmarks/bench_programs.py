@@ -19,11 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 from bench_mmlu import _reset, shared_models
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))     # baseline.py: the transformers reference
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -199,15 +202,15 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true", help="print each variant's wall time by phase (no extra syncs)")
     args = ap.parse_args()
 
+    from baseline import first_selects, score_pairs
     from transformers import AutoTokenizer
 
     from lmbatch.engine import Engine
-    from lmbatch.frontend.baseline import first_selects, score_pairs
     from lmbatch.frontend.calls import CallOptions
     from lmbatch.frontend.interpreter import Interpreter
-    from lmbatch.frontend.registry import get_workload
     from lmbatch.frontend.workload import LoadArgs
-    from lmbatch.model.checkpoint import embedded_model_dir
+    from lmbatch.model.embedded import embedded_model_dir
+    from lmbatch.programs.registry import get_workload
 
     dev = torch.device(args.device)
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16

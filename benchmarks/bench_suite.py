@@ -50,7 +50,7 @@ def main() -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     model = write_random_checkpoint(args.preset, Path(args.models) / args.preset, Path(args.tokenizer))
 
-    from lmbatch.frontend.registry import get_workload
+    from lmbatch.programs.registry import get_workload
     tasks = list(get_workload(args.suite).tasks or [args.suite])
     suite = _run(args, args.suite, model, "suite")
     alone = [_run(args, task, model, f"alone-{k}") for k, task in enumerate(tasks)]

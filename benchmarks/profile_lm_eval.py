@@ -74,7 +74,7 @@ def main() -> None:
 
         build_ahead()               # as `lmbatch lm-eval` does, before lm-eval is imported
         start_early(args)
-        from lmbatch.lm_eval.backend import main as lm_eval_main
+        from lmbatch.lm_eval.command import main as lm_eval_main
 
         lm_eval_main(args)
     wall, tick = sampler.wall, sampler.tick       # tick: seconds a sample stands for

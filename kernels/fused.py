@@ -103,7 +103,7 @@ def rope_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     """Rotate-half RoPE and the KV pool's store in one kernel: q [T, H, D] rotated in place; token t's key (rotated)
     and value written to slot slots[t] of k_pool / v_pool ([slots, KVH, D], one layer's). k and v [T, KVH, D]
     (row strides may differ, heads contiguous) are left as they are; cos/sin: [T, D/2] float32. The rotation in
-    float32 as network.apply_rope computes it, rounded once (a multiply-add the compiler fuses may change
+    float32 as model/layers.py's apply_rope computes it, rounded once (a multiply-add the compiler fuses may change
     a last bit), the value copied as it is."""
     T, H, D = q.shape
     assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1 and k_pool.stride(1) == D

@@ -1,18 +1,24 @@
 """Where lmbatch keeps what it can make again: converted models, workloads, lm-eval's task index, and
 the bytecode of the modules a command imports where Python is told not to write any beside them; and
-how lmbatch writes a file that a reader sees whole or not at all (`atomic_write`).
-Imports nothing beyond the standard library: the command line calls `keep_bytecode` before its imports."""
+how lmbatch writes a file that a reader sees whole or not at all, in its caches and run directories alike
+(`atomic_write`; durable: `write_json`, `write_table`, `fsync_dir`).
+Imports nothing beyond the standard library (pyarrow when a table is written): the command line calls
+`keep_bytecode` before its imports."""
 from __future__ import annotations
 
 import _imp
 import importlib.machinery
 import importlib.util
+import json
 import marshal
 import os
 import sys
 from pathlib import Path
 from types import CodeType
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 CHILDREN = "LMBATCH_KEEP_BYTECODE"      # set by `keep_bytecode`, for the processes the command starts
 
@@ -52,6 +58,27 @@ def atomic_write(path: Path, content: bytes | str | Callable[[Path], None], sync
         except OSError:         # its folder does not exist (LMBATCH_CACHE under a file, say)
             pass
         raise
+
+
+def fsync_dir(path: Path) -> None:
+    """The folder's entries (a rename into it) on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """`data` as indented JSON, written atomically and fsynced."""
+    atomic_write(path, json.dumps(data, indent=2) + "\n", sync=True)
+
+
+def write_table(path: Path, table: pa.Table) -> None:
+    """A Parquet file, written atomically and fsynced."""
+    import pyarrow.parquet as pq
+
+    atomic_write(path, lambda tmp: pq.write_table(table, tmp), sync=True)
 
 
 def keep_bytecode() -> str | None:

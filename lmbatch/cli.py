@@ -17,7 +17,8 @@ from lmbatch.errors import Interrupted, UserError, WorkerFailed
 from lmbatch.options import RECORDS, RunOptions, option_fields
 
 if TYPE_CHECKING:
-    from lmbatch.results.report import Comparison, Run
+    from lmbatch.results.compare import Comparison
+    from lmbatch.results.runs import Run
 
 def _plain_help(params: list[Any]) -> list[Any]:
     """What --help shows of each parameter is its metavar alone (an option's value, an argument's name):
@@ -175,7 +176,7 @@ app.command(cls=_Command)(run)
 @app.command(cls=_Command)
 def tasks() -> None:
     """List the built-in tasks, then the suites (`lmbatch run SUITE`, or `lmbatch run TASK,TASK,...`)."""
-    from lmbatch.frontend.registry import SUITES, get_workload, workload_names
+    from lmbatch.programs.registry import SUITES, get_workload, workload_names
 
     for name in workload_names():
         typer.echo(f"{name:20s} {get_workload(name).description}")
@@ -209,29 +210,31 @@ def report(
 ) -> None:
     """Tabulate runs (per task: scores with standard errors, achieved vs optimal hit rate, throughput), or
     compare two for CI."""
-    from lmbatch.results import report as rep
+    from lmbatch.results import compare as cmp
+    from lmbatch.results import runs as rr
+    from lmbatch.results import table
 
     try:
         html_path = _html_path(html, list(compare or run_dirs or []))
-        if fmt not in rep.FORMATS:
-            raise UserError(f"unknown format {fmt!r} (choose from {', '.join(rep.FORMATS)})")
+        if fmt not in table.FORMATS:
+            raise UserError(f"unknown format {fmt!r} (choose from {', '.join(table.FORMATS)})")
         if compare:
             if run_dirs:
                 raise UserError(f"--compare BASE CAND takes no other run directory ({run_dirs[0]} was given too): "
                                 "compare two runs, or tabulate runs without --compare")
-            rep.check_thresholds(max_slowdown=max_slowdown, min_hit_ratio=min_hit_ratio, max_acc_drop=max_acc_drop,
+            cmp.check_thresholds(max_slowdown=max_slowdown, min_hit_ratio=min_hit_ratio, max_acc_drop=max_acc_drop,
                                  alpha=alpha)
-            base, cand = (rep.load_run(p) for p in compare)
-            found = rep.compare_runs(base, cand, max_slowdown=max_slowdown, min_hit_ratio=min_hit_ratio,
+            base, cand = (rr.load_run(p) for p in compare)
+            found = cmp.compare_runs(base, cand, max_slowdown=max_slowdown, min_hit_ratio=min_hit_ratio,
                                      max_acc_drop=max_acc_drop, alpha=alpha)
             _write_html(html_path, [base, cand], found)
-            typer.echo(rep.render_comparison(found, base, cand, fmt))
+            typer.echo(cmp.render_comparison(found, base, cand, fmt))
             raise typer.Exit(0 if found.ok else 1)
         if not run_dirs:
             raise UserError("give one or more run directories, or --compare BASE CAND")
-        runs = [rep.load_run(p) for p in run_dirs]
+        runs = [rr.load_run(p) for p in run_dirs]
         _write_html(html_path, runs, None)
-        typer.echo(rep.render(rep.report_rows(runs), fmt))
+        typer.echo(table.render(table.report_rows(runs), fmt))
     except UserError as e:
         _fail(e)
 
@@ -273,11 +276,11 @@ def lm_eval(ctx: typer.Context) -> None:
     start_early(list(ctx.args))     # the model loads while lm-eval imports and builds its tasks
     try:
         try:
-            from lmbatch.lm_eval import backend
+            from lmbatch.lm_eval import command
         except ImportError as e:
             _fail(UserError(f"lm-eval is not installed ({e.name}): pip install -e '.[lm-eval]' (lm-eval==0.4.13)"))
         try:
-            code = backend.main(list(ctx.args))
+            code = command.main(list(ctx.args))
         except UserError as e:
             _fail(e)
         except WorkerFailed as e:

@@ -5,7 +5,7 @@
 plan's own sorted order where a plan was made (nothing is sorted twice), and a chunk crosses as the
 tree's edges (`worker.chunk_message`), which its worker plans as they come. A worker runs its own chunks
 in order, one queued behind the one it runs; a worker with none left takes the last not yet started of
-the worker with the most left (`_Dispatch`), so workers end together. Chunks are handed out on a thread
+the worker with the most left (`dispatch.Dispatch`), so workers end together. Chunks are handed out on a thread
 of their own (`_feed`), and results handed over as they arrive (`Handover.due` False), so that neither
 waits on what the caller does with results. A shared prefix is computed once
 per worker that needs it, not once per request as round-robin dispatch would; requests of one group (a
@@ -25,11 +25,11 @@ import multiprocessing as mp
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Hashable, Iterator, Sequence
 
+from lmbatch.engine.dispatch import Dispatch, Gather
 from lmbatch.engine.protocol import Handover, Progress, Request, Result, StreamArgs, drain, remaining
 from lmbatch.engine.worker import (
     Close,
@@ -41,7 +41,6 @@ from lmbatch.engine.worker import (
     Part,
     Ready,
     chunk_message,
-    counts,
     serve,
 )
 from lmbatch.errors import UserError, WorkerFailed
@@ -50,11 +49,9 @@ from lmbatch.requests import (
     GenerateResult,
     RunStats,
     ScoreRequest,
-    ScoreResult,
-    TokenCounts,
     optimal_hit_rate,
 )
-from lmbatch.scheduler.partition import DECODE_COST, Batch, Chunk, Chunking, chunk_batch
+from lmbatch.scheduler.partition import DECODE_COST, Batch, Chunking, chunk_batch
 from lmbatch.scheduler.planner import posthoc_unique
 
 if TYPE_CHECKING:
@@ -67,7 +64,6 @@ if TYPE_CHECKING:
     from lmbatch.scheduler.planner import Plan
 
 CHUNKS = 8          # chunks of each worker's share of a scoring batch (a generating one: 1, decode rows stay together)
-AHEAD = 2           # chunks a worker holds: the one it runs and the next, read and planned meanwhile
 
 
 @dataclass
@@ -198,8 +194,8 @@ class ParallelEngine:
                                                 args.get("groups"))
         schedule, seed = args.get("schedule", "dfs"), args.get("seed", 0)
         cut = self._cut(requests, plan, groups)
-        dispatch = _Dispatch(cut.chunks, len(self.conns))
-        gather = _Gather(requests, cut, progress, len(self.conns))
+        dispatch = Dispatch(cut.chunks, len(self.conns))
+        gather = Gather(requests, cut, progress, len(self.conns))
         gather.stats.unique_tokens = cut.unique_tokens          # the whole tree's: what one engine computes
         gather.stats.optimal_hit_rate = gather.stats.engine_optimal_hit_rate = \
             optimal_hit_rate(cut.unique_tokens, cut.prompt_tokens)
@@ -256,7 +252,7 @@ class ParallelEngine:
                     pass
                 self._failed(self.conns[k], last)
 
-    def _feed(self, dispatch: _Dispatch, requests: Sequence[Request], cut: Chunking, how: tuple[str, int],
+    def _feed(self, dispatch: Dispatch, requests: Sequence[Request], cut: Chunking, how: tuple[str, int],
               out: queue.Queue[Any]) -> None:
         """On a thread of its own, so that no worker waits on what the caller does with results: give each
         worker its chunks, the next as one ends, and put every (worker, `Part` or `Done`) in `out` as it
@@ -287,7 +283,7 @@ class ParallelEngine:
         except BaseException as e:  # noqa: BLE001  raised on the caller's thread
             out.put(e)
 
-    def _account(self, requests: Sequence[Request], gather: _Gather, cut: Chunking,
+    def _account(self, requests: Sequence[Request], gather: Gather, cut: Chunking,
                  groups: Sequence[Hashable] | None, taken: list[int]) -> None:
         """After a batch: where each group ran, each worker's load, and what each executed (its optimum)."""
         wall = gather.stats.execute_s
@@ -357,111 +353,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-class _Dispatch:
-    """Which chunks each worker runs: its own in order, AHEAD at a time; with none of its own left, the
-    last chunk not yet started of the worker with the most cost left (not one pinned there)."""
-
-    def __init__(self, chunks: list[Chunk], n: int):
-        self.chunks = chunks
-        self.queues: list[deque[int]] = [deque() for _ in range(n)]
-        for c, ch in enumerate(chunks):         # a worker's pinned chunk comes before its share
-            self.queues[ch.home].append(c)
-        self.inflight: list[list[int]] = [[] for _ in range(n)]
-        self.taken = [0] * n
-
-    def start(self) -> list[list[int]]:
-        """Each worker's first chunks: its own first, then, all given theirs, any taken from another."""
-        first = [self.take(k, steal=False) for k in range(len(self.queues))]
-        return [got + self.take(k) for k, got in enumerate(first)]
-
-    def take(self, k: int, steal: bool = True) -> list[int]:
-        """The chunks worker k gets now (none: it has AHEAD already, or nothing is left to give)."""
-        out = []
-        while len(self.inflight[k]) < AHEAD:
-            c = self.queues[k].popleft() if self.queues[k] else self._steal(k) if steal else None
-            if c is None:
-                break
-            self.inflight[k].append(c)
-            out.append(c)
-        return out
-
-    def _steal(self, k: int) -> int | None:
-        left = [(sum(self.chunks[c].cost for c in q), v) for v, q in enumerate(self.queues)
-                if v != k and q and not self.chunks[q[-1]].pinned]
-        if not left:
-            return None
-        self.taken[k] += 1
-        return self.queues[max(left)[1]].pop()
-
-    def done(self, k: int, c: int) -> None:
-        self.inflight[k].remove(c)
-
-    def busy(self) -> list[int]:
-        """Workers running a chunk."""
-        return [k for k, f in enumerate(self.inflight) if f]
-
-
-class _Gather:
-    """One batch's results and counts as the workers report them, in the requests' own indices."""
-
-    def __init__(self, requests: Sequence[Request], cut: Chunking, progress: Progress | None, workers: int):
-        self.cut, self.progress = cut, progress
-        self.results: list[Result] = [GenerateResult() if isinstance(r, GenerateRequest) else ScoreResult()
-                                      for r in requests]
-        self.stats = RunStats(requests=len(requests))
-        self.counts: dict[int, TokenCounts] = {}                  # each chunk's so far
-        self.merged = bytearray(len(requests))                    # final results a worker sent in a Part
-        self.executed: dict[int, list[int]] = {}                  # each chunk's executed requests
-        self.ran: list[list[int]] = [[] for _ in range(workers)]  # chunks each worker ran
-        self.busy = [0.0] * workers
-
-    def _merge(self, c: int, pairs: Sequence[tuple[int, Result]], members: dict[int, list[int]]) -> list[int]:
-        idx, final = self.cut.chunks[c].requests, []
-        for i, r in pairs:
-            self.results[idx[i]] = r
-            final.append(idx[i])
-        executed = self.executed.setdefault(c, [])
-        for j, ms in members.items():
-            self.stats.members[idx[j]] = [idx[m] for m in ms]
-            self.stats.order.append(idx[j])
-            executed.append(idx[j])
-        return final
-
-    def _count(self, c: int, got: TokenCounts) -> None:
-        """Chunk c's counts so far; the batch's are every chunk's added up."""
-        self.counts[c] = got
-        total = TokenCounts()
-        for x in self.counts.values():
-            total.add(x)
-        s = self.stats
-        s.prompt_tokens, s.cached_tokens = total.prompt_tokens, total.cached_tokens
-        s.computed_tokens, s.decode_tokens = total.computed_tokens, total.decode_tokens
-
-    def part(self, msg: Part) -> list[int]:
-        """A chunk's results final since its last report."""
-        final = self._merge(msg.chunk, msg.results, msg.members)
-        self._count(msg.chunk, msg.counts)
-        for g in final:
-            self.merged[g] = 1
-        if self.progress is not None and final:
-            self.progress(final[-1], self.stats)
-        return final
-
-    def done(self, k: int, msg: Done) -> list[int]:
-        """Worker k ran chunk `msg.chunk` to its end: the rest of its results (final now) and its counters."""
-        c, st = msg.chunk, msg.stats
-        idx = self.cut.chunks[c].requests
-        pairs = [(i, msg.results[i]) for i in range(len(idx)) if not self.merged[idx[i]]]
-        members = {j: st.members[j] for j in st.order if idx[j] not in self.stats.members}
-        final = self._merge(c, pairs, members)
-        for g in final:
-            self.merged[g] = 1
-        self._count(c, counts(st))
-        self.stats.add_engine_counts(st)
-        self.ran[k].append(c)
-        self.busy[k] += msg.busy_s
-        if self.progress is not None and idx:
-            self.progress(idx[-1], self.stats)
-        return final

@@ -10,6 +10,7 @@ import numpy as np
 from lmbatch.frontend.calls import EngineRequest
 from lmbatch.frontend.dsl import Gen, Pending, Select
 from lmbatch.requests import GenerateResult, RunStats, ScoreResult, TokenCounts, optimal_hit_rate
+from lmbatch.rundir.rows import RequestRow
 from lmbatch.scheduler.planner import posthoc_figures, posthoc_unique, sub_lcps, summarize
 
 
@@ -18,12 +19,6 @@ class StageCounts(TokenCounts):
     calls: int = 0
     requests: int = 0               # engine requests (a select has one per choice)
 
-    def as_dict(self) -> dict[str, int]:
-        """summary.json's record of a stage."""
-        return dict(calls=self.calls, requests=self.requests, prompt_tokens=self.prompt_tokens,
-                    cached_tokens=self.cached_tokens, computed_tokens=self.computed_tokens,
-                    decode_tokens=self.decode_tokens)
-
 
 class Tally:
     def __init__(self) -> None:
@@ -31,7 +26,7 @@ class Tally:
         self.stages: dict[int, StageCounts] = {}
         self.requests_accounted = 0
         self.think_tokens = 0           # of generated tokens, those of thinking and its end marker
-        self.rows_by_run: dict[int, list[dict]] = {}   # one row per executed request, by ProgramRun.index
+        self.rows_by_run: dict[int, list[RequestRow]] = {}   # one row per executed request, by ProgramRun.index
         self._first: dict[int, int] = {}                # id(call) -> its first engine request in the wave
         self.prompt_tree_optimal_hit_rate = 0.0
         self._prompts: list[list[int]] = []            # executed prompts, for the post-hoc optimum
@@ -80,7 +75,7 @@ class Tally:
                 self._generated_tasks.append(task)
                 self.think_tokens += r.think_tokens
             select = isinstance(p.op, Select)
-            row = dict(
+            row = RequestRow(
                 order=self.requests_accounted, wave=wave, instance_id=p.owner.instance.id, task=task, stage=p.stage,
                 call=p.op.name, kind="select" if select else "gen",
                 choices=[m - first[id(p)] for m in members[j]] if select else [], prompt_tokens=r.prompt_tokens,

@@ -145,12 +145,13 @@ class TextEncoder:
         necessarily the folder's tokenizer.json as it stands, since transformers may rebuild parts of it
         for the model's type (a qwen2 folder gets Qwen2's pre-tokenizer whatever its tokenizer.json says).
 
-        `model.tokenizer.build_tokenizer` makes it without importing transformers (seconds); where it
+        `model.tokenizer_build.build_tokenizer` makes it without importing transformers (seconds); where it
         cannot, transformers makes it and what it made is cached (`tokenizer_cache_file`), so that later
         runs load it with `tokenizers` alone. The transformers tokenizer itself (`hf`) is made on first use."""
         from lmbatch.cache import atomic_write
         from lmbatch.model.checkpoint import check_tokenizer_files
-        from lmbatch.model.tokenizer import Fallback, LazyTokenizer, build_tokenizer
+        from lmbatch.model.tokenizer import LazyTokenizer
+        from lmbatch.model.tokenizer_build import Fallback, build_tokenizer
 
         model_dir = Path(model_dir)
         check_tokenizer_files(model_dir)

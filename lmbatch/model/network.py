@@ -13,140 +13,29 @@ window is applied at attention time, by position.
 """
 from __future__ import annotations
 
-import functools
-import importlib
-from types import ModuleType
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lmbatch.attention.base import AttentionBackend, ForwardBatch
 from lmbatch.model.config import ModelConfig
-from lmbatch.model.routing import grouped_sigmoid_top_k, softmax_top_k
+from lmbatch.model.layers import (
+    Linear,
+    RMSNorm,
+    act_mul,
+    apply_rope,
+    clamped_swiglu,
+    fixed_linear,
+    fused_kernels,
+    maybe_fixed_linear,
+    rope_part,
+    row_parallel,
+    tp_reduce,
+    use_fused,
+)
+from lmbatch.model.routing import SigmoidRouter, softmax_top_k
 from lmbatch.model.tensor_parallel import TensorParallel
-
-
-@functools.cache
-def _kernels(name: str) -> ModuleType | None:
-    """lmbatch.kernels.<name> (Triton), or None where it cannot run (no Triton)."""
-    try:
-        return importlib.import_module(f"lmbatch.kernels.{name}")
-    except ImportError:
-        return None
-
-
-def _use_fused(x: torch.Tensor) -> ModuleType | None:
-    return _kernels("fused") if x.is_cuda else None
-
-
-class RMSNorm(nn.Module):
-    """Llama's RMSNorm: normalize in float32, round, scale by the weight. With an `offset` (Gemma),
-    scale by (offset + weight) in float32 and round once."""
-
-    def __init__(self, dim: int, eps: float, offset: float = 0.0):
-        super().__init__()
-        self.eps, self.offset = eps, offset
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor,
-                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x); or, given the residual stream, (norm(residual + x), residual + x)."""
-        if (k := _use_fused(x)) is not None:
-            out = k.rmsnorm(x, self.weight, self.eps, residual, self.offset)  # updates residual in place
-            return out if residual is None else (out, residual)
-        if residual is not None:
-            x = residual = residual + x
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = (xf * (self.offset + self.weight.float())).to(x.dtype) if self.offset else self.weight * xf.to(x.dtype)
-        return out if residual is None else (out, residual)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (the HF Llama convention). x: [T, H, D]; cos/sin: [T, D/2]."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
-def _rope_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dims: int) -> torch.Tensor:
-    """RoPE on each head's first `dims` dimensions (partial rotary), the rest as they are."""
-    return torch.cat([apply_rope(x[..., :dims], cos, sin), x[..., dims:]], dim=-1)
-
-
-def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """activation(gate) * up of [T, 2I] (gate | up): SiLU (SwiGLU) or tanh-approximated GELU (GeGLU)."""
-    if (k := _use_fused(gate_up)) is not None:
-        return k.act_mul(gate_up, activation)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
-
-
-# rows of each GEMM in deterministic mode: on CUDA a loop of F.linear calls of exactly this many rows
-# (one cuBLAS algorithm for all), on the CPU one batched matmul of blocks of this many rows
-FIXED_ROWS = {"cuda": 256, "cpu": 32}
-
-
-def fixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear whose every output row depends on its input row alone: the rows run in blocks of exactly
-    FIXED_ROWS rows (the last padded with zeros). A GEMM's kernel, and so its reduction order, may
-    change with its row count; a fixed count keeps each row's sum the same whatever else is in the batch."""
-    rows = FIXED_ROWS["cuda" if x.is_cuda else "cpu"]
-    lead, k = x.shape[:-1], x.shape[-1]
-    flat = x.reshape(-1, k)
-    m = flat.shape[0]
-    if m % rows:
-        flat = torch.cat([flat, flat.new_zeros(rows - m % rows, k)])
-    if x.is_cuda:
-        out = torch.cat([F.linear(block, weight) for block in flat.split(rows)])
-    else:
-        blocks = flat.view(-1, rows, k)
-        out = torch.bmm(blocks, weight.t().expand(blocks.shape[0], k, weight.shape[0])).view(-1, weight.shape[0])
-    out = out[:m]
-    if bias is not None:
-        out = out + bias
-    return out.view(*lead, weight.shape[0])
-
-
-class Linear(nn.Linear):
-    """nn.Linear; with `fixed` set (deterministic mode) it runs as `fixed_linear`; with an FP8 weight (an FP8
-    checkpoint's, model/fp8.py) as an FP8 GEMM by its `weight_scale` grid of `fp8_block` blocks."""
-    fixed = False
-    weight_scale: torch.Tensor
-    fp8_block: tuple[int, int] = (1, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == torch.float8_e4m3fn:    # an FP8 checkpoint's layer as FP8 GEMMs (model/fp8.py)
-            from lmbatch.model.fp8 import linear
-
-            return linear(x, self.weight, self.weight_scale, self.fp8_block, self.bias)
-        return fixed_linear(x, self.weight, self.bias) if self.fixed else super().forward(x)
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, fixed: bool) -> torch.Tensor:
-    return fixed_linear(x, weight) if fixed else F.linear(x, weight)
-
-
-def _reduce(x: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
-    """The sum over a tensor-parallel group of a row-parallel projection's partial outputs."""
-    return x if tp is None else tp.all_reduce(x)
-
-
-def _row_parallel(proj: Linear, x: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
-    """A row-parallel projection summed over the ranks, its bias (gpt-oss's o_proj) added once, after the sum."""
-    if tp is None or proj.bias is None:
-        return _reduce(proj(x), tp)
-    return tp.all_reduce(_linear(x, proj.weight, proj.fixed)) + proj.bias
-
-
-def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss's experts' activation of [S, 2I] (gate | up): the gate clamped above at `limit`, the up on both
-    sides, gate * sigmoid(alpha * gate) * (up + 1)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return gate * torch.sigmoid(gate * alpha) * (up + 1)
 
 
 def _split_proj_norms(q_norm: RMSNorm, k_norm: RMSNorm, q: torch.Tensor, k: torch.Tensor,
@@ -196,16 +85,16 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(T * self.nkv, self.hd))
         q, k, v = q.view(T, self.nh, self.hd), k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd)
         sinks = {} if self.sinks is None else {"sinks": self.sinks}
-        if self.rope and self.rotary == self.hd and _use_fused(x) is not None:
+        if self.rope and self.rotary == self.hd and use_fused(x) is not None:
             attn.rope_store(self.layer, q, k, v, (cos, sin))    # one kernel: attention reads k, v from the pool
             o = attn.forward(self.layer, q, None, None, window=self.window, **sinks)
         else:
             if self.rotary < self.hd and self.rope:
-                q, k = _rope_part(q, cos, sin, self.rotary), _rope_part(k, cos, sin, self.rotary)
+                q, k = rope_part(q, cos, sin, self.rotary), rope_part(k, cos, sin, self.rotary)
             elif self.rope:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             o = attn.forward(self.layer, q, k, v, window=self.window, **sinks)
-        return _row_parallel(self.o_proj, o.reshape(T, self.nh * self.hd), self.tp)
+        return row_parallel(self.o_proj, o.reshape(T, self.nh * self.hd), self.tp)
 
 
 def _per_head(x: torch.Tensor, w: torch.Tensor, fixed: bool) -> torch.Tensor:
@@ -266,7 +155,7 @@ class LatentAttention(nn.Module):
                       dim=-1)
         o = attn.forward(self.layer, q, entry, entry)       # [T, heads, kv_lora_rank + rotary_dim]
         o = _per_head(o[..., :self.rank], w[:, self.nope:], fixed)
-        return _row_parallel(self.o_proj, o.reshape(T, self.nh * self.v_dim), self.tp)
+        return row_parallel(self.o_proj, o.reshape(T, self.nh * self.v_dim), self.tp)
 
 
 class MLP(nn.Module):
@@ -281,26 +170,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(width, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _reduce(self.down_proj(act_mul(self.gate_up_proj(x), self.activation)), self.tp)
-
-
-class SigmoidRouter(nn.Module):
-    """DeepSeek-V3's and GLM-4.5's router (routing.grouped_sigmoid_top_k): float32 weights and correction
-    bias, as transformers keeps them whatever the model's dtype."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        E, H = cfg.num_experts, cfg.hidden_size
-        self.weight = nn.Parameter(torch.empty(E, H, dtype=torch.float32))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32))
-        self.top_k, self.renorm, self.scale = cfg.experts_per_token, cfg.norm_topk_prob, cfg.routed_scaling_factor
-        self.groups, self.top_groups = cfg.n_group, cfg.topk_group
-        self.fixed = False
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = _linear(x.float(), self.weight, self.fixed)
-        return grouped_sigmoid_top_k(logits, self.e_score_correction_bias, self.top_k, (self.groups, self.top_groups),
-                                     self.renorm, self.scale)
+        return tp_reduce(self.down_proj(act_mul(self.gate_up_proj(x), self.activation)), self.tp)
 
 
 class MoE(nn.Module):
@@ -346,7 +216,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
-        if x.is_cuda and (kern := _kernels("moe")) is not None:
+        if x.is_cuda and (kern := fused_kernels("moe")) is not None:
             slot_experts = experts.reshape(-1)        # the kernel's rows: token * k + j
             out = kern.fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts,
                                  lambda h: self._act(h, slot_experts))
@@ -354,12 +224,12 @@ class MoE(nn.Module):
             out = torch.zeros_like(x)
             for e in experts.unique().tolist():
                 token, slot = torch.where(experts == e)
-                h = self._act(_linear(x[token], self.gate_up_proj[e], self.fixed), experts[token, slot])
-                h = _linear(h, self.down_proj[e], self.fixed)
+                h = self._act(maybe_fixed_linear(x[token], self.gate_up_proj[e], self.fixed), experts[token, slot])
+                h = maybe_fixed_linear(h, self.down_proj[e], self.fixed)
                 out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        out = _reduce(out, self.tp)
+        out = tp_reduce(out, self.tp)
         if self.down_proj_bias is not None:     # sum_j w_j * bias of expert j, once, after the ranks' sum
             out = out + (weights[..., None] * self.down_proj_bias[experts]).sum(dim=1).to(x.dtype)
         return out
@@ -506,7 +376,7 @@ class Transformer(nn.Module):
         rows = batch.logit_rows                    # the LM head runs only where logits are wanted
         h, _ = self.norm(x[rows], cast(torch.Tensor, residual)[rows])     # set by the first layer
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = _linear(h, w, self.deterministic)
+        logits = maybe_fixed_linear(h, w, self.deterministic)
         if self.tp is not None:                    # each rank's slice of the vocabulary, side by side
             logits = self.tp.gather(logits, self.cfg.vocab_size)
         logits = logits.float()

@@ -1,8 +1,12 @@
 """Which experts a token is routed to and with what weights (network.py's MoE): functions of the router's
-logits, float32 throughout, as transformers computes them."""
+logits, float32 throughout, as transformers computes them, and DeepSeek's sigmoid router that holds its weights."""
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+from lmbatch.model.config import ModelConfig
+from lmbatch.model.layers import maybe_fixed_linear
 
 
 def softmax_top_k(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,3 +37,22 @@ def grouped_sigmoid_top_k(logits: torch.Tensor, correction: torch.Tensor, k: int
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scale, experts
+
+
+class SigmoidRouter(nn.Module):
+    """DeepSeek-V3's and GLM-4.5's router (routing.grouped_sigmoid_top_k): float32 weights and correction
+    bias, as transformers keeps them whatever the model's dtype."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H = cfg.num_experts, cfg.hidden_size
+        self.weight = nn.Parameter(torch.empty(E, H, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32))
+        self.top_k, self.renorm, self.scale = cfg.experts_per_token, cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.groups, self.top_groups = cfg.n_group, cfg.topk_group
+        self.fixed = False
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = maybe_fixed_linear(x.float(), self.weight, self.fixed)
+        return grouped_sigmoid_top_k(logits, self.e_score_correction_bias, self.top_k, (self.groups, self.top_groups),
+                                     self.renorm, self.scale)

@@ -11,7 +11,9 @@ from typing import Callable, Sequence
 
 from lmbatch.cache import atomic_write
 from lmbatch.errors import UserError
-from lmbatch.results.report import Comparison, Run, TaskDelta, cells, report_rows
+from lmbatch.results.compare import Comparison, TaskDelta
+from lmbatch.results.runs import Run
+from lmbatch.results.table import cells, report_rows
 from lmbatch.timing import MAIN_LINE
 
 Z95 = 1.959963984540054     # error bars: mean ± Z95 standard errors, a 95% confidence interval
@@ -213,10 +215,10 @@ def time_chart(runs: Sequence[Run]) -> str:
 
 def _phases(run: Run) -> list[tuple[str, float]]:
     """A run's main-line phases in order, and what of its total they leave ('other')."""
-    times = run.summary.get("time_s") or {}
-    out = [(k, float(times[k])) for k in MAIN_LINE if isinstance(times.get(k), (int, float)) and times[k] > 0]
+    times = run.summary.time_s
+    out = [(k, float(times[k])) for k in MAIN_LINE if times.get(k, 0.0) > 0]
     total = times.get("total")
-    if isinstance(total, (int, float)) and total > sum(s for _, s in out):
+    if total is not None and total > sum(s for _, s in out):
         out.append(("other", total - sum(s for _, s in out)))
     return out
 

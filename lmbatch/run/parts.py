@@ -12,6 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lmbatch.results.task_results import NAN_ERROR
+from lmbatch.rundir.rows import InstanceRow
 
 if TYPE_CHECKING:
     from lmbatch.frontend.runs import ProgramRun
@@ -96,7 +97,7 @@ def _nan(metrics: dict[str, float], ans: dict[str, Any] | None, answer: str | No
     return None
 
 
-def instance_rows(w: Workload, runs: list[ProgramRun]) -> list[dict[str, Any]]:
+def instance_rows(w: Workload, runs: list[ProgramRun]) -> list[InstanceRow]:
     """instances.parquet's rows (docs/outputs.md) of finished programs, each scored by its task (a
     suite's instances by theirs)."""
     rows = []
@@ -116,24 +117,24 @@ def instance_rows(w: Workload, runs: list[ProgramRun]) -> list[dict[str, Any]]:
             error, metrics = nan, {}
         t = run.tokens
         primary = tw.primary_metric or "acc"
-        rows.append(dict(task=tw.name, subject=inst.subject, id=inst.id,
-                         prediction=None if ans is None else str(ans["index"]),     # comparable with gold
-                         gold=None if inst.gold is None else str(inst.gold),
-                         correct=bool(metrics[primary]) if primary in metrics else None,
-                         logprobs=[] if ans is None else ans["logprobs"],
-                         is_greedy=[] if ans is None else ans["is_greedy"],
-                         metrics=metrics, outputs=json.dumps(_jsonable(s.variables())), error=error,
-                         prompt_tokens=t.prompt_tokens, cached_tokens=t.cached_tokens,
-                         computed_tokens=t.computed_tokens, decode_tokens=t.decode_tokens,
-                         inputs=json.dumps(_jsonable(inst.inputs)), number=run.number))
+        rows.append(InstanceRow(task=tw.name, subject=inst.subject, id=inst.id,
+                                prediction=None if ans is None else str(ans["index"]),     # comparable with gold
+                                gold=None if inst.gold is None else str(inst.gold),
+                                correct=bool(metrics[primary]) if primary in metrics else None,
+                                logprobs=[] if ans is None else ans["logprobs"],
+                                is_greedy=[] if ans is None else ans["is_greedy"],
+                                metrics=metrics, outputs=json.dumps(_jsonable(s.variables())), error=error,
+                                prompt_tokens=t.prompt_tokens, cached_tokens=t.cached_tokens,
+                                computed_tokens=t.computed_tokens, decode_tokens=t.decode_tokens,
+                                inputs=json.dumps(_jsonable(inst.inputs)), number=run.number))
     return rows
 
 
 class PartWriter:
     """Finished programs go to the run directory as a part (their instance rows and their requests' rows)."""
 
-    def __init__(self, w: Workload, rundir: RunDir, tally: Tally, save_token_ids: bool):
-        self.w, self.rundir, self.tally, self.save_token_ids = w, rundir, tally, save_token_ids
+    def __init__(self, w: Workload, rundir: RunDir, tally: Tally):
+        self.w, self.rundir, self.tally = w, rundir, tally
         self.started = time.perf_counter()
 
     def write(self, runs: list[ProgramRun]) -> None:
@@ -141,7 +142,5 @@ class PartWriter:
             return
         rows = instance_rows(self.w, runs)
         by_run = self.tally.rows_by_run
-        reqs = [r for run in runs for r in by_run.pop(run.index, [])]
-        if not self.save_token_ids:
-            reqs = [{k: v for k, v in r.items() if k != "token_ids"} for r in reqs]
+        reqs = [r for run in runs for r in by_run.pop(run.index, [])]      # token_ids written if saved
         self.rundir.write_part(rows, reqs, execute_s=time.perf_counter() - self.started)

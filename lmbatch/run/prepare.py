@@ -28,8 +28,9 @@ from lmbatch.frontend.interpreter import Interpreter
 from lmbatch.frontend.tokenize import TextEncoder
 from lmbatch.frontend.workload import LoadArgs, Workload
 from lmbatch.model.config import ModelConfig
-from lmbatch.options import RunOptions, deciding
+from lmbatch.options import RunOptions
 from lmbatch.requests import ScoreRequest
+from lmbatch.run.identity import cache_options
 from lmbatch.scheduler.planner import summarize
 from lmbatch.timing import Phases
 
@@ -107,14 +108,6 @@ def start(o: RunOptions, w: Workload, model: ModelFiles, snap: Snapshot, numbers
     return interp
 
 
-def cache_options(o: RunOptions, w: Workload, model: ModelFiles) -> dict[str, Any]:
-    """What decides a workload besides its files (the cache key's options): the task and its options
-    (`options.deciding`), and what of the engine and model its calls and plan depend on."""
-    return {"task": w.name, **deciding(o.workload), "jump_forward": o.engine.jump_forward,
-            "schedule": o.engine.schedule, "max_len": model.shape.max_position_embeddings,
-            "vocab_size": model.shape.vocab_size}
-
-
 class Preparation:
     """Where this run's workload comes from (see the module's docstring). Start it before any thread
     (a forked child must not inherit one); `close` ends a child still at work. A cached workload is read
@@ -130,7 +123,7 @@ class Preparation:
         self.child: _Child | None = None
         if o.output.workload_cache and w.data_files is not None:
             with clock("data"):
-                self.path = workload_cache.path_of(workload_cache.key(cache_options(o, w, model), w.data_files(),
+                self.path = workload_cache.path_of(workload_cache.key(cache_options(o, w, model.shape), w.data_files(),
                                                                       model.dir))
             if self.path.is_file():
                 self.source = "cache"

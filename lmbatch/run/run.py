@@ -1,6 +1,6 @@
 """`lmbatch run`, top to bottom: options -> workload -> model files -> run directory -> engine ->
-execute -> summary. Each step is a module of its own (options, prepare, rundir, loading, parts,
-summary); data flows down, and results come back as return values or as the finished programs the
+execute -> summary. Each step is a module of its own (options, prepare, identity and rundir, loading,
+parts, summary); data flows down, and results come back as return values or as the finished programs the
 run pulls from the interpreter.
 
 What a user waits for is the whole command, so every phase is timed from the process's start
@@ -16,15 +16,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lmbatch.errors import Interrupted, UserError, first_line
-from lmbatch.frontend.registry import get_workload
 from lmbatch.frontend.workload import Workload
 from lmbatch.options import RunOptions, check, engine_spec
-from lmbatch.run import summary
+from lmbatch.programs.registry import get_workload
+from lmbatch.run import identity, summary
 from lmbatch.run.loading import ModelLoader
 from lmbatch.run.parts import Every, PartWriter, Stop
 from lmbatch.run.prepare import ModelFiles, Preparation
 from lmbatch.run.progress import TokenProgress
-from lmbatch.rundir.rundir import RunDir, for_run
+from lmbatch.rundir import place, resume
+from lmbatch.rundir.rundir import RunDir
 from lmbatch.timing import Phases
 
 if TYPE_CHECKING:
@@ -47,13 +48,27 @@ def run(o: RunOptions) -> Path | dict[str, Any]:
             if o.output.dry_run:
                 return dry_run(o, w, model, clock)
             with clock("model_files"):
-                rundir = stop.rundir = for_run(o, w, model.dir)
+                rundir = stop.rundir = open_rundir(o, w, model.dir)
             try:
                 return run_in(o, w, model, rundir, Watch(stop, host_gc, clock))
             finally:
                 rundir.release()
     except KeyboardInterrupt:
         raise Interrupted(stop.kept()) from None
+
+
+def open_rundir(o: RunOptions, w: Workload, model_dir: Path) -> RunDir:
+    """The run's directory, `--out`/`--run-id` (default: task-shots-model-time): claimed for this run (inside
+    --out, locked; a complete run needs --overwrite, a folder that is no run directory is never replaced),
+    then what it keeps for this run's fingerprint (an incomplete run of the same one is resumed)."""
+    claim = place.claim(Path(o.output.out), identity.run_id(o, w, model_dir), o.output.overwrite)
+    try:
+        fingerprint = identity.fingerprint(o, w, model_dir)
+        kept = resume.kept(claim, fingerprint, o.output.overwrite)
+        return RunDir.claimed(claim, fingerprint, kept, o.output.save_token_ids, named=o.output.run_id is not None)
+    except BaseException:
+        claim.release()
+        raise
 
 
 class Watch(NamedTuple):
@@ -79,15 +94,15 @@ def run_in(o: RunOptions, w: Workload, model: ModelFiles, rundir: RunDir, watch:
             if prep.source == "cache":      # seconds of imports on the model's thread go first: with this
                 with clock("load"):         # Python work beside them, both took several times as long
                     loader.imported.wait()
-            instances = prep.snapshot().instances
-            interp = prep.interpreter(rundir.unsaved(instances))
+            ids = [inst.id for inst in prep.snapshot().instances]
+            interp = prep.interpreter(rundir.unsaved(ids))
             say(f"{len(interp.runs)} instances to run, {len(interp.ready)} first-stage calls planned")
             if loader.thread.is_alive():
                 say(f"waiting for the model ({model.dir.name})")
             with clock("load"):
                 loaded = loader.result(interp.longest_ready())
             if not rundir.check_dtype(str(loaded.spec.dtype), o.output.overwrite):   # --overwrite of another dtype's
-                interp = prep.interpreter(rundir.unsaved(instances))
+                interp = prep.interpreter(rundir.unsaved(ids))
             host_gc.model_work()
             tokenized = interp.tokenize_s
             execute(o, w, interp, loaded.engine, rundir, stop)
@@ -146,7 +161,7 @@ def dry_run(o: RunOptions, w: Workload, model: ModelFiles, clock: Phases) -> dic
 def execute(o: RunOptions, w: Workload, interp: Interpreter, engine: BatchEngine, rundir: RunDir, stop: Stop) -> None:
     """Run every program; finished ones go to the run directory as parts every --checkpoint-s seconds of
     work, and at once when a stop is asked for (then the run raises Interrupted)."""
-    parts = PartWriter(w, rundir, interp.tally, o.output.save_token_ids)
+    parts = PartWriter(w, rundir, interp.tally)
     progress = TokenProgress("execute", disable=o.output.quiet)
     # workers' results come to this process as they finish: a part written meanwhile costs their GPUs nothing,
     # and what is left to write when the last ends is small

@@ -1,85 +1,65 @@
-"""The run directory's tables (docs/outputs.md) and what a killed `--overwrite` left beside it;
-the run directory itself: lmbatch/rundir/rundir.py."""
+"""Every name of a run directory (docs/outputs.md), defined once: its files while it runs and once complete,
+its parts' names, what a killed write or a killed `--overwrite` leaves beside it.
+
+    RUN/.lock                             held (flock) by the run writing it (lmbatch/rundir/place.py)
+    RUN/INCOMPLETE                        this marker, while the run is not complete
+    RUN/run.json                          fingerprint, dtype, attempts, and each part's size and checksum
+    RUN/parts/NNNNNN.requests.parquet     the requests of the part's instances (written first)
+    RUN/parts/NNNNNN.instances.parquet    finished instances (its rename commits the part)
+    RUN/instances.parquet, requests.parquet, summary.json     a complete run's (summary.json last)
+    .RUN.old-PID                          beside it: the complete run a running `--overwrite` replaces
+"""
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
-import pyarrow as pa
+LOCK = ".lock"
+MARKER = "INCOMPLETE"
+RUN_JSON = "run.json"
+PARTS = "parts"
+SUMMARY = "summary.json"
+INSTANCES = "instances.parquet"
+REQUESTS = "requests.parquet"
+# what a run directory holds while it runs and once complete; `.NAME.PID.tmp` files (`cache.temporary_name`)
+# are a killed write's (`is_temporary`)
+RUN_FILES = (SUMMARY, INSTANCES, REQUESTS, MARKER, RUN_JSON, PARTS, LOCK)
+MARKER_TEXT = ("This run is incomplete: its finished instances are in parts/. Re-run the same lmbatch run command "
+               "with --run-id {name} to resume it.\n")
+PART_KINDS = ("requests", "instances")      # a part's two files, in the order they are written
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:     # someone else's process
-        return True
-    return True
+def is_temporary(name: str) -> bool:
+    """Whether a file name is a write's temporary one (`.NAME.PID.tmp`, lmbatch.cache.temporary_name)."""
+    return name.startswith(".") and name.endswith(".tmp")
 
 
-def clean_stale(final: Path) -> list[Path]:
-    """What a killed `--overwrite` of `final` left beside it (its process is gone): a `.NAME.old-PID`
-    holds the previous complete run, put back into place if the kill came while it was moved aside
-    (`final` holds no run: neither summary.json nor INCOMPLETE), kept while the run replacing it is
-    incomplete, else removed. Returns what it removed/restored."""
-    touched = []
-    for p in sorted(final.parent.glob(f".{final.name}.old-*")):
+def temporaries(folder: Path) -> list[Path]:
+    return sorted(folder.glob(".*.tmp"))
+
+
+def part_name(number: int) -> str:
+    return f"{number:06d}"
+
+
+def part_file(parts: Path, name: str, kind: str) -> Path:
+    """`parts/NNNNNN.KIND.parquet`, KIND one of PART_KINDS."""
+    return parts / f"{name}.{kind}.parquet"
+
+
+def part_files(parts: Path, kind: str) -> dict[str, Path]:
+    """The parts' files of one kind there are, by part name."""
+    return {f.name.split(".")[0]: f for f in sorted(parts.glob(f"*.{kind}.parquet"))}
+
+
+def aside(path: Path, pid: int) -> Path:
+    """Where process `pid` keeps the complete run it replaces (`--overwrite`) until its own completes."""
+    return path.parent / f".{path.name}.old-{pid}"
+
+
+def asides(path: Path) -> list[tuple[Path, int | None]]:
+    """Every run kept aside beside `path`, with the process that keeps it (None: not a process id)."""
+    out = []
+    for p in sorted(path.parent.glob(f".{path.name}.old-*")):
         pid = p.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
-            continue
-        if not final.exists():
-            p.rename(final)
-        elif not (final / "summary.json").is_file() and not (final / "INCOMPLETE").is_file():
-            for f in sorted(p.iterdir()):
-                if not (final / f.name).exists():
-                    f.rename(final / f.name)
-            shutil.rmtree(p, ignore_errors=True)
-        elif (final / "INCOMPLETE").is_file():
-            continue            # the run a killed --overwrite replaces: kept until that one completes
-        else:
-            shutil.rmtree(p, ignore_errors=True)
-        touched.append(p)
-    return touched
-
-
-INSTANCE_SCHEMA = pa.schema([
-    ("task", pa.string()), ("subject", pa.string()), ("id", pa.string()),
-    ("prediction", pa.string()), ("gold", pa.string()), ("correct", pa.bool_()),
-    ("logprobs", pa.list_(pa.float64())), ("is_greedy", pa.list_(pa.bool_())),
-    ("metrics", pa.map_(pa.string(), pa.float64())), ("outputs", pa.string()), ("error", pa.string()),
-    ("prompt_tokens", pa.int64()), ("cached_tokens", pa.int64()), ("computed_tokens", pa.int64()),
-    ("decode_tokens", pa.int64()), ("inputs", pa.string()),
-])
-
-
-def request_schema(with_tokens: bool) -> pa.Schema:
-    fields = [("order", pa.int64()), ("wave", pa.int32()), ("instance_id", pa.string()), ("task", pa.string()),
-              ("stage", pa.int32()), ("call", pa.string()), ("kind", pa.string()), ("choices", pa.list_(pa.int32())),
-              ("prompt_tokens", pa.int64()), ("cached_tokens", pa.int64()), ("computed_tokens", pa.int64()),
-              ("decode_tokens", pa.int64())]
-    if with_tokens:
-        fields.append(("token_ids", pa.list_(pa.int32())))
-    return pa.schema(fields)
-
-
-def sha256(path: Path, spans: list[tuple[int, int]] | None = None) -> str:
-    """SHA-256 of a file, or of its byte spans (start, length) in order."""
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for start, n in spans or [(0, -1)]:
-            fh.seek(start)
-            if n >= 0:
-                h.update(fh.read(n))
-                continue
-            while block := fh.read(1 << 20):
-                h.update(block)
-    return h.hexdigest()
-
-
-def file_record(path: Path, rows: int) -> dict:
-    """What summary.json and run.json record of a file they vouch for: rows, size and SHA-256."""
-    return {"rows": rows, "bytes": path.stat().st_size, "sha256": sha256(path)}
+        out.append((p, int(pid) if pid.isdigit() else None))
+    return out

@@ -1,4 +1,5 @@
-"""Where a run directory is, who writes it, and what it may replace (docs/outputs.md).
+"""Where a run directory is, who writes it, and what it may replace (docs/outputs.md): `claim` takes it for
+a run (its place checked, locked, a killed writer's leftovers cleaned, what it holds read).
 
 A run directory is `--out/RUN_ID`, one folder name (options.run_id_problem), and never anything but that
 folder: its path is checked to resolve directly under --out before anything is created. A run holds an
@@ -17,12 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmbatch.errors import UserError
-
-LOCK = ".lock"
-MARKER = "INCOMPLETE"
-# what a run directory holds while it runs and once complete; `.NAME.PID.tmp` files (`cache.temporary_name`)
-# are a killed write's
-RUN_FILES = ("summary.json", "instances.parquet", "requests.parquet", MARKER, "run.json", "parts", LOCK)
+from lmbatch.rundir.layout import LOCK, MARKER, PARTS, RUN_FILES, RUN_JSON, SUMMARY, aside, asides, is_temporary
+from lmbatch.rundir.records import names_a_run
 
 
 def check_out(out: Path) -> None:
@@ -140,12 +137,12 @@ def _is_summary(f: Path) -> bool:
         data = json.loads(f.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return isinstance(data, dict) and isinstance(data.get("run_id"), str) and isinstance(data.get("task"), str)
+    return names_a_run(data)
 
 
 def _runs(name: str) -> bool:
     """Whether a run writes an entry of this name into its directory."""
-    return name in RUN_FILES or (name.startswith(".") and name.endswith(".tmp"))
+    return name in RUN_FILES or is_temporary(name)
 
 
 def found(path: Path) -> Found:
@@ -153,8 +150,8 @@ def found(path: Path) -> Found:
     names = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
     names = [n for n in names if n != LOCK]
     foreign = [n for n in names if not _runs(n)]
-    return Found(not names, (path / MARKER).is_file() or (path / "run.json").is_file(),
-                 (path / "summary.json").is_file() and _is_summary(path / "summary.json"), foreign)
+    return Found(not names, (path / MARKER).is_file() or (path / RUN_JSON).is_file(),
+                 (path / SUMMARY).is_file() and _is_summary(path / SUMMARY), foreign)
 
 
 def refuse_foreign(path: Path, there: Found, overwrite: bool, replacing: bool = False) -> None:
@@ -187,12 +184,85 @@ def clear(path: Path) -> None:
 
 def move_aside(path: Path) -> Path:
     """Move a complete run's files into `.NAME.old-PID` beside it, summary.json first (a run directory
-    without it is no complete run: a kill midway is undone by outputs.clean_stale), its lock file and
+    without it is no complete run: a kill midway is undone by `clean_stale`), its lock file and
     what no run writes aside; kept until the run replacing it completes."""
-    aside = path.parent / f".{path.name}.old-{os.getpid()}"
-    aside.mkdir(exist_ok=True)
+    kept = aside(path, os.getpid())
+    kept.mkdir(exist_ok=True)
     names = sorted((p.name for p in path.iterdir() if p.name != LOCK and _runs(p.name)),
-                   key=lambda n: n != "summary.json")
+                   key=lambda n: n != SUMMARY)
     for name in names:
-        (path / name).rename(aside / name)
-    return aside
+        (path / name).rename(kept / name)
+    return kept
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:     # someone else's process
+        return True
+    return True
+
+
+def clean_stale(final: Path) -> list[Path]:
+    """What a killed `--overwrite` of `final` left beside it (its process is gone): a `.NAME.old-PID`
+    holds the previous complete run, put back into place if the kill came while it was moved aside
+    (`final` holds no run: neither summary.json nor INCOMPLETE), kept while the run replacing it is
+    incomplete, else removed. Returns what it removed/restored."""
+    touched = []
+    for p, pid in asides(final):
+        if pid is None or pid == os.getpid() or _alive(pid):
+            continue
+        if not final.exists():
+            p.rename(final)
+        elif not (final / SUMMARY).is_file() and not (final / MARKER).is_file():
+            for f in sorted(p.iterdir()):
+                if not (final / f.name).exists():
+                    f.rename(final / f.name)
+            shutil.rmtree(p, ignore_errors=True)
+        elif (final / MARKER).is_file():
+            continue            # the run a killed --overwrite replaces: kept until that one completes
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+        touched.append(p)
+    return touched
+
+
+def clean_up(path: Path) -> None:
+    """What a complete run no longer needs: its parts, run.json, the marker, and the run it replaced."""
+    shutil.rmtree(path / PARTS, ignore_errors=True)
+    (path / RUN_JSON).unlink(missing_ok=True)
+    (path / MARKER).unlink(missing_ok=True)
+    for old, _ in asides(path):
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@dataclass
+class Claim:
+    """A run directory taken for a run: its path, the lock held on it, and what it held then."""
+    path: Path
+    lock: RunLock
+    there: Found
+
+    def release(self) -> None:
+        self.lock.release()
+
+
+def claim(out: Path, name: str, overwrite: bool) -> Claim:
+    """`out/name` for a run: its place checked (`run_path`), locked (`RunLock`), what a killed
+    `--overwrite` left beside it cleaned (`clean_stale`) and what it holds read (`found`): a folder that is
+    no run directory is refused, and so is a complete run without `--overwrite`."""
+    path = run_path(out, name)
+    lock = RunLock(path).acquire()
+    try:
+        clean_stale(path)
+        there = found(path)
+        refuse_foreign(path, there, overwrite)
+        if not there.empty and not there.incomplete and not overwrite:
+            raise UserError(f"output directory {path} exists; pass --overwrite to replace it or --run-id to name "
+                            "another")
+    except BaseException:
+        lock.release()
+        raise
+    return Claim(path, lock, there)

@@ -96,7 +96,7 @@ def test_encode_pair_moves_trailing_whitespace() -> None:
 def test_encode_pair_real_tokenizer() -> None:
     from transformers import AutoTokenizer
 
-    from lmbatch.model.checkpoint import embedded_model_dir
+    from lmbatch.model.embedded import embedded_model_dir
 
     tok = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
     q = data.load_questions(["abstract_algebra"], 1)[0]

@@ -15,10 +15,10 @@ from transformers import AutoTokenizer
 from lmbatch.data import olmes
 from lmbatch.frontend.calls import CallOptions
 from lmbatch.frontend.interpreter import Interpreter
-from lmbatch.frontend.registry import get_workload
 from lmbatch.frontend.tokenize import TextEncoder
 from lmbatch.frontend.workload import LoadArgs
-from lmbatch.model.checkpoint import embedded_model_dir
+from lmbatch.model.embedded import embedded_model_dir
+from lmbatch.programs.registry import get_workload
 from lmbatch.requests import ScoreRequest
 
 # the full splits the issue names (test where the package has it, else validation)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 import pytest
+from baseline import first_selects, score_pairs
 from conftest import TINY_CONFIGS, make_small_tokenizer, make_tiny_hf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from lmbatch.cli import app
-from lmbatch.frontend.baseline import first_selects, score_pairs
 from lmbatch.frontend.workload import LoadArgs
 from lmbatch.model.config import ARCHITECTURES
 from lmbatch.programs import hellaswag

@@ -202,7 +202,7 @@ def _other_instances(e: Env):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from lmbatch.rundir.layout import file_record
+    from lmbatch.rundir.records import FileRecord
 
     d = e.variant("oi", lambda s: None)
     f = d / "instances.parquet"
@@ -210,7 +210,7 @@ def _other_instances(e: Env):
     pq.write_table(t.set_column(t.schema.get_field_index("id"), "id", pa.array([i + "x" for i in
                                                                                  t.column("id").to_pylist()])), f)
     s = json.loads((d / "summary.json").read_text())
-    s["files"]["instances.parquet"] = file_record(f, t.num_rows)
+    s["files"]["instances.parquet"] = FileRecord.of(f, t.num_rows).to_json()
     (d / "summary.json").write_text(json.dumps(s))
     return ["report", "--compare", e.out / "earlier", d], ["cannot compare", "ran different instances",
                                                             "1 instance only in base, e.g. id 'anatomy/0'"]

@@ -24,7 +24,8 @@ from typer.testing import CliRunner
 
 from lmbatch.cli import app
 from lmbatch.errors import UserError
-from lmbatch.model.checkpoint import embedded_model_dir, resolve_model
+from lmbatch.model.checkpoint import resolve_model
+from lmbatch.model.embedded import embedded_model_dir
 
 # the task: one instance, whose loading leaves a mark next to the program file
 PROGRAM = '''from pathlib import Path
@@ -593,7 +594,7 @@ def test_lm_eval_hub_task_while_offline_is_one_line(good, task_dir, tmp_path, mo
                     "local files (lmbatch lm-eval-tasks DIR writes mmlu_offline, hellaswag_offline "
                     "and gsm8k_offline for --include_path)")
     assert not (tmp_path / "out").exists()
-    from lmbatch.lm_eval.backend import _in_local_cache
+    from lmbatch.lm_eval.checks import _in_local_cache
 
     assert not _in_local_cache("allenai/ai2_arc")
     (tmp_path / "hub" / "datasets--allenai--ai2_arc").mkdir(parents=True)       # fetched before: lm-eval may try

@@ -15,7 +15,7 @@ from lmbatch.cli import app
 from lmbatch.frontend.chat import ChatOptions
 from lmbatch.frontend.workload import LoadArgs
 from lmbatch.lm_eval.backend import write_offline_tasks
-from lmbatch.model.checkpoint import embedded_model_dir
+from lmbatch.model.embedded import embedded_model_dir
 from lmbatch.options import RunOptions
 from lmbatch.programs import hellaswag, mmlu
 from lmbatch.run.run import run

@@ -189,7 +189,7 @@ def test_report_of_real_runs_stderr_paired_compare_and_html(tiny, tmp_path):
     candidate scheduled otherwise scores the same instances the same (McNemar p 1); the HTML report of both."""
     from conftest import assert_self_contained_html
 
-    from lmbatch.results.report import load_run
+    from lmbatch.results.runs import load_run
     from lmbatch.results.stats import mean_stderr
 
     for name, extra in (("base", []), ("random", ["--schedule", "random"])):
@@ -201,7 +201,7 @@ def test_report_of_real_runs_stderr_paired_compare_and_html(tiny, tmp_path):
     acc = [m["acc"] for m in pq.read_table(tmp_path / "base" / "instances.parquet").to_pydict()["metrics"]
            for m in [dict(m)]]
     assert (task.n, task.failed, task.primary_metric) == (6, 0, "acc")
-    assert task.metrics["acc"] == pytest.approx(base.summary["metrics"]["acc"]) and len(acc) == 6
+    assert task.metrics["acc"] == pytest.approx((base.summary.metrics or {})["acc"]) and len(acc) == 6
     assert task.stderr["acc"] == pytest.approx(mean_stderr(acc))
     rows = json.loads(lmbatch("report", tmp_path / "base", "--format", "json").output)
     assert rows[0]["accuracy_stderr"] == pytest.approx(mean_stderr(acc))
@@ -290,8 +290,9 @@ def test_lm_eval_without_lm_eval_installed_is_one_line(monkeypatch):
 
     for name in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")] + ["lm_eval"]:
         monkeypatch.setitem(sys.modules, name, None)             # import lm_eval... -> ImportError
-    monkeypatch.delitem(sys.modules, "lmbatch.lm_eval.backend", raising=False)
-    monkeypatch.delattr(lmbatch.lm_eval, "backend", raising=False)   # as if never imported
+    for module in ("backend", "command"):
+        monkeypatch.delitem(sys.modules, f"lmbatch.lm_eval.{module}", raising=False)
+        monkeypatch.delattr(lmbatch.lm_eval, module, raising=False)   # as if never imported
     res = CliRunner().invoke(app, ["lm-eval", "--tasks", "hellaswag"])
     assert res.exit_code == 2
     assert res.output.strip().count("\n") == 0 and "pip install -e '.[lm-eval]'" in res.output

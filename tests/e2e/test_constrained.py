@@ -13,8 +13,8 @@ from lmbatch.frontend import gen
 from lmbatch.frontend.calls import CallOptions
 from lmbatch.frontend.interpreter import Interpreter
 from lmbatch.frontend.workload import Instance, LoadArgs
-from lmbatch.model.checkpoint import embedded_model_dir
 from lmbatch.model.config import ModelConfig
+from lmbatch.model.embedded import embedded_model_dir
 from lmbatch.programs import json_cities
 
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"

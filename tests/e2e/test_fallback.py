@@ -10,12 +10,12 @@ import json
 import pyarrow.parquet as pq
 import pytest
 import torch
+from baseline import first_selects, score_pairs
 from conftest import make_small_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, BertConfig, BertForMaskedLM, GPT2Config, GPTNeoXConfig
 from typer.testing import CliRunner
 
 from lmbatch.cli import app
-from lmbatch.frontend.baseline import first_selects, score_pairs
 from lmbatch.frontend.workload import LoadArgs
 from lmbatch.model.config import ARCHITECTURES
 from lmbatch.programs import hellaswag

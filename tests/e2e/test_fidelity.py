@@ -1,12 +1,12 @@
 """Accuracy fidelity on the embedded model: lmbatch vs plain transformers on real 5-shot MMLU prompts,
 two questions from each of the 57 subjects."""
 import pytest
+from baseline import first_selects, load_hf, score_choices
 from transformers import AutoTokenizer
 
 from lmbatch.engine import Engine
-from lmbatch.frontend.baseline import first_selects, load_hf, score_choices
 from lmbatch.frontend.workload import LoadArgs
-from lmbatch.model.checkpoint import embedded_model_dir
+from lmbatch.model.embedded import embedded_model_dir
 from lmbatch.programs import mmlu
 from lmbatch.requests import ScoreRequest
 

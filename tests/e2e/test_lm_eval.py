@@ -10,7 +10,7 @@ from lm_eval.models.huggingface import HFLM
 
 from lmbatch.lm_eval.backend import LMBatch
 from lmbatch.lm_eval.tokens import _batch_backend
-from lmbatch.model.checkpoint import embedded_model_dir
+from lmbatch.model.embedded import embedded_model_dir
 
 MAX_LENGTH = 96     # small, so that long texts need several rolling windows and long pairs are cut
 

@@ -12,10 +12,11 @@ from lm_eval.api.instance import Instance
 
 from lmbatch.caches import scores as score_cache
 from lmbatch.caches import workloads as workload_cache
-from lmbatch.lm_eval.backend import LMBatch, _local_arrow, write_offline_tasks
+from lmbatch.lm_eval.backend import LMBatch, write_offline_tasks
 from lmbatch.lm_eval.index import index_built_once
+from lmbatch.lm_eval.patches import _local_arrow
 from lmbatch.lm_eval.tokens import PairTokenizer
-from lmbatch.model.checkpoint import embedded_model_dir
+from lmbatch.model.embedded import embedded_model_dir
 
 STEM = ("The museum by the river opened in the north of the city. Its tower was the tallest landmark, and "
         "many people came to the park beside it because")
@@ -277,13 +278,13 @@ def test_lm_evals_own_index_built_ahead_in_a_process_is_the_index_lm_eval_builds
 
 
 def test_lm_evals_environment_report_is_made_ahead_and_taken_once(monkeypatch):
-    """`_env_info_ahead`: torch's environment report is made once, on a thread started at the context's
+    """`env_info_ahead`: torch's environment report is made once, on a thread started at the context's
     start, and lm-eval's call inside gets its text, or its error; the function is restored after."""
     import threading
 
     from torch.utils import collect_env
 
-    from lmbatch.lm_eval.backend import _env_info_ahead
+    from lmbatch.lm_eval.patches import env_info_ahead
 
     calls: list[str] = []
 
@@ -292,7 +293,7 @@ def test_lm_evals_environment_report_is_made_ahead_and_taken_once(monkeypatch):
         return "PyTorch version: 9"
 
     monkeypatch.setattr(collect_env, "get_pretty_env_info", report)
-    with _env_info_ahead(True):
+    with env_info_ahead(True):
         assert collect_env.get_pretty_env_info() == "PyTorch version: 9"
     assert calls == ["lmbatch-env-info"] and collect_env.get_pretty_env_info is report
 
@@ -300,9 +301,9 @@ def test_lm_evals_environment_report_is_made_ahead_and_taken_once(monkeypatch):
         raise RuntimeError("no pip")
 
     monkeypatch.setattr(collect_env, "get_pretty_env_info", failing)
-    with _env_info_ahead(True), pytest.raises(RuntimeError, match="no pip"):
+    with env_info_ahead(True), pytest.raises(RuntimeError, match="no pip"):
         collect_env.get_pretty_env_info()
-    with _env_info_ahead(False):        # not a run: nothing made
+    with env_info_ahead(False):        # not a run: nothing made
         assert collect_env.get_pretty_env_info is failing
 
 
@@ -365,7 +366,7 @@ def test_decode_graphs_are_asked_for_only_where_a_task_generates(tmp_path):
 
     from lm_eval.tasks import TaskManager
 
-    from lmbatch.lm_eval.backend import _check_tasks, _may_generate
+    from lmbatch.lm_eval.checks import _check_tasks, _may_generate
 
     write_offline_tasks(tmp_path)
     (tmp_path / "mix.yaml").write_text(json.dumps({"group": "mix", "task": [

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from lmbatch.cli import app
 from lmbatch.lm_eval.backend import INSTANCES, LMBatch, write_offline_tasks
-from lmbatch.model.checkpoint import embedded_model_dir
+from lmbatch.model.embedded import embedded_model_dir
 
 LIMITS = {"mmlu_offline_anatomy": 4, "hellaswag_offline": 6, "gsm8k_offline": 5}
 GSM8K = {"num_fewshot": 5, "gen_kwargs": {"max_gen_toks": 64}}    # lm-eval's HF backend takes minutes for 256
@@ -104,7 +104,7 @@ def test_cached_templates_give_lm_evals_prompts(task_dir, monkeypatch):
     from lm_eval import utils
     from lm_eval.tasks import TaskManager
 
-    from lmbatch.lm_eval.backend import cache_templates
+    from lmbatch.lm_eval.patches import cache_templates
 
     def requests() -> list:
         tasks = TaskManager(include_path=str(task_dir), include_defaults=False).load(

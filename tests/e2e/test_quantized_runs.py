@@ -9,6 +9,7 @@ import json
 
 import pyarrow.parquet as pq
 import torch
+from baseline import first_selects, score_pairs
 from conftest import make_small_tokenizer
 from quantized_checkpoints import fp8_block_checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer, FineGrainedFP8Config
@@ -16,12 +17,11 @@ from typer.testing import CliRunner
 
 from lmbatch.caches import scores
 from lmbatch.cli import app
-from lmbatch.frontend.baseline import first_selects, score_pairs
-from lmbatch.frontend.registry import get_workload
 from lmbatch.frontend.workload import LoadArgs
 from lmbatch.options import RunOptions
 from lmbatch.programs import hellaswag
-from lmbatch.rundir.rundir import fingerprint
+from lmbatch.programs.registry import get_workload
+from lmbatch.run.identity import fingerprint
 
 RECORD = {"method": "fp8", "weights": "FP8 e4m3, a scale per 128x128 block", "activations": "dynamic"}
 

@@ -309,13 +309,13 @@ def test_a_full_disk_keeps_whole_parts_and_resumes(tiny, tmp_path, reference, mo
             open(where, "wb").write(b"PAR1 half")
             raise OSError(errno.ENOSPC, "No space left on device")
         real(table, where, **kw)
-    monkeypatch.setattr(rd.pq, "write_table", full)
+    monkeypatch.setattr(pq, "write_table", full)
     with pytest.raises(UserError, match="No space left on device") as e:
         run(_options("mmlu", tiny, tmp_path, "x"))
     assert "of 6 instances are kept in whole parts" in str(e.value)
     parts = sorted(p.name for p in (tmp_path / "x" / "parts").iterdir())
     assert parts == ["000001.instances.parquet", "000001.requests.parquet"]     # no temporary file left
-    monkeypatch.setattr(rd.pq, "write_table", real)
+    monkeypatch.setattr(pq, "write_table", real)
     d = run(_options("mmlu", tiny, tmp_path, "x"))
     _same_results(_instances(d), want)
 
@@ -339,9 +339,9 @@ def test_a_killed_overwrite_keeps_the_replaced_run_until_it_completes(tiny, tmp_
 
 def test_how_to_resume_names_the_run_id_a_command_did_not(tmp_path):
     """A default run id has a timestamp: re-running the same command would start another run."""
-    assert rd.RunDir(tmp_path / "mmlu-5shot-m-20261123-120000", {}, False, False, named=False).rerun == \
+    assert rd.RunDir(tmp_path / "mmlu-5shot-m-20261123-120000", {}, False, named=False).rerun == \
         "re-run the same command with --run-id mmlu-5shot-m-20261123-120000"
-    assert rd.RunDir(tmp_path / "x", {}, False, False).rerun == "re-run the same command"
+    assert rd.RunDir(tmp_path / "x", {}, False).rerun == "re-run the same command"
 
 
 def test_an_interrupted_run_names_the_folder_to_resume(tmp_path):
@@ -350,7 +350,7 @@ def test_an_interrupted_run_names_the_folder_to_resume(tmp_path):
     from lmbatch.run.parts import Stop
 
     stop = Stop()
-    stop.rundir = rd.RunDir(tmp_path / "mmlu-0shot-m-20261125-120000", {}, False, False, named=False)
+    stop.rundir = rd.RunDir(tmp_path / "mmlu-0shot-m-20261125-120000", {}, False, named=False)
     stop.rundir.saved, stop.rundir.total = {0: "a"}, 3
     assert stop.kept() == (f"1 of 3 instances kept; re-run the same command with --run-id mmlu-0shot-m-20261125-120000 "
                            f"to resume {tmp_path / 'mmlu-0shot-m-20261125-120000'}")
@@ -363,8 +363,8 @@ def test_an_interrupted_run_names_the_folder_to_resume(tmp_path):
 def test_an_empty_run_id_is_refused_before_any_work(tmp_path):
     """`--run-id ""` used to get a timestamped folder whose interruption advised re-running the same
     command, which then started over elsewhere."""
-    from lmbatch.frontend.registry import get_workload
     from lmbatch.options import check
+    from lmbatch.programs.registry import get_workload
 
     with pytest.raises(UserError, match="--run-id '' is empty"):
         check(RunOptions.of(task="mmlu", run_id=""), get_workload("mmlu"))

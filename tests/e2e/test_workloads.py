@@ -1,13 +1,13 @@
 """HellaSwag and tree-of-thought GSM8K end to end on the embedded model (SmolLM2-135M, float32)."""
 import pytest
+from baseline import first_selects, load_hf, score_pairs
 from transformers import AutoTokenizer
 
 from lmbatch.engine import Engine
-from lmbatch.frontend.baseline import first_selects, load_hf, score_pairs
 from lmbatch.frontend.calls import CallOptions
 from lmbatch.frontend.interpreter import Interpreter
 from lmbatch.frontend.workload import LoadArgs
-from lmbatch.model.checkpoint import embedded_model_dir
+from lmbatch.model.embedded import embedded_model_dir
 from lmbatch.programs import hellaswag, tot_gsm8k
 
 

@@ -184,7 +184,7 @@ def test_fused_ops_match_torch_path():
     import torch.nn.functional as F
 
     from lmbatch.kernels import fused
-    from lmbatch.model.network import apply_rope
+    from lmbatch.model.layers import apply_rope
 
     g = torch.Generator("cuda").manual_seed(0)
     bf = dict(device="cuda", dtype=torch.bfloat16)
@@ -415,7 +415,7 @@ def test_fused_moe_matches_the_expert_loop(T):
     import torch.nn.functional as F
 
     from lmbatch.kernels.moe import fused_moe
-    from lmbatch.model.network import act_mul
+    from lmbatch.model.layers import act_mul
 
     g = torch.Generator("cuda").manual_seed(T)
     E, k, H, n = 16, 4, 256, 192

@@ -10,7 +10,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmbatch.engine.parallel import AHEAD, _Dispatch
+from lmbatch.engine.dispatch import AHEAD, Dispatch
 from lmbatch.engine.worker import _Prepare, chunk_message
 from lmbatch.requests import GenerateRequest, SamplingParams, ScoreRequest
 from lmbatch.scheduler.partition import Batch, Chunk, chunk_batch
@@ -47,7 +47,7 @@ def test_a_chunk_crosses_whole_and_plans_as_sorting_would(specs, n, per_worker, 
 def _simulate(chunks: list[Chunk], n: int, speed: list[float]) -> tuple[dict[int, int], list[float]]:
     """Workers running what the dispatch gives them, each chunk taking cost / speed: where each chunk
     ran, and when each worker ended. Checks, as each worker runs out, that no chunk it may take waits."""
-    d = _Dispatch(chunks, n)
+    d = Dispatch(chunks, n)
     held = [list(cs) for cs in d.start()]
     ran: dict[int, int] = {}
     events = [(chunks[held[k][0]].cost / speed[k], k) for k in range(n) if held[k]]
@@ -96,9 +96,9 @@ def test_idle_workers_take_the_last_chunks():
 def test_no_chunk_is_taken_before_every_worker_has_its_own():
     """A worker with nothing of its own waits rather than taking another's only chunk at the start."""
     chunks = [Chunk([], [], 5.0, 1, False)]
-    d = _Dispatch(chunks, 2)
+    d = Dispatch(chunks, 2)
     assert d.start() == [[], [0]]
     rnd = random.Random(0)
     chunks = [Chunk([], [], float(rnd.randrange(1, 9)), k % 3, False) for k in range(9)]
-    first = _Dispatch(chunks, 3).start()
+    first = Dispatch(chunks, 3).start()
     assert all(chunks[c].home == k for k, cs in enumerate(first) for c in cs)

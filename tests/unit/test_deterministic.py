@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from lmbatch.attention.torch_ref import attend_fixed
 from lmbatch.engine import Engine
-from lmbatch.model.checkpoint import embedded_model_dir
-from lmbatch.model.network import fixed_linear
+from lmbatch.model.embedded import embedded_model_dir
+from lmbatch.model.layers import fixed_linear
 from lmbatch.requests import GenerateRequest, SamplingParams, ScoreRequest
 
 

@@ -267,7 +267,7 @@ def test_one_wave_of_selects_takes_its_plans_optimum(tiny_tok):
 
     interp, _ = run_programs(tiny_tok, program, [{"q": q} for q in ("Is it?", "Is it?", "Why not", "Is it")])
     assert interp.waves == 1
-    executed = [row["token_ids"] for rows in interp.tally.rows_by_run.values() for row in rows]
+    executed = [row.token_ids for rows in interp.tally.rows_by_run.values() for row in rows]
     assert len(executed) == interp.stats.executed < 3 * 4      # equal prompts ran once
     assert interp.stats.unique_tokens == summarize(executed).unique_tokens
     assert interp.stats.optimal_hit_rate == interp.prompt_tree_optimal_hit_rate > 0

@@ -1,6 +1,6 @@
 """kernels/fused.py's RoPE-and-store kernel on the CPU, under Triton's interpreter: a decode step's q rotated
 in place and its keys (rotated) and values written into the KV pool's slots, as rotating then storing does
-(network.apply_rope, AttentionBackend.store). The GPU suite runs it compiled, in bf16 (tests/gpu/test_gpu.py).
+(layers.apply_rope, AttentionBackend.store). The GPU suite runs it compiled, in bf16 (tests/gpu/test_gpu.py).
 
 The interpreter is chosen when `triton.jit` runs (TRITON_INTERPRET=1 at import): a process of its own."""
 import json
@@ -21,7 +21,7 @@ def _index_of_one(tensor, *scope):     # numpy 2 refuses int() of a 1-element ar
 interp._patch_lang_tensor = _index_of_one
 
 from lmbatch.kernels.fused import rope_store_
-from lmbatch.model.network import apply_rope
+from lmbatch.model.layers import apply_rope
 
 out = []
 for T, H, KVH, D in [(5, 12, 2, 128), (3, 4, 4, 64), (2, 9, 3, 32)]:

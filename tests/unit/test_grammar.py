@@ -14,7 +14,7 @@ pytest.importorskip("xgrammar")
 from transformers import AutoTokenizer  # noqa: E402
 
 from lmbatch.grammar import Constraint, GrammarCompiler, accept_tokens, allocate_bitmask, apply_mask, retokenize_jump  # noqa: E402
-from lmbatch.model.checkpoint import embedded_model_dir  # noqa: E402
+from lmbatch.model.embedded import embedded_model_dir  # noqa: E402
 
 PAD = 64  # simulate an embedding padded past the vocabulary
 SCHEMA = {

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # where each part of the lmbatch namespace lives (pyproject.toml's package-dir)
 SOURCES = {"lmbatch": ROOT / "lmbatch", "lmbatch.programs": ROOT / "programs",
            "lmbatch.kernels": ROOT / "kernels", "lmbatch.scheduler": ROOT / "scheduler"}
-REGISTRY = "lmbatch.frontend.registry"     # the one lmbatch module that finds the built-in programs
+REGISTRY = "lmbatch.programs.registry"     # the one module outside the programs' own that names them
 
 
 def _modules() -> dict[str, Path]:
@@ -57,9 +57,36 @@ def test_the_namespace_is_found():
 
 
 def test_only_the_registry_imports_programs():
-    offenders = {m for m, deps in GRAPH.items() if not m.startswith("lmbatch.programs") and m != REGISTRY
-                 and any(d.startswith("lmbatch.programs") for d in deps)}
+    """Outside lmbatch.programs, a module finds a built-in program through the registry alone."""
+    offenders = {m for m, deps in GRAPH.items() if not m.startswith("lmbatch.programs")
+                 and any(d.startswith("lmbatch.programs") and d != REGISTRY for d in deps)}
     assert not offenders
+
+
+def _imported_by_name(name: str) -> list[str]:
+    """The modules `name` imports by a string (importlib.import_module("lmbatch....")): imports the graph
+    above cannot see."""
+    out = []
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module" \
+                and node.args:
+            arg = node.args[0]
+            text = arg.value if isinstance(arg, ast.Constant) else "".join(
+                v.value for v in getattr(arg, "values", []) if isinstance(v, ast.Constant))
+            out.append(str(text))
+    return out
+
+
+def test_the_registry_imports_the_programs_it_finds():
+    """The programs import the frontend and the registry imports the programs, by plain (lazy) imports: the
+    dependency runs one way and this graph sees it (before issue 59 frontend/registry.py found them by
+    importlib, a loop neither the graph nor the cycle checks saw)."""
+    programs = {m for m in MODULES if m.startswith("lmbatch.programs.") and m != REGISTRY}
+    assert programs and GRAPH[REGISTRY] >= programs
+    assert not {m: found for m in MODULES if (found := [t for t in _imported_by_name(m)
+                                                          if t.startswith("lmbatch.programs")])}
+    assert not any(d.startswith("lmbatch.programs") for m, deps in GRAPH.items() if m.startswith("lmbatch.frontend")
+                   for d in deps)
 
 
 def test_kernels_import_nothing_from_lmbatch():
@@ -122,8 +149,7 @@ def _row_of(module: str, rows: dict[str, set[str]]) -> str:
 
 
 def test_no_cycles_among_the_module_maps_rows():
-    """The rows are layers: no row imports, through any of its modules, a row that imports it back (the
-    registry finds the built-in programs by name, importlib, not by an import this sees)."""
+    """The rows are layers: no row imports, through any of its modules, a row that imports it back."""
     rows = _module_map()
     edges: dict[str, set[str]] = {r: set() for r in rows}
     for m, deps in GRAPH.items():
@@ -207,3 +233,31 @@ def test_classes_and_functions_stay_small():
                         not name.startswith(KERNELS):
                     big.append(f"{name}.{node.name}: {len(params)} parameters")
     assert not big
+
+
+MAX_MODULE_LINES = 400
+
+
+def test_modules_stay_under_the_cap():
+    """One job a module: none over MAX_MODULE_LINES lines (issue 59: five rooms had grown to four to six jobs
+    each, 400 to 840 lines, with nothing to stop them). A module that reaches the cap is split by its jobs."""
+    big = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not big, f"modules over {MAX_MODULE_LINES} lines: {big}"
+
+
+ROWS = "lmbatch.rundir.rows"        # the Parquet tables' rows; records.py has the JSON files'
+
+
+def test_the_run_directorys_tables_become_rows_in_one_module():
+    """Rows of instances.parquet and requests.parquet are made from and into Arrow tables in rows.py alone
+    (`to_pylist` / `from_pylist`), so every column name is spelled there: a renamed column fails mypy at its
+    readers, not a user's `lmbatch report` (issue 59)."""
+    offenders = []
+    for name, path in MODULES.items():
+        if name == ROWS or not name.startswith(("lmbatch.rundir", "lmbatch.results", "lmbatch.run", "lmbatch.frontend",
+                                                "lmbatch.cli")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("to_pylist", "from_pylist", "to_pydict"):
+                offenders.append(f"{name}:{node.lineno}")
+    assert not offenders

@@ -1,4 +1,4 @@
-"""Tests for lmbatch.model.checkpoint: the embedded model's conversion and resolve_model's error paths."""
+"""Tests for lmbatch.model.checkpoint and embedded.py: the embedded model's conversion and resolve_model's errors."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from lmbatch.errors import UserError
-from lmbatch.model.checkpoint import EMBEDDED_NAME, embedded_gguf, embedded_model_dir, resolve_model
+from lmbatch.model.checkpoint import resolve_model
 from lmbatch.model.config import ModelConfig
+from lmbatch.model.embedded import EMBEDDED_NAME, embedded_gguf, embedded_model_dir
 
 # MMLU-style prompt plus the awkward cases of a byte-level BPE: unicode, digits, runs of spaces and
 # newlines, code, and special tokens written in the text.
@@ -223,7 +224,7 @@ def test_unreachable_hub_id(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_embedded_package_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import lmbatch.model.checkpoint as models
+    import lmbatch.model.embedded as models
 
     monkeypatch.setenv("LMBATCH_CACHE", str(tmp_path))
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
@@ -240,7 +241,7 @@ def test_existing_conversion_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_conversion_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import lmbatch.model.checkpoint as models
+    import lmbatch.model.embedded as models
 
     monkeypatch.setenv("LMBATCH_CACHE", str(tmp_path))
     target = tmp_path / "models" / "SmolLM2-135M-Instruct"
@@ -298,7 +299,7 @@ def test_no_room_for_the_conversion_is_refused_before_it(tmp_path: Path, monkeyp
     import shutil
     from types import SimpleNamespace
 
-    import lmbatch.model.checkpoint as models
+    import lmbatch.model.embedded as models
 
     monkeypatch.setenv("LMBATCH_CACHE", str(tmp_path))
     monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=10**9, used=9 * 10**8, free=10**8))
@@ -318,7 +319,7 @@ def test_a_killed_conversions_temporary_folder_is_removed_by_the_next_run(tmp_pa
     import subprocess
     import sys
 
-    from lmbatch.model.checkpoint import _host
+    from lmbatch.model.embedded import _host
 
     monkeypatch.setenv("LMBATCH_CACHE", str(tmp_path))
     models = tmp_path / "models"

@@ -132,6 +132,6 @@ def test_stderr_is_lm_evals_mean_stderr():
         xs = [float(rng.random() < 0.3) for _ in range(n)]
         assert mean_stderr(xs) == pytest.approx(lm_eval_mean_stderr(xs), rel=1e-12)
     assert mean_stderr([1.0]) is None and mean_stderr([]) is None
-    rows = [{"metrics": {"acc": 1.0, "f": 0.5}}, {"metrics": {"acc": 0.0}}, {"metrics": {"acc": 1.0, "f": 1.0}}]
-    assert metrics_block(rows) == {"acc": pytest.approx(2 / 3), "acc_stderr": pytest.approx(1 / 3),
+    scores = [{"acc": 1.0, "f": 0.5}, {"acc": 0.0}, {"acc": 1.0, "f": 1.0}]
+    assert metrics_block(scores) == {"acc": pytest.approx(2 / 3), "acc_stderr": pytest.approx(1 / 3),
                                    "f": 0.75, "f_stderr": pytest.approx(0.25)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from lmbatch.rundir.layout import clean_stale
+from lmbatch.rundir.place import clean_stale
 
 
 def _dead_pid() -> int:

@@ -94,7 +94,7 @@ def test_schema_compiles_and_bounds_strings() -> None:
     from transformers import AutoTokenizer
 
     from lmbatch.grammar import GrammarCompiler
-    from lmbatch.model.checkpoint import embedded_model_dir
+    from lmbatch.model.embedded import embedded_model_dir
 
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())
     gc = GrammarCompiler(tok, vocab_size=len(tok))

@@ -1,4 +1,4 @@
-"""lmbatch.results.report on synthetic run directories (no model, no data)."""
+"""lmbatch report (lmbatch/results/: runs, table, compare) on synthetic run directories (no model, no data)."""
 
 import json
 import math
@@ -9,7 +9,15 @@ import pytest
 from conftest import assert_self_contained_html as assert_self_contained
 
 from lmbatch.errors import UserError
-from lmbatch.results.report import compare_runs, load_summary, render, report_rows
+from lmbatch.results.compare import compare_runs
+from lmbatch.results.runs import load_summary
+from lmbatch.results.table import render, report_rows
+from lmbatch.rundir.records import FileRecord
+
+
+def file_record(path: Path, rows: int) -> dict:
+    """What a run records of a file, as summary.json holds it."""
+    return FileRecord.of(path, rows).to_json()
 
 
 def compare(base, cand, **kw) -> tuple[bool, list[str]]:
@@ -193,7 +201,7 @@ def test_summary_not_utf8_is_one_line(tmp_path):
 
 
 def test_small_rates_are_readable():
-    from lmbatch.results.report import _cell
+    from lmbatch.results.table import _cell
 
     assert _cell("programs_per_s", 0.0142) == "0.0142" and _cell("programs_per_s", 123.45) == "123.5"
 
@@ -201,11 +209,11 @@ def test_small_rates_are_readable():
 # --- a run's files are checked against its summary (#22 item 5) -------------------------------------------
 
 def instances_table(task: str, scores: dict, errors: dict | None = None):
-    """instances.parquet's table (lmbatch.rundir.layout.INSTANCE_SCHEMA) of one task: each id's metrics, or its error
+    """instances.parquet's table (lmbatch.rundir.records.instance_schema) of one task: each id's metrics, or its error
     (errors: id -> message; such an instance has no metrics)."""
     import pyarrow as pa
 
-    from lmbatch.rundir.layout import INSTANCE_SCHEMA
+    from lmbatch.rundir.rows import instance_schema
 
     errors = errors or {}
     ids = list(dict.fromkeys([*scores, *errors]))
@@ -215,15 +223,13 @@ def instances_table(task: str, scores: dict, errors: dict | None = None):
                  error=errors.get(i), prompt_tokens=10, cached_tokens=6, computed_tokens=4, decode_tokens=0,
                  inputs="{}")
             for i in ids]
-    return pa.Table.from_pylist(rows, schema=INSTANCE_SCHEMA)
+    return pa.Table.from_pylist(rows, schema=instance_schema())
 
 
 def write_checked_run(root: Path, run_id: str, ids=("a1", "a2")) -> Path:
-    """A run directory whose summary records its two Parquet files as the runner does (outputs.file_record)."""
+    """A run directory whose summary records its two Parquet files as the runner does (FileRecord.of)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from lmbatch.rundir.layout import file_record
 
     run = root / run_id
     run.mkdir()
@@ -258,8 +264,6 @@ def assert_one_line_error(r, *needles):
 def test_file_record(tmp_path):
     import hashlib
 
-    from lmbatch.rundir.layout import file_record
-
     data = bytes(range(256)) * 5000     # more than one 1 MiB block
     (tmp_path / "f").write_bytes(data)
     assert file_record(tmp_path / "f", 7) == {"rows": 7, "bytes": len(data),
@@ -273,7 +277,7 @@ def test_report_of_an_intact_run(tmp_path):
     assert [ln.split()[0] for ln in r.stdout.splitlines()[2:]] == ["run-a", "run-b"]
     r = report_cli("--compare", a, write_checked_run(tmp_path, "run-a2"))      # the same instances
     assert r.exit_code == 0, r.output
-    assert load_summary(a)["files"]["instances.parquet"]["rows"] == 2
+    assert load_summary(a).files["instances.parquet"].rows == 2
     # other instances (ids a1, a2 vs b1, b2) are not compared: one line
     assert_one_line_error(report_cli("--compare", a, b), "cannot compare: base and candidate ran different "
                           "instances (task 'mmlu': 2 instances only in base, e.g. id 'a1'; task 'mmlu': 2 "
@@ -323,7 +327,7 @@ def test_report_refuses_a_run_whose_files_are_not_its_own(tmp_path, alter, needl
         assert_one_line_error(report_cli(*args), str(run), *needles)
     with pytest.raises(UserError, match="run directory was altered"):
         load_summary(run)
-    assert load_summary(other)["run_id"] == "run-b"     # the source of a copy is untouched and intact
+    assert load_summary(other).run_id == "run-b"     # the source of a copy is untouched and intact
 
 
 @pytest.mark.parametrize("compare", [False, True])
@@ -376,15 +380,19 @@ def test_each_tasks_own_metrics_are_columns(tmp_path):
 
 
 def test_compare_refuses_runs_of_other_workloads():
-    from lmbatch.results.report import workload_differences
+    from lmbatch.results.compare import workload_differences
+    from lmbatch.results.runs import as_run
 
     def with_options(**kw):
         s = make_summary()
         s["options"] = {**s["options"], **kw}
         return s
+
+    def differences(base: dict, cand: dict) -> list[str]:
+        return workload_differences(as_run(base).summary, as_run(cand).summary)
     base = with_options(subjects=["a", "b"], limit=10, seed=0)
-    assert workload_differences(base, with_options(subjects=["b", "a", "a"], limit=10, seed=0)) == []
-    assert workload_differences(base, with_options(subjects=["a"], limit=10, seed=0)) == \
+    assert differences(base, with_options(subjects=["b", "a", "a"], limit=10, seed=0)) == []
+    assert differences(base, with_options(subjects=["a"], limit=10, seed=0)) == \
         ["subjects ['a', 'b'] vs ['a']"]
     other = with_options(shots=0, subjects=["a", "b"], limit=1, seed=0)
     other["model"], other["dtype"] = "/elsewhere/Other", "bfloat16"
@@ -420,7 +428,7 @@ def test_thresholds_are_checked(kw, needle):
     ("counts", {"instances": 1.5}, "field 'counts.instances' is 1.5 (float), not an integer"),
     ("run_id", ["x"], "field 'run_id' is ['x'] (list), not a string"),
     ("files", [], "field 'files' is [] (list), not an object"),
-    ("metrics", {"acc_norm": "0.3"}, "field 'metrics.acc_norm' is '0.3', not a number"),
+    ("metrics", {"acc_norm": "0.3"}, "field 'metrics.acc_norm' is '0.3' (str), not a number or null"),
 ])
 def test_a_summary_with_a_field_of_another_type_is_one_line(tmp_path, field, value, needle):
     """`hit_rate` a string was a TypeError in report; now one line naming the file and the field."""
@@ -445,8 +453,6 @@ def write_scored_run(root: Path, run_id: str, scores: dict, errors: dict | None 
     the means over the scored instances; with tasks_block, it has summary.json's `tasks` block too."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from lmbatch.rundir.layout import file_record
 
     errors = errors or {}
     run = root / run_id
@@ -494,7 +500,7 @@ def flipped(worse: int, better: int) -> list:
 
 
 def test_the_table_shows_standard_errors_computed_by_hand(tmp_path):
-    from lmbatch.results.report import load_run
+    from lmbatch.results.runs import load_run
 
     run = write_scored_run(tmp_path, "r", {"mmlu": accs([1, 0, 1, 1])})
     row = report_rows([load_run(run)])[0]
@@ -506,7 +512,7 @@ def test_the_table_shows_standard_errors_computed_by_hand(tmp_path):
 
 
 def test_every_metric_has_its_standard_error(tmp_path):
-    from lmbatch.results.report import load_run
+    from lmbatch.results.runs import load_run
 
     scores = {"a": {"acc": 1.0, "acc_norm": 1.0}, "b": {"acc": 0.0, "acc_norm": 1.0},
               "c": {"acc": 0.0, "acc_norm": 0.0}}
@@ -517,7 +523,7 @@ def test_every_metric_has_its_standard_error(tmp_path):
 
 
 def test_a_suite_run_has_a_row_per_task(tmp_path):
-    from lmbatch.results.report import load_run
+    from lmbatch.results.runs import load_run
 
     run = write_scored_run(tmp_path, "suite", {"arc_easy:rc": accs([1, 0, 1]), "boolq:mc": accs([1, 1])},
                            tasks_block=True)
@@ -532,10 +538,10 @@ def test_a_suite_run_has_a_row_per_task(tmp_path):
 
 
 def test_a_tasks_block_of_another_type_is_one_line(tmp_path):
-    from lmbatch.results.report import load_run
+    from lmbatch.results.runs import load_run
 
     run = write_scored_run(tmp_path, "s", {"t": accs([1, 0])}, tasks={"t": {"n": "2", "metrics": {}}})
-    with pytest.raises(UserError, match=r"task 't': field 'n' is '2' \(str\), not an integer"):
+    with pytest.raises(UserError, match=r"field 'tasks.t.n' is '2' \(str\), not an integer"):
         report_rows([load_run(run)])
 
 
@@ -609,7 +615,7 @@ def test_compare_refuses_runs_over_other_instances_in_one_line(tmp_path, cand_sc
     assert_one_line_error(report_cli("--compare", base, cand), "cannot compare: base and candidate ran different "
                           "instances (task 'mmlu'", needle)
     with pytest.raises(UserError, match="ran different instances"):
-        compare(*map(__import__("lmbatch.results.report", fromlist=["load_run"]).load_run, (base, cand)))
+        compare(*map(__import__("lmbatch.results.runs", fromlist=["load_run"]).load_run, (base, cand)))
 
 
 def test_compare_a_suite_per_task(tmp_path):
@@ -679,7 +685,8 @@ def test_an_html_file_that_cannot_be_written_is_one_line(tmp_path):
 def test_a_suite_raises_no_more_false_alarms_than_one_task(tmp_path):
     """p 0.021 on one task alone is a regression at alpha 0.05; as one of ten tasks compared together it is
     what chance gives one task in ten (Holm: second smallest of ten, 9 x 0.021), while a real drop stays one."""
-    from lmbatch.results.report import compare_runs, load_run
+    from lmbatch.results.compare import compare_runs
+    from lmbatch.results.runs import load_run
 
     alone = compare_runs(load_run(write_scored_run(tmp_path, "b1", {"t0": accs(BASE)})),
                          load_run(write_scored_run(tmp_path, "c1", {"t0": accs(flipped(12, 3))})))
@@ -699,7 +706,8 @@ def test_a_suite_raises_no_more_false_alarms_than_one_task(tmp_path):
 def test_the_primary_metric_a_tasks_block_declares_decides(tmp_path):
     """A run written before the tasks block (primary acc, derived) against one whose block declares acc_norm:
     acc_norm decides, whichever run is the base."""
-    from lmbatch.results.report import compare_runs, load_run
+    from lmbatch.results.compare import compare_runs
+    from lmbatch.results.runs import load_run
 
     same, worse = accs(BASE), accs(flipped(40, 5))
     old = {k: {"acc": v["acc"], "acc_norm": v["acc"]} for k, v in same.items()}
@@ -717,7 +725,7 @@ def test_the_primary_metric_a_tasks_block_declares_decides(tmp_path):
 def test_a_suite_summarys_own_accuracy_error_and_shots_are_shown(tmp_path):
     """A suite's accuracy is over each task's primary metric: its summary's accuracy_stderr is that mean's,
     not acc's; its top-level shots (null when its tasks' differ) is the one shown."""
-    from lmbatch.results.report import load_run
+    from lmbatch.results.runs import load_run
 
     run = write_scored_run(tmp_path, "suite", {"arc_easy:rc": accs([1, 0, 1]), "boolq:mc": accs([1, 1])},
                            tasks_block=True, accuracy_stderr=0.0456, shots=None)
@@ -788,8 +796,8 @@ def json_scores(valid: list) -> dict:
 
 def test_every_metric_of_a_json_task_is_compared(tmp_path):
     """Item 2: json's summary said primary_metric acc, which no instance has, so --compare skipped it."""
-    from lmbatch.results.report import load_run
     from lmbatch.results.report_html import _categories
+    from lmbatch.results.runs import load_run
 
     old_block = {"json": {**task_block(accs([1])), "primary_metric": "acc", "metrics": {"complete": 1.0, "valid": 1.0}}}
     base = write_scored_run(tmp_path, "base", {"json": json_scores([1] * 20)}, tasks=old_block)     # an older run
@@ -830,16 +838,20 @@ def test_the_tasks_block_names_a_primary_metric_its_instances_carry():
     and every one of their metrics is compared; a declared primary metric (acc, an OLMES config's) stays."""
     from lmbatch.frontend.workload import Workload
     from lmbatch.results.task_results import accuracy, tasks_block
+    from lmbatch.rundir.rows import InstanceRow
 
-    rows = [{"task": "qa", "error": None, "metrics": {"f1": 0.5, "em": 0.0}},
-            {"task": "qa", "error": "boom", "metrics": {}}]
+    def row(error: str | None, metrics: dict) -> InstanceRow:
+        return InstanceRow(task="qa", subject="", id="i", prediction=None, gold=None, correct=None, logprobs=[],
+                           is_greedy=[], metrics=metrics, outputs="{}", error=error, prompt_tokens=0,
+                           cached_tokens=0, computed_tokens=0, decode_tokens=0, inputs="{}")
+    rows = [row(None, {"f1": 0.5, "em": 0.0}), row("boom", {})]
     own = Workload("qa", "", lambda s: None, lambda a: [], primary_metric=None)
     block = tasks_block(own, rows, {}, {})["qa"]
-    assert (block["primary_metric"], block["compared_metrics"], block["failed"]) == ("em", ["em", "f1"], 1)
+    assert (block.primary_metric, block.compared_metrics, block.failed) == ("em", ["em", "f1"], 1)
     assert accuracy(own, rows) == [0.0]
     declared = Workload("qa", "", lambda s: None, lambda a: [], primary_metric="f1")
     block = tasks_block(declared, rows, {}, {})["qa"]
-    assert (block["primary_metric"], block["compared_metrics"]) == ("f1", ["f1"])
+    assert (block.primary_metric, block.compared_metrics) == ("f1", ["f1"])
 
 
 def test_html_never_writes_over_a_run_file_or_another_file(tmp_path):
@@ -859,7 +871,7 @@ def test_html_never_writes_over_a_run_file_or_another_file(tmp_path):
 
 def test_a_suites_olmes_task_shows_its_primary_metric(tmp_path):
     """Item 8a: a suite's OLMES task showed `accuracy -` (its primary metric is acc_per_char, not acc)."""
-    from lmbatch.results.report import load_run
+    from lmbatch.results.runs import load_run
 
     scores = {"arc_challenge:rc": {f"q{i}": {"acc_raw": 0.0, "acc_per_char": float(i % 2)} for i in range(4)},
               "mmlu": accs([1, 0])}

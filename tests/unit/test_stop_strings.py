@@ -15,8 +15,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from lmbatch.engine.sampler import Sampler
 from lmbatch.engine.state import Running
-from lmbatch.model.checkpoint import embedded_model_dir
 from lmbatch.model.config import ModelConfig
+from lmbatch.model.embedded import embedded_model_dir
 from lmbatch.requests import SamplingParams
 from tests.unit.test_tokenizer_build import sentencepiece_like
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lmbatch.frontend.registry import get_workload
 from lmbatch.options import RunOptions
+from lmbatch.programs.registry import get_workload
 from lmbatch.run.summary import _shots
 
 

@@ -99,9 +99,13 @@ def test_the_closing_line_names_a_ranks_device():
     """`--tensor-parallel 3 --device cpu` runs three gloo processes on the CPU: the run's closing line says so,
     never "3 GPUs" (issue 57)."""
     from lmbatch.run.summary import _workers
+    from lmbatch.rundir.records import DataParallel, WorkerLoad
 
-    dp = {"tensor_parallel": 3, "workers_load": [{"busy_s": 1.0, "idle_s": 0.0}]}
+    def load(busy: float, idle: float) -> WorkerLoad:
+        return WorkerLoad(busy_s=busy, idle_s=idle, computed_tokens=0, chunks=1, chunks_taken=0)
+
+    dp = DataParallel(workers=1, tensor_parallel=3, workers_load=[load(1.0, 0.0)])
     assert _workers(dp, "cpu") == "  1 worker x 3 CPU processes busy 100%-100%"
     assert _workers(dp, "cuda") == "  1 worker x 3 GPUs busy 100%-100%"
-    two = {"tensor_parallel": 1, "workers_load": [{"busy_s": 1.0, "idle_s": 1.0}, {"busy_s": 3.0, "idle_s": 1.0}]}
+    two = DataParallel(workers=2, tensor_parallel=1, workers_load=[load(1.0, 1.0), load(3.0, 1.0)])
     assert _workers(two, "cuda") == "  2 workers busy 50%-75%"

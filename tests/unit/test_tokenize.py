@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from lmbatch.frontend.tokenize import TextEncoder, _splittable, choice_texts, split_choices
 from lmbatch.frontend.workload import LoadArgs
-from lmbatch.model.checkpoint import embedded_model_dir
+from lmbatch.model.embedded import embedded_model_dir
 
 # Qwen2's pre-tokenizer, exactly as in its tokenizer.json
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -389,7 +389,7 @@ def test_for_model_caches_what_autotokenizer_made(tmp_path, monkeypatch):
     rebuilt the file (a qwen2 folder); any change to the folder's files makes another entry."""
     from transformers import Qwen2Config
 
-    import lmbatch.model.tokenizer as tokenizer_module
+    import lmbatch.model.tokenizer_build as tokenizer_module
     from lmbatch.frontend.tokenize import tokenizer_cache_file
 
     monkeypatch.setattr(tokenizer_module, "_validated", lambda: False)

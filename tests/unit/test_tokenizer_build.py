@@ -30,9 +30,9 @@ from pathlib import Path
 import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from lmbatch.model import tokenizer as tokmod
+from lmbatch.model import tokenizer_build as tokmod
 from lmbatch.model.checkpoint import resolve_model
-from lmbatch.model.tokenizer import Fallback, build_tokenizer, choose_class
+from lmbatch.model.tokenizer_build import Fallback, build_tokenizer, choose_class
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -455,7 +455,7 @@ def test_does_not_import_transformers(folders):
     """In a fresh interpreter: an as-is folder and a rebuilt one, with AutoTokenizer's ids."""
     names = ["pttf_llama_qwenjson", "qwen2_pttf_gpt2json"]
     code = ("import json, sys\n"
-            "from lmbatch.model.tokenizer import build_tokenizer\n"
+            "from lmbatch.model.tokenizer_build import build_tokenizer\n"
             "ids = [build_tokenizer(f).encode(sys.argv[1], add_special_tokens=False).ids for f in sys.argv[2:]]\n"
             "print(json.dumps({'transformers': 'transformers' in sys.modules, 'ids': ids}))\n")
     text = "Hello 1234567 <|im_end|>\n"

@@ -26,7 +26,8 @@ from test_tokenizer_build import RECIPES, TEXTS, auto_tokenizer, corpus, write_f
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from lmbatch.model.checkpoint import resolve_model
-from lmbatch.model.tokenizer import LazyTokenizer, TextDecoder, build_tokenizer
+from lmbatch.model.tokenizer import LazyTokenizer, TextDecoder
+from lmbatch.model.tokenizer_build import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 

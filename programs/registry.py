@@ -1,21 +1,45 @@
-"""Workload registry: the built-in programs and suites by name, a comma-separated list of them, or a
-user's program file."""
+"""Workload registry, beside the programs it names: the built-in programs and suites by name, a
+comma-separated list of them, or a user's program file. It imports each program where it is asked for (a
+plain import, lazily: a run loads its own task's module alone), so the import graph shows what it finds."""
 from __future__ import annotations
 
-import importlib
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from lmbatch.errors import UserError
 from lmbatch.frontend.suite import make_suite
 from lmbatch.frontend.workload import Workload, load_file
 
-BUILTIN = {  # name -> module in programs/ that defines WORKLOAD
-    "mmlu": "mmlu",
-    "hellaswag": "hellaswag",
-    "tot-gsm8k": "tot_gsm8k",
-    "json": "json_cities",
+if TYPE_CHECKING:
+    from types import ModuleType
+
+
+def _mmlu() -> Workload:
+    from lmbatch.programs import mmlu
+    return mmlu.WORKLOAD
+
+
+def _hellaswag() -> Workload:
+    from lmbatch.programs import hellaswag
+    return hellaswag.WORKLOAD
+
+
+def _tot_gsm8k() -> Workload:
+    from lmbatch.programs import tot_gsm8k
+    return tot_gsm8k.WORKLOAD
+
+
+def _json() -> Workload:
+    from lmbatch.programs import json_cities
+    return json_cities.WORKLOAD
+
+
+BUILTIN: dict[str, Callable[[], Workload]] = {  # name -> its program module's WORKLOAD
+    "mmlu": _mmlu,
+    "hellaswag": _hellaswag,
+    "tot-gsm8k": _tot_gsm8k,
+    "json": _json,
 }
 
 
@@ -25,8 +49,9 @@ class Suite(NamedTuple):
     tasks: tuple[tuple[str, int | None], ...]
 
 
-def _olmes() -> Any:
-    return importlib.import_module("lmbatch.programs.olmes")
+def _olmes() -> ModuleType:
+    from lmbatch.programs import olmes
+    return olmes
 
 
 def _olmes_suite(fmt: str) -> tuple[tuple[str, int | None], ...]:
@@ -48,7 +73,7 @@ def workload_names() -> list[str]:
 
 def _task(name: str) -> Workload:
     if name in BUILTIN:
-        return importlib.import_module(f"lmbatch.programs.{BUILTIN[name]}").WORKLOAD
+        return BUILTIN[name]()
     olmes = _olmes()
     if name.removesuffix(olmes.SUFFIX) in olmes.task_names():
         return olmes.workload(name)

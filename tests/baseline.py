@@ -1,5 +1,6 @@
 """Plain transformers scoring, as lm-eval-harness's HF backend does it: the reference for parity
-tests and the baseline of the benchmarks. Length-sorted, left-padded batches; logits at the last
+tests and the baseline of the benchmarks (test equipment, not lmbatch: the tests import it as `baseline`, the
+benchmarks put tests/ on their path). Length-sorted, left-padded batches; logits at the last
 position only; the choices of a question are one-token continuations of its context."""
 from __future__ import annotations
 
