@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from lmbatch.attention.kv_pool import KVPool
-from lmbatch.attention.registry import BACKENDS, REGISTRY
+from lmbatch.attention.registry import BACKENDS, DEFAULT_CUDA, REFERENCE, REGISTRY
 
 
 @dataclass
@@ -103,8 +103,8 @@ def default_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16, t
     precision a float32 run asks for), and for a model whose attention the GPU kernels do not compute
     (`torch_only`: ModelConfig.torch_attention_only says why)."""
     if device.type != "cuda" or dtype == torch.float32 or torch_only:
-        return "torch"
-    return "triton"
+        return REFERENCE
+    return DEFAULT_CUDA
 
 
 def make_backend(name: str, pool: KVPool, num_heads: int, head_dim: int, scale: float | None = None,

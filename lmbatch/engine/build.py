@@ -18,7 +18,7 @@ import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
-from lmbatch.attention.registry import BACKENDS
+from lmbatch.attention.registry import BACKENDS, DEFAULT_CUDA, REFERENCE, REGISTRY, able
 from lmbatch.engine.options import EngineSpec
 from lmbatch.errors import UserError
 from lmbatch.timing import Phases
@@ -96,31 +96,32 @@ def pick_attention(wanted: str, device: str, dtype: str, cfg: ModelConfig) -> At
     if wanted not in ATTENTION:
         raise UserError(f"--attention {wanted}: use one of {', '.join(ATTENTION)}")
     if cfg.runtime != "native":
-        return Attention("torch", "the transformers fallback attends by itself")
-    if wanted == "torch":
-        return Attention("torch", "asked for")
+        return Attention(REFERENCE, "the transformers fallback attends by itself")
+    if wanted == REFERENCE:
+        return Attention(REFERENCE, "asked for")
+    entry = REGISTRY.get(wanted)        # None: auto
     why_torch = cfg.torch_attention_only()
     if why_torch and device == "cuda" and dtype != "float32":
-        if wanted != "auto":
-            raise UserError(f"--attention {wanted}: {cfg.model_type} has {why_torch}; use torch or auto")
-        return Attention("torch", why_torch)
+        if entry is not None and not entry.latent:
+            raise UserError(f"--attention {wanted}: {cfg.model_type} has {why_torch}; use {REFERENCE} or auto")
+        return Attention(REFERENCE, why_torch) if entry is None else Attention(wanted, "asked for")
     if cfg.attn_sinks and device == "cuda" and dtype != "float32":
-        if wanted in ("flashinfer", "cascade"):
-            raise UserError(f"--attention {wanted}: {cfg.model_type} has {SINKS}, which only the triton and torch "
+        if entry is not None and not entry.sinks:
+            raise UserError(f"--attention {wanted}: {cfg.model_type} has {SINKS}, which only the {able('sinks')} "
                             "backends compute")
-        return Attention("triton" if wanted == "auto" else wanted, f"{SINKS}: Triton's kernels have them")
+        return Attention(DEFAULT_CUDA if entry is None else wanted, f"{SINKS}: Triton's kernels have them")
     if device != "cuda":
-        if wanted != "auto":
-            raise UserError(f"--attention {wanted} needs CUDA; on CPU lmbatch runs the torch backend")
-        return Attention("torch", "CPU")
+        if entry is not None and entry.cuda:
+            raise UserError(f"--attention {wanted} needs CUDA; on CPU lmbatch runs the {REFERENCE} backend")
+        return Attention(REFERENCE, "CPU") if entry is None else Attention(wanted, "asked for")
     if dtype == "float32":
-        if wanted != "auto":
-            raise UserError(f"--attention {wanted}: float32 runs the torch backend (FlashInfer has no float32 "
+        if entry is not None and not entry.float32:
+            raise UserError(f"--attention {wanted}: float32 runs the {REFERENCE} backend (FlashInfer has no float32 "
                             "kernels; Triton would round float32 inputs to tf32)")
-        return Attention("torch", "float32")
+        return Attention(REFERENCE, "float32") if entry is None else Attention(wanted, "asked for")
     windowed = any(w is not None for w in cfg.layer_windows)
     built, where = flashinfer_built(cfg.head_dim, dtype, windowed, cfg.attn_softcap > 0)
-    if wanted in ("triton", "cascade"):
+    if entry is not None and wanted != "flashinfer":
         return Attention(wanted, "asked for")
     if wanted == "flashinfer":
         if where == "not installed":
@@ -131,7 +132,7 @@ def pick_attention(wanted: str, device: str, dtype: str, cfg: ModelConfig) -> At
         return Attention("flashinfer", "asked for" + ("" if built else " (compiled at first use)"))
     if built:
         return Attention("flashinfer", f"its kernels for this model are built ({where})")
-    return Attention("triton", "FlashInfer is not installed" if where == "not installed" else
+    return Attention(DEFAULT_CUDA, "FlashInfer is not installed" if where == "not installed" else
                      "FlashInfer's kernels for this model are not built yet (--attention flashinfer builds them)")
 
 
@@ -141,11 +142,11 @@ def fit(spec: EngineSpec, cfg: ModelConfig) -> tuple[EngineSpec, Attention]:
     device, dtype = pick_device(spec.device, spec.dtype)
     o = spec.options
     attention = pick_attention(o.attention or "auto", device, dtype, cfg)
-    if o.deterministic and attention.name in ("flashinfer", "cascade"):
+    if o.deterministic and not REGISTRY[attention.name].deterministic:
         if (o.attention or "auto") != "auto":     # their sums depend on the batch (split keys, shared levels)
-            raise UserError(f"--attention {attention.name} is not deterministic: use triton or auto with "
+            raise UserError(f"--attention {attention.name} is not deterministic: use {DEFAULT_CUDA} or auto with "
                             "--deterministic")
-        attention = Attention("triton", "deterministic")
+        attention = Attention(DEFAULT_CUDA, "deterministic")
     kv = o.kv_cache_tokens if o.kv_cache_tokens is not None else default_kv_tokens(cfg, device, dtype)
     batch = o.max_tokens_per_batch if o.max_tokens_per_batch is not None else default_batch_tokens(cfg, device, dtype)
     fp8_gemm = o.fp8_gemm if o.fp8_gemm is not None else fp8_fits(spec, cfg, device, dtype)

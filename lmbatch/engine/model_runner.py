@@ -11,7 +11,7 @@ import torch
 
 from lmbatch.attention.base import ForwardBatch, default_backend, make_backend
 from lmbatch.attention.kv_pool import KVPool, LatentKVPool, Slots
-from lmbatch.attention.registry import REGISTRY
+from lmbatch.attention.registry import REFERENCE, REGISTRY, able
 from lmbatch.engine.threads import CpuThreads
 from lmbatch.errors import UserError
 from lmbatch.model.network import Transformer
@@ -85,15 +85,16 @@ class ModelRunner:
                             "transformers fallback")
         # the transformers fallback attends by itself: of the backend it uses only the pool and plan
         why_torch = cfg.torch_attention_only() if native else None
-        attention = (o.attention or default_backend(self.device, dtype, why_torch is not None)) if native else "torch"
-        if why_torch and attention != "torch":
-            raise UserError(f"--attention {attention}: {cfg.model_type} has {why_torch}; use torch or auto")
-        if cfg.attn_sinks and attention in ("flashinfer", "cascade"):
-            raise UserError(f"--attention {attention}: {cfg.model_type} has attention sinks, which only the triton "
-                            "and torch backends compute")
+        attention = (o.attention or default_backend(self.device, dtype, why_torch is not None)) if native else REFERENCE
+        entry = REGISTRY[attention]
+        if why_torch and not entry.latent:
+            raise UserError(f"--attention {attention}: {cfg.model_type} has {why_torch}; use {REFERENCE} or auto")
+        if cfg.attn_sinks and not entry.sinks:
+            raise UserError(f"--attention {attention}: {cfg.model_type} has attention sinks, which only the "
+                            f"{able('sinks')} backends compute")
         # decode steps replay CUDA graphs (not for the torch reference backend, which stays eager, nor
         # for the fallback); one extra slot is the graphs' scratch for padded rows
-        use_graphs = o.cuda_graphs and native and self.device.type == "cuda" and attention != "torch"
+        use_graphs = o.cuda_graphs and native and self.device.type == "cuda" and entry.graphs
         pool = LatentKVPool if cfg.keys_are_values else KVPool
         self.pool = pool(cast(int, o.kv_cache_tokens) + use_graphs, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                          dtype, self.device)
@@ -112,8 +113,8 @@ class ModelRunner:
             scratch = int(self.pool.reserve(1)[0])
             self.graphs = DecodeGraphs(cast(Transformer, model), self.pool, scratch, 2 * o.max_running)
             self.graphs.deterministic = o.deterministic
-            if attention in ("triton", "cascade") and not o.deterministic and not cfg.attn_sinks:
-                self.graphs.use_cascade(every_step=REGISTRY[attention].cascade)    # the cascade kernel has no sinks
+            if entry.levels != "never" and not o.deterministic and not cfg.attn_sinks:     # the levels have no sinks
+                self.graphs.use_cascade(every_step=entry.levels == "every")
 
     def capture_graphs(self) -> None:
         """Capture every decode graph now (a run that only scores never needs them)."""
