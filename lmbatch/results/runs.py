@@ -276,4 +276,4 @@ def as_run(run: Run | Summary | dict[str, Any]) -> Run:
         return run
     if isinstance(run, Summary):
         return Run(run)
-    return Run(summary_of(run, f"summary of run {run.get('run_id', '?')}"))
+    return Run(summary_of(run, "a summary given as parsed JSON"))     # checked before any field is read
