@@ -7,23 +7,13 @@ compiled (tests/gpu/test_gpu.py).
 The interpreter is chosen when `triton.jit` runs (TRITON_INTERPRET=1 at import), so the cases run in a
 process of their own."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+from triton_interpreter import interpreted
 
 SCRIPT = r'''
 import json, sys
 import numpy as np, torch
-import triton.runtime.interpreter as interp
-
-_patch = interp._patch_lang_tensor
-def _index_of_one(tensor, *scope):     # numpy 2 refuses int() of a 1-element array: Triton's scalars are
-    _patch(tensor, *scope)             # such arrays in its interpreter (triton 3.5, 3.6)
-    index = lambda self: int(self.handle.data.reshape(-1)[0])
-    scope[0].set_attr(tensor, "__index__", index) if scope else setattr(tensor, "__index__", index)
-interp._patch_lang_tensor = _index_of_one
 
 from lmbatch.engine.cascade import plan_levels
 from lmbatch.engine.graphs import level_size, load_levels, stage_levels
@@ -105,11 +95,7 @@ CASES = [[12, 2, 128, 0.0, 3], [8, 8, 32, 0.0, 2], [9, 3, 64, 3.0, 3], [16, 1, 6
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CASES)], capture_output=True, text=True, env=env,
-                       timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return {tuple(r["case"]): r for r in json.loads(p.stdout.strip().splitlines()[-1])}
+    return {tuple(r["case"]): r for r in interpreted(SCRIPT, json.dumps(CASES))}
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "h{}kv{}d{}cap{}L{}".format(*c))

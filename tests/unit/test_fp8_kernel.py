@@ -5,23 +5,13 @@ against `quantize_activations` (its scales and padding here, its values on the G
 through the GEMM. The GPU suite runs it compiled (tests/gpu/test_quantized_gpu.py).
 The interpreter is chosen when `triton.jit` runs (TRITON_INTERPRET=1 at import), so the cases run in a process
 of their own."""
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from triton_interpreter import interpreted
 
 SCRIPT = r'''
 import json, sys
 import torch
-import triton.runtime.interpreter as interp
-
-_patch = interp._patch_lang_tensor
-def _index_of_one(tensor, *scope):     # numpy 2 refuses int() of a 1-element array (as in test_cascade_kernel)
-    _patch(tensor, *scope)
-    index = lambda self: int(self.handle.data.reshape(-1)[0])
-    scope[0].set_attr(tensor, "__index__", index) if scope else setattr(tensor, "__index__", index)
-interp._patch_lang_tensor = _index_of_one
 
 sys.path.insert(0, sys.argv[1])
 from quantized_checkpoints import fp8_blocks
@@ -49,11 +39,7 @@ print(json.dumps([out, same]))
 
 
 def test_block_fp8_gemm_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    tests = str(Path(__file__).parents[1])
-    res = subprocess.run([sys.executable, "-c", SCRIPT, tests], capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out, same = json.loads(res.stdout.strip().splitlines()[-1])
+    out, same = interpreted(SCRIPT, str(Path(__file__).parents[1]), timeout=300)
     for worst, scale in out:
         assert worst < 1e-5 * scale * 10, (worst, scale)        # float32 sums in another order
     assert all(all(case) for case in same), same

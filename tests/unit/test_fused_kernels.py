@@ -3,22 +3,12 @@ in place and its keys (rotated) and values written into the KV pool's slots, as 
 (layers.apply_rope, AttentionBackend.store). The GPU suite runs it compiled, in bf16 (tests/gpu/test_gpu.py).
 
 The interpreter is chosen when `triton.jit` runs (TRITON_INTERPRET=1 at import): a process of its own."""
-import json
-import os
-import subprocess
-import sys
+
+from triton_interpreter import interpreted
 
 SCRIPT = r'''
 import json
 import torch
-import triton.runtime.interpreter as interp
-
-_patch = interp._patch_lang_tensor
-def _index_of_one(tensor, *scope):     # numpy 2 refuses int() of a 1-element array (triton 3.5, 3.6)
-    _patch(tensor, *scope)
-    index = lambda self: int(self.handle.data.reshape(-1)[0])
-    scope[0].set_attr(tensor, "__index__", index) if scope else setattr(tensor, "__index__", index)
-interp._patch_lang_tensor = _index_of_one
 
 from lmbatch.kernels.fused import rope_store_
 from lmbatch.model.layers import apply_rope
@@ -46,9 +36,6 @@ print(json.dumps(out))
 
 
 def test_rope_store_rotates_q_in_place_and_stores_rotated_keys_and_values():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    for r in json.loads(p.stdout.strip().splitlines()[-1]):
+    for r in interpreted(SCRIPT, timeout=600):
         assert r["q"] < 1e-6 and r["k"] < 1e-6, r
         assert r["v"] and r["rest"] and r["kv_kept"], r
