@@ -233,6 +233,19 @@ def tiny_tok(tmp_path_factory):
     return make_tiny_with_tokenizer(tmp_path_factory.mktemp("tiny_tok"))
 
 
+def hf_scores(hf, reqs: list[ScoreRequest]) -> list[float]:
+    """A transformers model's logprob of each request's continuation, one request at a time on its device."""
+    dev = next(hf.parameters()).device
+    out = []
+    for req in reqs:
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(torch.tensor([req.tokens], device=dev)).logits[0].float(), -1)
+        c = len(req.context)
+        cont = torch.tensor(req.continuation, device=dev)[:, None]
+        out.append(float(lp[c - 1:len(req.tokens) - 1].gather(1, cont).sum()))
+    return out
+
+
 def random_requests(rng: random.Random, n: int, vocab: int = 128) -> list[ScoreRequest]:
     """Shared and unshared prefixes, duplicates, and prompts that are prefixes of others."""
     stems = [[rng.randrange(vocab) for _ in range(rng.randint(1, 30))] for _ in range(3)]

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.gpu
 
-from conftest import make_tiny_hf, random_requests  # noqa: E402
+from conftest import hf_scores, make_tiny_hf, random_requests  # noqa: E402
 
 from lmbatch.attention.base import ForwardBatch, make_backend  # noqa: E402
 from lmbatch.attention.kv_pool import KVPool  # noqa: E402
@@ -129,17 +129,6 @@ def _hf_reference(path, dtype):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).to("cuda").eval()
 
 
-def _hf_scores(hf, reqs) -> list[float]:
-    out = []
-    for req in reqs:
-        with torch.no_grad():
-            lp = torch.log_softmax(hf(torch.tensor([req.tokens], device="cuda")).logits[0].float(), -1)
-        c = len(req.context)
-        out.append(float(lp[c - 1:len(req.tokens) - 1].gather(1, torch.tensor(req.continuation,
-                                                                            device="cuda")[:, None]).sum()))
-    return out
-
-
 @pytest.mark.parametrize("name", BACKENDS)
 def test_scores_against_transformers_and_reference(tiny, name):
     """bf16 scores agree with transformers' float32 ones at least as well as transformers' own bf16
@@ -149,8 +138,8 @@ def test_scores_against_transformers_and_reference(tiny, name):
     ref, _ = _engine(path, "torch").score(reqs)
     got, stats = _engine(path, name, max_tokens_per_batch=48).score(reqs)
     assert stats.computed_tokens == stats.unique_tokens
-    exact = _hf_scores(_hf_reference(path, torch.float32), reqs)
-    hf_bf16 = _hf_scores(_hf_reference(path, torch.bfloat16), reqs)
+    exact = hf_scores(_hf_reference(path, torch.float32), reqs)
+    hf_bf16 = hf_scores(_hf_reference(path, torch.bfloat16), reqs)
     tokens = sum(len(r.continuation) for r in reqs)
     ours_err = sum(abs(b.logprob - e) for b, e in zip(got, exact)) / tokens
     hf_err = sum(abs(h - e) for h, e in zip(hf_bf16, exact)) / tokens

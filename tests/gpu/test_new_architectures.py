@@ -15,7 +15,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-from conftest import make_tiny_hf, random_requests  # noqa: E402
+from conftest import hf_scores, make_tiny_hf, random_requests  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from lmbatch.engine import Engine, EngineOptions  # noqa: E402
@@ -47,16 +47,8 @@ def _engine(path, attention=None, dtype=torch.bfloat16, **kw):
     return Engine.from_pretrained(path, device="cuda", dtype=dtype, **extra, **kw)
 
 
-def _hf_scores(path, dtype, reqs) -> list[float]:
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
-    out = []
-    for req in reqs:
-        with torch.no_grad():
-            lp = torch.log_softmax(hf(torch.tensor([req.tokens], device="cuda")).logits[0].float(), -1)
-        c = len(req.context)
-        cont = torch.tensor(req.continuation, device="cuda")[:, None]
-        out.append(float(lp[c - 1:len(req.tokens) - 1].gather(1, cont).sum()))
-    return out
+def _hf(path, dtype):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
 
 
 def test_the_run_picks_the_backend_the_model_has_kernels_for(tiny):
@@ -75,8 +67,8 @@ def test_scores_against_transformers_and_reference(tiny):
     ref, _ = _engine(path, "torch").score(reqs)
     got, stats = _engine(path, max_tokens_per_batch=48).score(reqs)
     assert stats.computed_tokens == stats.unique_tokens
-    exact = _hf_scores(path, torch.float32, reqs)
-    hf_bf16 = _hf_scores(path, torch.bfloat16, reqs)
+    exact = hf_scores(_hf(path, torch.float32), reqs)
+    hf_bf16 = hf_scores(_hf(path, torch.bfloat16), reqs)
     tokens = sum(len(r.continuation) for r in reqs)
     ours_err = sum(abs(b.logprob - e) for b, e in zip(got, exact)) / tokens
     hf_err = sum(abs(h - e) for h, e in zip(hf_bf16, exact)) / tokens

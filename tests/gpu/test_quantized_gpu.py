@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
 pytestmark = pytest.mark.gpu
 
-from conftest import random_requests  # noqa: E402
+from conftest import hf_scores, random_requests  # noqa: E402
 from quantized_checkpoints import ct_checkpoint, fp8_block_checkpoint, fp8_blocks, fp8_scaled  # noqa: E402
 
 from lmbatch.engine import Engine  # noqa: E402
@@ -87,17 +87,6 @@ def test_fp8_gemm_runs_in_decode_graphs():
     assert torch.equal(out, eager)
 
 
-def _hf_scores(hf, reqs) -> list[float]:
-    out = []
-    for req in reqs:
-        with torch.no_grad():
-            lp = torch.log_softmax(hf(torch.tensor([req.tokens], device="cuda")).logits[0].float(), -1)
-        c = len(req.context)
-        cont = torch.tensor(req.continuation, device="cuda")[:, None]
-        out.append(float(lp[c - 1:len(req.tokens) - 1].gather(1, cont).sum()))
-    return out
-
-
 @needs_fp8
 @pytest.mark.parametrize("kind", ["block", "ct"])
 def test_fp8_engine_scores(tmp_path, kind):
@@ -116,7 +105,7 @@ def test_fp8_engine_scores(tmp_path, kind):
     quant = FineGrainedFP8Config(dequantize=True) if kind == "block" else None
     hf = AutoModelForCausalLM.from_pretrained(path if kind == "block" else tmp_path / "ref", dtype=torch.float32,
                                               quantization_config=quant).to("cuda").eval()
-    exact = _hf_scores(hf, reqs)
+    exact = hf_scores(hf, reqs)
     plain_err = sum(abs(p.logprob - e) for p, e in zip(plain, exact)) / tokens
     fp8_err = sum(abs(g.logprob - p.logprob) for g, p in zip(got, plain)) / tokens
     assert plain_err < 0.02, plain_err
