@@ -224,7 +224,8 @@ def test_decode_with_cuda_graphs_matches_eager(tiny_graphed, n):
     graphed, _ = eng.generate(reqs)
     assert eng.graphs is not None and eng.graphs.graphs, "no graph was captured"
     same = sum(a.token_ids == b.token_ids for a, b in zip(eager, graphed))
-    assert same >= n - max(1, n // 8)  # bf16: a GEMM of another row count may flip a near-tie
+    # bf16: a GEMM of another row count may flip a near-tie in one row of eight (never the only row)
+    assert same >= max(1, n - max(1, n // 8))
 
 
 @pytest.mark.parametrize("max_running", [4, 64])
