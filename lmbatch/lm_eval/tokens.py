@@ -6,8 +6,9 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
+from lmbatch.frontend.tokenize import TextEncoder
 from lmbatch.requests import ScoreRequest
 
 # the steps of transformers' batch call on a fast tokenizer (4.x and 5.x): a class that overrides none of
@@ -41,6 +42,7 @@ class PairTokenizer:
 
     def __init__(self, tokenizer: Any, add_bos_token: bool | None, prefix_token_id: int | None, max_length: int):
         self.tokenizer, self.add_bos_token, self.max_length = tokenizer, add_bos_token, max_length
+        self._segments: tuple[TextEncoder, dict[bool, list[int]]] | None | Literal[False] = False  # False: unknown
         self.custom_prefix_token_id = prefix_token_id
         self.prefix_text = str(tokenizer.decode(self.prefix_token_id))
 
@@ -98,13 +100,63 @@ class PairTokenizer:
             else:
                 os.environ["TOKENIZERS_PARALLELISM"] = before
 
+    def _by_segments(self) -> tuple[TextEncoder, dict[bool, list[int]]] | None:
+        """The tokenizer as a `TextEncoder` that tokenizes only a whole text's end (its cut rule holds
+        for this tokenizer), with what special tokens add before a text's ids either way (nothing after
+        them); None where that does not hold (the whole texts are encoded then)."""
+        if self._segments is False:
+            self._segments = None
+            backend: Any = _batch_backend(self.tokenizer)
+            encoder = None if backend is None else TextEncoder(backend, self.tokenizer)
+            if encoder is not None and encoder.splittable:
+                prefix = {special: list(backend.encode("", add_special_tokens=special).ids)
+                          for special in (True, False)}
+                probes = ("a", "Question: 2 + 2?\nAnswer: 4", " x\n\n y")
+                if all(backend.encode(t, add_special_tokens=special).ids ==
+                       prefix[special] + backend.encode(t, add_special_tokens=False).ids
+                       for t in probes for special in (True, False)):
+                    self._segments = (encoder, prefix)
+        return None if self._segments is False else self._segments
+
+    def _segment_pairs(self, pairs: Sequence[tuple[str, str]]) -> dict[int, tuple[list[int], list[int]]]:
+        """`_encode_pair`'s ids of the pairs the segment path takes (`_by_segments`): a non-empty context
+        whose whole text gets the special tokens it gets (lm-eval decides them by the text's start); each
+        distinct context and its continuations tokenized as `TextEncoder.encode_choices` does, whose ids
+        are those of the whole texts split at the context's length. By pair index."""
+        fast = self._by_segments()
+        if fast is None:
+            return {}
+        encoder, prefix = fast
+        groups: dict[bool, dict[str, list[int]]] = {}
+        for i, (context, continuation) in enumerate(pairs):
+            head = context.rstrip()
+            if not head:
+                continue
+            special = self.flags(head, None).get("add_special_tokens", True)
+            if special != self.flags(context + continuation, None).get("add_special_tokens", True):
+                continue
+            groups.setdefault(special, {}).setdefault(context, []).append(i)
+        out: dict[int, tuple[list[int], list[int]]] = {}
+        for special, contexts in groups.items():
+            todo = list(contexts.items())
+            encoded = encoder.encode_choices([(context, [pairs[i][1] for i in at]) for context, at in todo])
+            for (_, at), (ctx, conts) in zip(todo, encoded):
+                ids = prefix[special] + ctx
+                out.update((i, (ids, cont)) for i, cont in zip(at, conts))
+        return out
+
     def score_requests(self, pairs: Sequence[tuple[str, str]]) -> list[ScoreRequest]:
         """Each (context, continuation) pair's request: `_encode_pair`'s ids (trailing spaces of the
         context moved to the continuation, the whole text encoded and split at the context's length; an
-        empty context replaced by the prefix token), cut as `cut` does."""
+        empty context replaced by the prefix token), cut as `cut` does. Where the tokenizer allows it
+        (`_by_segments`), only each text's end is tokenized, each distinct segment once."""
+        known = self._segment_pairs(pairs)
         encoded: dict[tuple[str, bool | None], list[int]] = {}
         texts: list[tuple[str, str | None, str]] = []
-        for context, continuation in pairs:
+        for k, (context, continuation) in enumerate(pairs):
+            if k in known:
+                texts.append(("", None, ""))        # (its ids are known)
+                continue
             if context == "":
                 encoded[(continuation, False)] = []
                 texts.append((continuation, None, ""))
@@ -115,8 +167,10 @@ class PairTokenizer:
             texts.append((continuation, head, whole))
         self.encode_many(encoded)
         ids = []
-        for continuation, maybe_head, whole in texts:
-            if maybe_head is None:
+        for k, (continuation, maybe_head, whole) in enumerate(texts):
+            if k in known:
+                ctx, cont = known[k]
+            elif maybe_head is None:
                 cont = encoded[(continuation, False)]
                 ctx, cont = ([self.prefix_token_id], cont) if self.prefix_token_id != cont[0] else (cont[:1], cont[1:])
             else:

@@ -114,10 +114,42 @@ def test_batched_tokenization_gives_lm_evals_ids(backends, monkeypatch):
     assert batched == ours.tokens.cut([(context, continuation) for _, context, continuation in seen["hf"]])
     assert len(batched) == len(pairs) and all(r.continuation for r in batched)
     assert max(len(r.tokens) for r in batched) <= MAX_LENGTH + 1
-    # those ids came from the tokenizer's own batch encoding; transformers' call gives them too
+    # those ids came from the text's ends alone, each distinct segment tokenized once (this tokenizer's cut
+    # rule holds); the whole texts through the tokenizer's own batch encoding, and through transformers'
+    # call, give them too
+    assert ours.tokens._by_segments() is not None
+    monkeypatch.setattr(ours.tokens, "_by_segments", lambda: None)
     assert _batch_backend(ours.tokenizer) is not None
+    assert ours.tokens.score_requests(pairs) == batched
     monkeypatch.setattr("lmbatch.lm_eval.tokens._batch_backend", lambda tokenizer: None)
     assert ours.tokens.score_requests(pairs) == batched
+
+
+def test_ids_from_the_texts_ends_are_the_whole_texts_ids(backends, monkeypatch):
+    """Random pairs (contexts shared by several continuations, newlines, runs of spaces, digits, punctuation,
+    accents, an emoji, the prefix token's text): the ids made from each text's end (`_by_segments`) are those of
+    the whole texts encoded and split (the path the test above holds to lm-eval's own), every pair."""
+    import random
+
+    ours = backends[0]
+    rng = random.Random(7)
+    prefix = ours.tok_decode([ours.prefix_token_id], skip_special_tokens=False)
+    atoms = ["the", "Answer", "Question", ":", "?", ".", ",", " ", "  ", "\n", "\n\n", " \n", "\t", "2", "42",
+             "1999", "é", "naïve", "😀", "A", "(B)", "x_y", "'s", "-", "\u00a0"]
+
+    def text(n):
+        return "".join(rng.choice(atoms) for _ in range(n))
+
+    pairs = []
+    for _ in range(60):
+        context = (prefix if rng.random() < 0.1 else "") + text(rng.randrange(0, 40))
+        for _ in range(rng.randrange(1, 5)):
+            pairs.append((context, text(rng.randrange(1, 6))))
+    pairs = [(c, x) for c, x in pairs if x]
+    assert ours.tokens._by_segments() is not None
+    fast = ours.tokens.score_requests(pairs)
+    monkeypatch.setattr(ours.tokens, "_by_segments", lambda: None)
+    assert ours.tokens.score_requests(pairs) == fast
 
 
 def test_the_tokenizers_own_batch_encoding_only_where_transformers_call_is_it(backends, monkeypatch):
