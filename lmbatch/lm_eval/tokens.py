@@ -1,12 +1,14 @@
 """lm-eval's requests as token ids, as its HF backend makes them (`TemplateLM._encode_pair`, `tok_encode`),
-made in bulk: each distinct text encoded once, in batches, by the fast tokenizer; and the name of a
-call's entry in the workload cache (the requests' text, the options that shape their ids)."""
+made in bulk: from each text's end, each distinct segment once (`frontend.tokenize`'s cut rule, where it
+holds for the tokenizer), else each distinct whole text once, in batches, by the fast tokenizer; and the
+name of a call's entry in the workload cache (the requests' text, the options that shape their ids)."""
 from __future__ import annotations
 
 import hashlib
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 from lmbatch.frontend.tokenize import TextEncoder
 from lmbatch.requests import ScoreRequest
@@ -34,6 +36,21 @@ def _batch_backend(tokenizer: Any) -> Any | None:
             getattr(tokenizer, "split_special_tokens", False):
         return None
     return backend
+
+
+@contextmanager
+def _threads() -> Iterator[None]:
+    """The tokenizer's own threads on for a batch call: lm-eval's CLI turns them off for the whole run
+    (TOKENIZERS_PARALLELISM=false, against fork deadlocks), and nothing forks during these calls."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
 class PairTokenizer:
@@ -77,12 +94,8 @@ class PairTokenizer:
         groups: dict[tuple[tuple[str, bool], ...], list[tuple[str, bool | None]]] = {}
         for key in strings:
             groups.setdefault(tuple(sorted(self.flags(*key).items())), []).append(key)
-        # lm-eval's CLI turns the tokenizer's threads off for the whole run (TOKENIZERS_PARALLELISM=false,
-        # against fork deadlocks); nothing forks during these calls, so they get the threads back
-        before = os.environ.get("TOKENIZERS_PARALLELISM")
-        os.environ["TOKENIZERS_PARALLELISM"] = "true"
         backend: Any = _batch_backend(self.tokenizer)
-        try:
+        with _threads():
             for flags, keys in groups.items():
                 texts = [k[0] for k in keys]
                 special = dict(flags).get("add_special_tokens", True)
@@ -94,11 +107,6 @@ class PairTokenizer:
                     ids = [e.ids for e in backend.encode_batch_fast(chunk, add_special_tokens=special)] if fast \
                         else self.tokenizer(chunk, **dict(flags))["input_ids"]
                     strings.update(zip(keys[start:start + 4096], ids))
-        finally:
-            if before is None:
-                del os.environ["TOKENIZERS_PARALLELISM"]
-            else:
-                os.environ["TOKENIZERS_PARALLELISM"] = before
 
     def _by_segments(self) -> tuple[TextEncoder, dict[bool, list[int]]] | None:
         """The tokenizer as a `TextEncoder` that tokenizes only a whole text's end (its cut rule holds
@@ -139,7 +147,8 @@ class PairTokenizer:
         out: dict[int, tuple[list[int], list[int]]] = {}
         for special, contexts in groups.items():
             todo = list(contexts.items())
-            encoded = encoder.encode_choices([(context, [pairs[i][1] for i in at]) for context, at in todo])
+            with _threads():
+                encoded = encoder.encode_choices([(context, [pairs[i][1] for i in at]) for context, at in todo])
             for (_, at), (ctx, conts) in zip(todo, encoded):
                 ids = prefix[special] + ctx
                 out.update((i, (ids, cont)) for i, cont in zip(at, conts))
