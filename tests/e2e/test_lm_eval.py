@@ -126,16 +126,17 @@ def test_batched_tokenization_gives_lm_evals_ids(backends, monkeypatch):
 
 
 def test_ids_from_the_texts_ends_are_the_whole_texts_ids(backends, monkeypatch):
-    """Random pairs (contexts shared by several continuations, newlines, runs of spaces, digits, punctuation,
-    accents, an emoji, the prefix token's text): the ids made from each text's end (`_by_segments`) are those of
-    the whole texts encoded and split (the path the test above holds to lm-eval's own), every pair."""
+    """Random pairs (contexts shared by several continuations, newlines and carriage returns, runs of spaces,
+    digits, punctuation, accents, an emoji, the prefix token's text): the ids made from each text's end
+    (`_by_segments`) are those of the whole texts encoded and split (the path the test above holds to lm-eval's
+    own), every pair."""
     import random
 
     ours = backends[0]
     rng = random.Random(7)
     prefix = ours.tok_decode([ours.prefix_token_id], skip_special_tokens=False)
     atoms = ["the", "Answer", "Question", ":", "?", ".", ",", " ", "  ", "\n", "\n\n", " \n", "\t", "2", "42",
-             "1999", "é", "naïve", "😀", "A", "(B)", "x_y", "'s", "-", "\u00a0"]
+             "1999", "é", "naïve", "😀", "A", "(B)", "x_y", "'s", "-", "\u00a0", "\r\n", "\r"]
 
     def text(n):
         return "".join(rng.choice(atoms) for _ in range(n))
