@@ -29,8 +29,6 @@ def lm_eval_pairs(tasks: list[str], shots: int) -> list[tuple[str, str]]:
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     cache_templates()       # as `lmbatch lm-eval` builds them (the same prompts, each template compiled once)
-    folder = Path(tempfile.mkdtemp(prefix="lm-eval-tasks-"))
-    write_offline_tasks(folder)
     pairs: list[tuple[str, str]] = []
 
     def walk(node: dict) -> None:
@@ -42,7 +40,9 @@ def lm_eval_pairs(tasks: list[str], shots: int) -> list[tuple[str, str]]:
                 value.build_all_requests(limit=None, rank=0, world_size=1)
                 pairs.extend(tuple(i.args) for i in value.instances if i.request_type == "loglikelihood")
 
-    walk(get_task_dict(tasks, TaskManager(include_path=str(folder))))
+    with tempfile.TemporaryDirectory(prefix="lm-eval-tasks-") as folder:
+        write_offline_tasks(Path(folder))
+        walk(get_task_dict(tasks, TaskManager(include_path=folder)))
     return pairs
 
 
