@@ -147,7 +147,17 @@ class DecodeGraphs:
         """Whether bucket b's graph attends with the level tables where its rows share levels."""
         return self.levels is not None and b >= self.cascade_from
 
-    def _capture(self, b: int, cascade: bool) -> None:
+    def variants(self) -> list[tuple[int, bool]]:
+        """Every graph a run may replay, largest bucket first: each bucket's, and a cascade bucket's
+        plain-decode graph (for steps whose rows share no level)."""
+        return [(b, c) for b in reversed(self.buckets) for c in ((True, False) if self._cascades(b) else (False,))]
+
+    def warm(self, b: int, cascade: bool) -> None:
+        """Run graph (b, cascade)'s forward once, uncaptured: its kernels compiled (engine/precompile.py)."""
+        self.model(*self._inputs(b, cascade))
+
+    def _inputs(self, b: int, cascade: bool) -> tuple[ForwardBatch, _GraphAttention]:
+        """Graph (b, cascade)'s batch over the static buffers, set to harmless inputs, and its attention."""
         cfg = self.model.cfg
         attn = _GraphAttention(self.pool, cfg.num_heads, cfg.head_dim, cfg.attn_scale, cfg.attn_softcap,
                                (self.kv_indptr[:b + 1], self.kv_indices, self.levels if cascade else None))
@@ -162,6 +172,10 @@ class DecodeGraphs:
         self.kv_indptr[:b + 1] = torch.arange(b + 1, dtype=torch.int32, device=self.ids.device)
         if cascade and self.levels is not None:     # each replay loads its step's tables again
             self.levels.clear()
+        return batch, attn
+
+    def _capture(self, b: int, cascade: bool) -> None:
+        batch, attn = self._inputs(b, cascade)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
