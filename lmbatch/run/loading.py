@@ -12,6 +12,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from lmbatch.engine import precompile
 from lmbatch.model.tokenizer import LazyTokenizer
 from lmbatch.timing import Phases
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from lmbatch.engine.options import EngineSpec
     from lmbatch.engine.parallel import ParallelEngine
     from lmbatch.engine.protocol import BatchEngine
+    from lmbatch.model.config import ModelConfig
 
 
 class Loaded(NamedTuple):
@@ -47,6 +49,8 @@ class ModelLoader:
         self._lock = threading.Lock()
         self._built = False             # the engine is built (or its build failed)
         self._graphs = False            # capture the decode graphs once it is
+        self.precompile: precompile.Precompile | None = None   # helpers compiling the graphs' kernels
+        self._fitted: tuple[EngineSpec, ModelConfig] | None = None  # the engine's spec once fitted, its config
         self.thread = threading.Thread(target=self._load, name="lmbatch-model-load", daemon=True)
         self.thread.start()
 
@@ -57,6 +61,8 @@ class ModelLoader:
         An engine of several processes captures its graphs as its spec says (`graphs_ahead`)."""
         with self._lock:
             self._graphs = True
+            if self._fitted is not None:
+                self._go(*self._fitted)
             if not self._built:
                 return          # _load captures them
         load = self.thread
@@ -67,6 +73,17 @@ class ModelLoader:
 
         self.thread = threading.Thread(target=capture, name="lmbatch-graphs", daemon=True)
         self.thread.start()
+
+    def _go(self, spec: EngineSpec, cfg: ModelConfig) -> None:
+        """The precompile helpers to work on the fitted spec's graphs (the lock held)."""
+        if self.precompile is not None:
+            self.precompile.go(spec, cfg)
+
+    def _stop_helpers(self) -> None:
+        with self._lock:
+            helpers, self.precompile = self.precompile, None
+        if helpers is not None:
+            helpers.close()
 
     def _capture(self) -> None:
         runner = getattr(self.loaded.engine, "model_runner", None) if self.loaded is not None else None
@@ -79,6 +96,8 @@ class ModelLoader:
                 self.tokenizer.ready_to_decode()    # the run decodes text: made ready here, not in its first step
         except BaseException as e:  # noqa: BLE001  raised on the run's thread
             self.error = e
+        finally:
+            self._stop_helpers()
         self.loaded.seconds["graphs"] = time.perf_counter() - t
 
     def __enter__(self) -> ModelLoader:
@@ -88,6 +107,7 @@ class ModelLoader:
         if kind is not None and not issubclass(kind, Exception):
             return      # Ctrl-C: the command exits at once, whatever the thread is doing
         self.thread.join()      # a thread killed inside torch at exit aborts the process (no message)
+        self._stop_helpers()
         if self.loaded is not None:
             self.loaded.engine.close()
 
@@ -119,6 +139,8 @@ class ModelLoader:
             self.imported.set()         # this process imports no torch: its workers do
             workers = make_parallel(spec, clock)
             return Loaded(workers, workers.spec, workers.attention, {**workers.seconds, **clock.seconds}, layout)
+        if precompile.wanted(spec) and cfg.runtime == "native":
+            self.precompile = precompile.Precompile()       # importing torch beside this thread
         with clock("imports"):
             import torch  # noqa: F401
 
@@ -127,6 +149,10 @@ class ModelLoader:
         with clock("cuda_init"):
             spec, attention = fit(spec, cfg)
             start_cuda(spec.device)
+        with clock("helpers"), self._lock:
+            self._fitted = (spec, cfg)
+            if spec.graphs_ahead or self._graphs:
+                self._go(spec, cfg)
         engine = make_engine(spec, self.tokenizer, clock)
         if spec.graphs_ahead and isinstance(self.tokenizer, LazyTokenizer):
             with clock("tokenizer"):        # a run that generates decodes text: made here, not in its first step
@@ -138,6 +164,7 @@ class ModelLoader:
         from lmbatch.engine.build import fit_pool
 
         self.thread.join()
+        self._stop_helpers()        # the graphs are captured, or no run asked for them before its first batch
         if self.error is not None:
             raise self.error
         assert self.loaded is not None

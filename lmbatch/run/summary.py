@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from lmbatch.run.prepare import ModelFiles
     from lmbatch.rundir.rundir import Merged
 
-MODEL_SIDE = ("spawn", "imports", "cuda_init", "weights", "compile", "graphs", "tokenizer", "workers")
+MODEL_SIDE = ("spawn", "imports", "cuda_init", "helpers", "weights", "compile", "graphs", "tokenizer", "workers")
 
 
 def _git_commit() -> str | None:

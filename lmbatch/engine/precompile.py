@@ -1,0 +1,184 @@
+"""The decode graphs' kernels compiled ahead, side by side, in processes of their own.
+
+Where Triton's cache is new (a fresh machine, a new lmbatch or Triton), capturing the decode graphs compiles
+each kernel variant the buckets use (split counts, one program a row, the cascade's ranges, the sampler) one
+after another on the loader's thread: 4.4 s of a fresh H200's 6.2 s of capture (1.5B shape, tree of
+thought), and more of them mid-run (a cascade bucket's plain graph, the sampler). `Precompile` starts a few
+helpers with the load; each imports torch beside the engine's own import, then, told the fitted spec, builds
+the model with one layer of each kind (random weights) and runs the forward of its share of the graphs and
+the sampler once, uncaptured, so that Triton compiles them into its cache on disk; the engine's capture
+then loads them. A helper starts its CUDA work only once the engine's sizes are fitted (the KV pool is
+sized to the memory free then), takes a GB or two of the GPU for a few seconds, and changes no result: a
+kernel found in the cache is the one the engine would have compiled. Anything a helper fails at, the
+engine compiles itself as before; helpers that are still at work when the engine's graphs are captured
+are stopped.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from lmbatch.engine.options import EngineSpec
+    from lmbatch.model.config import ModelConfig
+
+HELPERS = 8             # at most: a helper for two of the machine's cores ($LMBATCH_PRECOMPILE: how many, 0 none)
+SLOTS = 4096            # a helper's KV pool
+CONTEXT_BYTES = 1 << 30     # a helper's CUDA context, libraries' workspaces and activations, about
+
+
+def gpu_present() -> bool:
+    """Whether an NVIDIA GPU may be visible, without importing torch (its driver's device node)."""
+    return os.path.exists("/dev/nvidiactl") and os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() not in ("", "-1")
+
+
+def wanted(spec: EngineSpec) -> bool:
+    """Whether a spec's engine (one, in this process) may capture decode graphs on a GPU."""
+    return spec.device in ("auto", "cuda") and spec.options.cuda_graphs and gpu_present() and helpers() > 0
+
+
+def helpers() -> int:
+    """How many helpers: $LMBATCH_PRECOMPILE, else a quarter of the machine's cores, HELPERS at most."""
+    n = os.environ.get("LMBATCH_PRECOMPILE", "")
+    return int(n) if n.isdigit() else min(HELPERS, (os.cpu_count() or 1) // 2)
+
+
+class Precompile:
+    """Helpers started now (importing torch, then waiting for `go`); `close` stops those still at work."""
+
+    def __init__(self, count: int | None = None):
+        n = count if count is not None else helpers()
+        self.procs = [subprocess.Popen([sys.executable, "-m", "lmbatch.engine.precompile"], stdin=subprocess.PIPE,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                      for _ in range(n)]
+        self.sent = False
+
+    def go(self, spec: EngineSpec, cfg: ModelConfig) -> None:
+        """The fitted spec to every helper the GPU has room for, each its share of the graphs (once; none
+        without graphs on a GPU). The engine's CUDA context is started; its weights and pool are not."""
+        if self.sent:
+            return
+        self.sent = True
+        if spec.device != "cuda" or not spec.options.cuda_graphs or spec.options.fp8_gemm or spec.ranks > 1:
+            self.close()
+            return
+        import torch
+
+        assert spec.dtype is not None, "a fitted spec"
+        room = affordable(cfg, getattr(torch, spec.dtype), torch.cuda.mem_get_info()[0])
+        for p in self.procs[room:]:
+            p.kill()        # reaped by `close` (one still reading its imports from disk ends only after that read)
+        for k, p in enumerate(self.procs[:room]):
+            try:
+                assert p.stdin is not None
+                p.stdin.write(pickle.dumps((spec, k, room)))
+                p.stdin.close()
+            except OSError:     # a helper that died: the engine compiles its share
+                pass
+
+    def close(self) -> None:
+        """Stop the helpers still running (their work is done or no longer wanted)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            if p.stdin is not None and not p.stdin.closed:
+                try:
+                    p.stdin.close()
+                except OSError:
+                    pass
+            p.wait()
+        self.procs = []
+
+
+def affordable(cfg: ModelConfig, dtype: torch.dtype, free: int) -> int:
+    """Helpers the GPU's `free` bytes leave room for beside the engine: together a twentieth of them at
+    most, and a quarter of what the engine's weights and KV pool (half of `free`, engine/build.py) leave."""
+    size = dtype.itemsize
+    left = free // 2 - weight_count(cfg) * size
+    return max(0, min(free // 20, left // 4) // (weight_count(helper_config(cfg)) * size + CONTEXT_BYTES))
+
+
+def weight_count(cfg: ModelConfig) -> int:
+    """About how many weights the model has (its projections and embeddings; norms and biases left out),
+    from the config alone: an estimate for `affordable`, not imported modules built on the meta device
+    (3 s on the loader's thread beside a tokenizing main thread, H200 host)."""
+    h = cfg.hidden_size
+    attention = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim * h
+    dense = 3 * h * cfg.intermediate_size
+    routed = 3 * h * (cfg.moe_intermediate_size * cfg.num_experts + cfg.shared_experts_size) + h * cfg.num_experts
+    layers = sum(attention + (routed if sparse else dense)
+                 for sparse in (cfg.sparse_layers or (cfg.num_experts > 0,) * cfg.num_layers))
+    return layers + cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+
+
+def helper_config(cfg: ModelConfig) -> ModelConfig:
+    """The model a helper builds: `few_layers`, and a small vocabulary (no Triton kernel of a decode graph
+    reads the vocabulary; the sampler's is warmed on logits of the real width)."""
+    return replace(few_layers(cfg), vocab_size=min(cfg.vocab_size, 256 + cfg.vocab_size % 16))
+
+
+def few_layers(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with only its first layer of each kind (window, RoPE or not, routed experts or dense)."""
+    n = cfg.num_layers
+
+    def kind(i: int) -> tuple[object, ...]:
+        return tuple(t[i] if t else None for t in (cfg.layer_windows, cfg.nope_layers, cfg.sparse_layers))
+
+    keep = [i for i in range(n) if kind(i) not in {kind(j) for j in range(i)}]
+
+    def pick(t: tuple) -> tuple:
+        return tuple(t[i] for i in keep) if t else t
+
+    return replace(cfg, num_layers=len(keep), layer_windows=pick(cfg.layer_windows),
+                   nope_layers=pick(cfg.nope_layers), sparse_layers=pick(cfg.sparse_layers), mtp_layers=0)
+
+
+def warm(spec: EngineSpec, share: int, of: int) -> None:
+    """Helper `share` of `of`: its share of the graphs' forwards and, the first helper, the sampler."""
+    import torch
+
+    from lmbatch.engine.model_runner import ModelRunner
+    from lmbatch.engine.sampling import sample_on_device
+    from lmbatch.model.checkpoint import model_config
+    from lmbatch.model.network import Transformer
+    from lmbatch.model.weights import init_dummy
+    from lmbatch.requests import SamplingParams
+
+    cfg = model_config(spec.model_dir)
+    if cfg.runtime != "native":
+        return
+    assert spec.dtype is not None, "a fitted spec"
+    model = Transformer.empty(helper_config(cfg), "cuda", getattr(torch, spec.dtype))
+    init_dummy(model)
+    options = replace(spec.options, kv_cache_tokens=SLOTS, max_tokens_per_batch=SLOTS)
+    with torch.inference_mode():
+        graphs = ModelRunner(model.eval(), options).graphs
+        if graphs is None:
+            return
+        for b, cascade in graphs.variants()[share::of]:
+            graphs.warm(b, cascade)
+        if share == 0:      # the sampler's per-row arrays are 16-byte aligned or not by the rows' parity
+            for n in (2, 3):
+                logits = torch.zeros(n, cfg.vocab_size, dtype=torch.float32, device="cuda")
+                sample_on_device(logits, [SamplingParams(temperature=1.0)] * n, [0] * n)
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    """A helper: import torch, wait for the spec (end of input: the engine needs none), warm up."""
+    import torch  # noqa: F401  the slow part, done while the engine fits its spec
+
+    import lmbatch.engine.model_runner  # noqa: F401
+    data = sys.stdin.buffer.read()
+    if data:
+        warm(*pickle.loads(data))
+
+
+if __name__ == "__main__":
+    main()

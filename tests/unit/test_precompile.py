@@ -1,0 +1,87 @@
+"""The decode graphs' kernels compiled ahead (engine/precompile.py): which layers a helper builds, and the
+helpers' lifetime around the engine's load (their kernels against the engine's: tests/gpu)."""
+from dataclasses import replace
+
+import pytest
+from conftest import make_tiny_hf
+
+from lmbatch.engine import precompile
+from lmbatch.engine.options import EngineOptions, EngineSpec
+from lmbatch.model.checkpoint import model_config
+
+
+@pytest.mark.parametrize("kind, layers, want", [
+    ("llama", 4, 1),            # every layer alike
+    ("gemma3_text", 6, 2),      # sliding and global layers
+    ("deepseek_v3", 4, 2),      # dense first layers, then routed experts
+    ("smollm3", 2, 2),          # a NoPE layer and a RoPE one
+])
+def test_a_helper_builds_one_layer_of_each_kind(tmp_path, kind, layers, want):
+    over = {"num_hidden_layers": layers} if kind != "smollm3" else {}     # its NoPE layers are fixed at init
+    if kind == "gemma3_text":
+        over["layer_types"] = ["sliding_attention"] * 5 + ["full_attention"]
+    if kind == "deepseek_v3":
+        over["first_k_dense_replace"] = 2
+    make_tiny_hf(kind, tmp_path, **over)
+    cfg = model_config(tmp_path)
+    small = precompile.few_layers(cfg)
+    assert small.num_layers == want
+    kinds = {(w, n, s) for w, n, s in zip(cfg.layer_windows or [None] * layers, cfg.nope_layers or [None] * layers,
+                                         cfg.sparse_layers or [None] * layers)}
+    small_kinds = [(w, n, s) for w, n, s in zip(small.layer_windows or [None] * want,
+                                                small.nope_layers or [None] * want,
+                                                small.sparse_layers or [None] * want)]
+    assert len(small_kinds) == len(set(small_kinds)) and set(small_kinds) == kinds
+    assert replace(small, num_layers=cfg.num_layers, layer_windows=cfg.layer_windows, nope_layers=cfg.nope_layers,
+                   sparse_layers=cfg.sparse_layers, mtp_layers=cfg.mtp_layers) == cfg
+
+
+def test_helpers_end_when_the_engine_wants_no_graphs(tmp_path):
+    """Helpers told of an engine without decode graphs on a GPU (here: the CPU) end at once, and so do
+    helpers never told anything (their input closed: the engine's process went)."""
+    make_tiny_hf("llama", tmp_path)
+    cpu = EngineSpec(str(tmp_path), "cpu", "float32", EngineOptions())
+    assert not precompile.wanted(cpu)
+    helpers = precompile.Precompile(count=2)
+    procs = list(helpers.procs)
+    assert len(procs) == 2
+    helpers.go(cpu, model_config(tmp_path))
+    assert helpers.procs == [] and all(p.poll() is not None for p in procs)
+    idle = precompile.Precompile(count=1)
+    p = idle.procs[0]
+    assert p.stdin is not None
+    p.stdin.close()         # as when the engine's process ends
+    assert p.wait(timeout=120) == 0
+
+
+def test_helpers_take_a_small_share_of_the_gpu(tmp_path):
+    """As many helpers as a twentieth of the free memory holds (a helper: its CUDA context and a model of
+    one layer and a small vocabulary), none where the engine's weights leave too little beside its pool."""
+    import torch
+
+    make_tiny_hf("llama", tmp_path, vocab_size=1000)
+    cfg = model_config(tmp_path)
+    small = precompile.helper_config(cfg)
+    assert small.vocab_size % 16 == cfg.vocab_size % 16 and small.vocab_size < cfg.vocab_size
+    gb = 1 << 30
+    assert precompile.affordable(cfg, torch.bfloat16, 80 * gb) == 3        # 4 GB over a GB each
+    assert precompile.affordable(cfg, torch.bfloat16, 140 * gb) == 6
+    big = replace(cfg, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                  head_dim=128, vocab_size=128256)
+    assert precompile.affordable(big, torch.bfloat16, 80 * gb) == 2        # 4 GB over 1.4 GB each (8B shape)
+    assert precompile.affordable(big, torch.bfloat16, 24 * gb) == 0        # 16 GB of weights beside a 12 GB pool
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text"])
+def test_the_weight_estimate_is_the_models_projections_and_embeddings(tmp_path, kind):
+    """`weight_count` (from the config alone) against the model built on the meta device: every parameter but
+    norms and biases."""
+    import torch
+
+    from lmbatch.model.network import Transformer
+
+    make_tiny_hf(kind, tmp_path)
+    cfg = model_config(tmp_path)
+    model = Transformer.empty(cfg, "meta", torch.float32)
+    want = sum(p.numel() for name, p in model.named_parameters() if "norm" not in name and "bias" not in name)
+    assert precompile.weight_count(cfg) == want
