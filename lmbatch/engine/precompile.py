@@ -65,7 +65,11 @@ class Precompile:
         if self.sent:
             return
         self.sent = True
-        if spec.device != "cuda" or not spec.options.cuda_graphs or spec.options.fp8_gemm or spec.ranks > 1:
+        from lmbatch.attention.registry import REGISTRY
+
+        o = spec.options
+        graphs = o.cuda_graphs and o.attention in REGISTRY and REGISTRY[o.attention].graphs
+        if spec.device != "cuda" or not graphs or o.fp8_gemm or spec.ranks > 1:
             self.close()
             return
         import torch

@@ -37,8 +37,8 @@ def test_a_helper_builds_one_layer_of_each_kind(tmp_path, kind, layers, want):
 
 
 def test_helpers_end_when_the_engine_wants_no_graphs(tmp_path):
-    """Helpers told of an engine without decode graphs on a GPU (here: the CPU) end at once, and so do
-    helpers never told anything (their input closed: the engine's process went)."""
+    """Helpers told of an engine without decode graphs on a GPU (on the CPU; with the torch backend) end at
+    once, and so do helpers never told anything (their input closed: the engine's process went)."""
     make_tiny_hf("llama", tmp_path)
     cpu = EngineSpec(str(tmp_path), "cpu", "float32", EngineOptions())
     assert not precompile.wanted(cpu)
@@ -46,6 +46,11 @@ def test_helpers_end_when_the_engine_wants_no_graphs(tmp_path):
     procs = list(helpers.procs)
     assert len(procs) == 2
     helpers.go(cpu, model_config(tmp_path))
+    assert helpers.procs == [] and all(p.poll() is not None for p in procs)
+    torch_attention = replace(cpu, device="cuda", dtype="bfloat16", options=EngineOptions(attention="torch"))
+    helpers = precompile.Precompile(count=1)    # a CUDA engine whose backend runs no decode graphs
+    procs = list(helpers.procs)
+    helpers.go(torch_attention, model_config(tmp_path))
     assert helpers.procs == [] and all(p.poll() is not None for p in procs)
     idle = precompile.Precompile(count=1)
     p = idle.procs[0]
