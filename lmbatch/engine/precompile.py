@@ -54,28 +54,27 @@ class Precompile:
 
     def __init__(self, count: int | None = None):
         n = count if count is not None else helpers()
-        self.procs = [subprocess.Popen([sys.executable, "-m", "lmbatch.engine.precompile"], stdin=subprocess.PIPE,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                      for _ in range(n)]
+        self.procs: list[subprocess.Popen[bytes]] = []
         self.sent = False
+        try:
+            for _ in range(n):
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "lmbatch.engine.precompile"],
+                                                   stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                                   stderr=subprocess.DEVNULL))
+        except OSError:     # no process to be had (limits): the engine compiles alone
+            pass
 
     def go(self, spec: EngineSpec, cfg: ModelConfig) -> None:
         """The fitted spec to every helper the GPU has room for, each its share of the graphs (once; none
-        without graphs on a GPU). The engine's CUDA context is started; its weights and pool are not."""
+        without graphs on a GPU). The engine's CUDA context is started; its weights and pool are not.
+        Nothing here fails the engine's load: on any error the helpers end and the engine compiles alone."""
         if self.sent:
             return
         self.sent = True
-        from lmbatch.attention.registry import REGISTRY
-
-        o = spec.options
-        graphs = o.cuda_graphs and o.attention in REGISTRY and REGISTRY[o.attention].graphs
-        if spec.device != "cuda" or not graphs or o.fp8_gemm or spec.ranks > 1:
-            self.close()
-            return
-        import torch
-
-        assert spec.dtype is not None, "a fitted spec"
-        room = affordable(cfg, getattr(torch, spec.dtype), torch.cuda.mem_get_info()[0])
+        try:
+            room = _room(spec, cfg)
+        except Exception:  # noqa: BLE001  helpers are never worth a failed load
+            room = 0
         for p in self.procs[room:]:
             p.kill()        # reaped by `close` (one still reading its imports from disk ends only after that read)
         for k, p in enumerate(self.procs[:room]):
@@ -85,6 +84,8 @@ class Precompile:
                 p.stdin.close()
             except OSError:     # a helper that died: the engine compiles its share
                 pass
+        if not room:
+            self.close()
 
     def close(self) -> None:
         """Stop the helpers still running (their work is done or no longer wanted)."""
@@ -98,6 +99,21 @@ class Precompile:
                     pass
             p.wait()
         self.procs = []
+
+
+def _room(spec: EngineSpec, cfg: ModelConfig) -> int:
+    """Helpers worth telling of a fitted spec: none without decode graphs on a GPU (the CPU, the torch
+    backend, FP8 GEMMs, a split model), else as many as the GPU's free memory affords."""
+    from lmbatch.attention.registry import REGISTRY
+
+    o = spec.options
+    graphs = o.cuda_graphs and o.attention in REGISTRY and REGISTRY[o.attention].graphs
+    if spec.device != "cuda" or not graphs or o.fp8_gemm or spec.ranks > 1:
+        return 0
+    import torch
+
+    assert spec.dtype is not None, "a fitted spec"
+    return affordable(cfg, getattr(torch, spec.dtype), torch.cuda.mem_get_info()[0])
 
 
 def affordable(cfg: ModelConfig, dtype: torch.dtype, free: int) -> int:

@@ -52,6 +52,11 @@ def test_helpers_end_when_the_engine_wants_no_graphs(tmp_path):
     procs = list(helpers.procs)
     helpers.go(torch_attention, model_config(tmp_path))
     assert helpers.procs == [] and all(p.poll() is not None for p in procs)
+    failing = replace(torch_attention, options=EngineOptions(attention="triton"))
+    helpers = precompile.Precompile(count=1)    # no GPU here: its free memory cannot be read, and no error escapes
+    procs = list(helpers.procs)
+    helpers.go(failing, model_config(tmp_path))
+    assert helpers.procs == [] and all(p.poll() is not None for p in procs)
     idle = precompile.Precompile(count=1)
     p = idle.procs[0]
     assert p.stdin is not None
