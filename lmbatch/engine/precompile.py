@@ -43,10 +43,11 @@ def wanted(spec: EngineSpec) -> bool:
     return spec.device in ("auto", "cuda") and spec.options.cuda_graphs and gpu_present() and helpers() > 0
 
 
-def helpers() -> int:
-    """How many helpers: $LMBATCH_PRECOMPILE, else a quarter of the machine's cores, HELPERS at most."""
+def helpers(engines: int = 1) -> int:
+    """How many helpers an engine starts, one of `engines` on this machine: $LMBATCH_PRECOMPILE, else one
+    for two of the engines' share of the cores, HELPERS at most."""
     n = os.environ.get("LMBATCH_PRECOMPILE", "")
-    return int(n) if n.isdigit() else min(HELPERS, (os.cpu_count() or 1) // 2)
+    return int(n) if n.isdigit() else min(HELPERS, (os.cpu_count() or 1) // 2 // max(1, engines))
 
 
 class Precompile:
@@ -103,12 +104,13 @@ class Precompile:
 
 def _room(spec: EngineSpec, cfg: ModelConfig) -> int:
     """Helpers worth telling of a fitted spec: none without decode graphs on a GPU (the CPU, the torch
-    backend, FP8 GEMMs, a split model), else as many as the GPU's free memory affords."""
+    backend, FP8 GEMMs, a split model, the transformers fallback), else as many as the GPU's free memory
+    affords."""
     from lmbatch.attention.registry import REGISTRY
 
     o = spec.options
     graphs = o.cuda_graphs and o.attention in REGISTRY and REGISTRY[o.attention].graphs
-    if spec.device != "cuda" or not graphs or o.fp8_gemm or spec.ranks > 1:
+    if spec.device != "cuda" or not graphs or o.fp8_gemm or spec.ranks > 1 or cfg.runtime != "native":
         return 0
     import torch
 

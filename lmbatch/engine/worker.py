@@ -36,8 +36,10 @@ if TYPE_CHECKING:
     from lmbatch.engine.build import Attention
     from lmbatch.engine.engine import Engine
     from lmbatch.engine.options import EngineSpec
+    from lmbatch.engine.precompile import Precompile
     from lmbatch.scheduler.partition import Chunk
     from lmbatch.scheduler.planner import Plan
+    from lmbatch.timing import Phases
 
 RELAY_TICKS = 1024      # in a tensor-parallel group: hand over every this many prefill adds and decode steps
 
@@ -301,9 +303,22 @@ def _run(engine: Engine, job: Job, conn: Connection | None, due: _Relay) -> None
 
 def _build(rank: int, spec: EngineSpec, port: int) -> tuple[Engine, Any, Ready]:
     """(engine, the group's control channel or None, what the worker tells its parent) of one process."""
+    from lmbatch.engine import precompile
     from lmbatch.timing import Phases
 
     clock = Phases()        # from the process's start: "startup" is the interpreter and lmbatch's modules
+    helpers = precompile.Precompile(precompile.helpers(spec.workers)) \
+        if spec.ranks == 1 and precompile.wanted(spec) else None     # importing torch beside this process
+    try:
+        return _build_engine(rank, spec, port, clock, helpers)
+    finally:
+        if helpers is not None:
+            helpers.close()
+
+
+def _build_engine(rank: int, spec: EngineSpec, port: int, clock: Phases,
+                  helpers: Precompile | None) -> tuple[Engine, Any, Ready]:
+    """`_build`'s engine, timed by `clock`; `helpers` (or None) told of the fitted spec."""
     with clock("imports"):
         import torch
 
@@ -328,6 +343,9 @@ def _build(rank: int, spec: EngineSpec, port: int) -> tuple[Engine, Any, Ready]:
             ctrl = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
             tp = TensorParallel(rank, spec.ranks)
             fitted = _agree(fitted, ctrl)
+    if helpers is not None:
+        with clock("helpers"):
+            helpers.go(fitted, cfg) if fitted.graphs_ahead else helpers.close()
     engine = build_engine(fitted, LazyTokenizer.of(spec.model_dir), clock, tp=tp)
     return engine, ctrl, Ready(engine.kv_slots, fitted, attention, dict(clock.seconds))
 

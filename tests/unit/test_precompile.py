@@ -95,3 +95,17 @@ def test_the_weight_estimate_is_the_models_projections_and_embeddings(tmp_path, 
     model = Transformer.empty(cfg, "meta", torch.float32)
     want = sum(p.numel() for name, p in model.named_parameters() if "norm" not in name and "bias" not in name)
     assert precompile.weight_count(cfg) == want
+
+
+@pytest.mark.parametrize("cores, engines, env, want", [
+    (16, 1, None, 8), (64, 4, None, 8), (16, 2, None, 4), (2, 1, None, 1), (64, 1, None, 8), (16, 1, "0", 0),
+    (16, 4, "3", 3),
+])
+def test_how_many_helpers_an_engine_starts(monkeypatch, cores, engines, env, want):
+    """One helper for two of an engine's share of the cores, 8 at most; $LMBATCH_PRECOMPILE decides where set."""
+    monkeypatch.setattr(precompile.os, "cpu_count", lambda: cores)
+    if env is None:
+        monkeypatch.delenv("LMBATCH_PRECOMPILE", raising=False)
+    else:
+        monkeypatch.setenv("LMBATCH_PRECOMPILE", env)
+    assert precompile.helpers(engines) == want
