@@ -40,9 +40,10 @@ def gpu_present() -> bool:
     return os.path.exists("/dev/nvidiactl") and os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() not in ("", "-1")
 
 
-def wanted(spec: EngineSpec) -> bool:
-    """Whether a spec's engine, built in this process, may capture decode graphs on a GPU."""
-    return spec.device in ("auto", "cuda") and spec.options.cuda_graphs and gpu_present() and helpers() > 0
+def wanted(spec: EngineSpec, graphs: bool) -> bool:
+    """Whether a spec's engine, built in this process, may capture decode graphs on a GPU as it is built
+    (`graphs`: the run asked for them then; a run that only scores never captures any, and starts no helper)."""
+    return graphs and spec.device in ("auto", "cuda") and spec.options.cuda_graphs and gpu_present() and helpers() > 0
 
 
 def helpers(engines: int = 1) -> int:

@@ -308,7 +308,7 @@ def _build(rank: int, spec: EngineSpec, port: int) -> tuple[Engine, Any, Ready]:
 
     clock = Phases()        # from the process's start: "startup" is the interpreter and lmbatch's modules
     helpers = precompile.Precompile(precompile.helpers(spec.workers)) \
-        if spec.ranks == 1 and precompile.wanted(spec) else None     # importing torch beside this process
+        if spec.ranks == 1 and precompile.wanted(spec, spec.graphs_ahead) else None   # importing torch beside this
     try:
         return _build_engine(rank, spec, port, clock, helpers)
     finally:

@@ -54,9 +54,7 @@ def engine_spec(model_dir: str | Path, args: dict[str, Any]) -> EngineSpec:
 
 
 def _started(spec: EngineSpec, tokenizer: Any, user_pool: bool) -> ModelLoader:
-    loader = ModelLoader(spec, tokenizer, user_pool)
-    if _GENERATES[0]:
-        loader.capture_graphs()
+    loader = ModelLoader(spec, tokenizer, user_pool, graphs=_GENERATES[0])     # its helpers started from the first
     _LOADERS.add(loader)        # waited for at exit (a capture may follow the load)
     return loader
 

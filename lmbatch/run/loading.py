@@ -37,10 +37,12 @@ class ModelLoader:
     its pool grown (the engine built again) if the longest request needs more; leaving the `with`
     block ends the engine (data-parallel workers end with the run)."""
 
-    def __init__(self, spec: EngineSpec, tokenizer: Any, user_pool: bool, work: float | None = None):
+    def __init__(self, spec: EngineSpec, tokenizer: Any, user_pool: bool, work: float | None = None,
+                 graphs: bool = False):
         """`tokenizer`: the engine's (a LazyTokenizer: made only if it decodes); `user_pool`: the user set
         the pool's size (too small is an error, not grown); `work`: the job's model FLOPs where known
-        (`devices.layout`: a small job runs on one engine)."""
+        (`devices.layout`: a small job runs on one engine); `graphs`: capture the decode graphs once the
+        engine is built (as `capture_graphs` asks later)."""
         self.spec, self.tokenizer, self.user_pool, self.work = spec, tokenizer, user_pool, work
         self.loaded: Loaded | None = None
         self.error: BaseException | None = None
@@ -48,7 +50,7 @@ class ModelLoader:
         self.imported = threading.Event()
         self._lock = threading.Lock()
         self._built = False             # the engine is built (or its build failed)
-        self._graphs = False            # capture the decode graphs once it is
+        self._graphs = graphs           # capture the decode graphs once it is
         self.precompile: precompile.Precompile | None = None   # helpers compiling the graphs' kernels
         self._fitted: tuple[EngineSpec, ModelConfig] | None = None  # the engine's spec once fitted, its config
         self.thread = threading.Thread(target=self._load, name="lmbatch-model-load", daemon=True)
@@ -139,7 +141,9 @@ class ModelLoader:
             self.imported.set()         # this process imports no torch: its workers do
             workers = make_parallel(spec, clock)
             return Loaded(workers, workers.spec, workers.attention, {**workers.seconds, **clock.seconds}, layout)
-        if precompile.wanted(spec) and cfg.runtime == "native":
+        with self._lock:
+            graphs = spec.graphs_ahead or self._graphs
+        if precompile.wanted(spec, graphs) and cfg.runtime == "native":
             self.precompile = precompile.Precompile()       # importing torch beside this thread
         with clock("imports"):
             import torch  # noqa: F401

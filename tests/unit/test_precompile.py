@@ -36,12 +36,17 @@ def test_a_helper_builds_one_layer_of_each_kind(tmp_path, kind, layers, want):
                    sparse_layers=cfg.sparse_layers, mtp_layers=cfg.mtp_layers) == cfg
 
 
-def test_helpers_end_when_the_engine_wants_no_graphs(tmp_path):
+def test_helpers_end_when_the_engine_wants_no_graphs(tmp_path, monkeypatch):
     """Helpers told of an engine without decode graphs on a GPU (on the CPU; with the torch backend) end at
     once, and so do helpers never told anything (their input closed: the engine's process went)."""
     make_tiny_hf("llama", tmp_path)
     cpu = EngineSpec(str(tmp_path), "cpu", "float32", EngineOptions())
-    assert not precompile.wanted(cpu)
+    assert not precompile.wanted(cpu, True)
+    gpu = replace(cpu, device="cuda")
+    monkeypatch.setattr(precompile, "gpu_present", lambda: True)
+    monkeypatch.setenv("LMBATCH_PRECOMPILE", "2")
+    assert precompile.wanted(gpu, True) and not precompile.wanted(gpu, False)     # a run that only scores: none
+    monkeypatch.delenv("LMBATCH_PRECOMPILE")
     helpers = precompile.Precompile(count=2)
     procs = list(helpers.procs)
     assert len(procs) == 2
