@@ -153,10 +153,11 @@ class ModelLoader:
         with clock("cuda_init"):
             spec, attention = fit(spec, cfg)
             start_cuda(spec.device)
-        with clock("helpers"), self._lock:
+        with self._lock:
             self._fitted = (spec, cfg)
-            if spec.graphs_ahead or self._graphs:
-                self._go(spec, cfg)
+            if self.precompile is not None and (spec.graphs_ahead or self._graphs):
+                with clock("helpers"):
+                    self._go(spec, cfg)
         engine = make_engine(spec, self.tokenizer, clock)
         if spec.graphs_ahead and isinstance(self.tokenizer, LazyTokenizer):
             with clock("tokenizer"):        # a run that generates decodes text: made here, not in its first step
