@@ -84,7 +84,7 @@ class Precompile:
         for k, p in enumerate(self.procs[:room]):
             try:
                 assert p.stdin is not None
-                p.stdin.write(pickle.dumps((spec, k, room)))
+                p.stdin.write(pickle.dumps((spec, cfg, k, room)))
                 p.stdin.close()
             except OSError:     # a helper that died: the engine compiles its share
                 pass
@@ -164,20 +164,17 @@ def few_layers(cfg: ModelConfig) -> ModelConfig:
                    nope_layers=pick(cfg.nope_layers), sparse_layers=pick(cfg.sparse_layers), mtp_layers=0)
 
 
-def warm(spec: EngineSpec, share: int, of: int) -> None:
-    """Helper `share` of `of`: its share of the graphs' forwards and, the first helper, the sampler."""
+def warm(spec: EngineSpec, cfg: ModelConfig, share: int, of: int) -> None:
+    """Helper `share` of `of` for a fitted spec and its model's config (a model lmbatch's network runs): its
+    share of the graphs' forwards and, the first helper, the sampler."""
     import torch
 
     from lmbatch.engine.model_runner import ModelRunner
     from lmbatch.engine.sampling import sample_on_device
-    from lmbatch.model.checkpoint import model_config
     from lmbatch.model.network import Transformer
     from lmbatch.model.weights import init_dummy
     from lmbatch.requests import SamplingParams
 
-    cfg = model_config(spec.model_dir)
-    if cfg.runtime != "native":
-        return
     assert spec.dtype is not None, "a fitted spec"
     model = Transformer.empty(helper_config(cfg), "cuda", getattr(torch, spec.dtype))
     init_dummy(model)

@@ -345,7 +345,7 @@ def _build_engine(rank: int, spec: EngineSpec, port: int, clock: Phases,
             fitted = _agree(fitted, ctrl)
     if helpers is not None:
         with clock("helpers"):
-            helpers.go(fitted, cfg) if fitted.graphs_ahead else helpers.close()
+            helpers.go(fitted, cfg)
     engine = build_engine(fitted, LazyTokenizer.of(spec.model_dir), clock, tp=tp)
     return engine, ctrl, Ready(engine.kv_slots, fitted, attention, dict(clock.seconds))
 

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from lmbatch.engine.options import EngineSpec
     from lmbatch.engine.parallel import ParallelEngine
     from lmbatch.engine.protocol import BatchEngine
-    from lmbatch.model.config import ModelConfig
 
 
 class Loaded(NamedTuple):
@@ -52,7 +51,6 @@ class ModelLoader:
         self._built = False             # the engine is built (or its build failed)
         self._graphs = graphs           # capture the decode graphs once it is
         self.precompile: precompile.Precompile | None = None   # helpers compiling the graphs' kernels
-        self._fitted: tuple[EngineSpec, ModelConfig] | None = None  # the engine's spec once fitted, its config
         self.thread = threading.Thread(target=self._load, name="lmbatch-model-load", daemon=True)
         self.thread.start()
 
@@ -63,8 +61,6 @@ class ModelLoader:
         An engine of several processes captures its graphs as its spec says (`graphs_ahead`)."""
         with self._lock:
             self._graphs = True
-            if self._fitted is not None:
-                self._go(*self._fitted)
             if not self._built:
                 return          # _load captures them
         load = self.thread
@@ -75,11 +71,6 @@ class ModelLoader:
 
         self.thread = threading.Thread(target=capture, name="lmbatch-graphs", daemon=True)
         self.thread.start()
-
-    def _go(self, spec: EngineSpec, cfg: ModelConfig) -> None:
-        """The precompile helpers to work on the fitted spec's graphs (the lock held)."""
-        if self.precompile is not None:
-            self.precompile.go(spec, cfg)
 
     def _stop_helpers(self) -> None:
         with self._lock:
@@ -153,11 +144,9 @@ class ModelLoader:
         with clock("cuda_init"):
             spec, attention = fit(spec, cfg)
             start_cuda(spec.device)
-        with self._lock:
-            self._fitted = (spec, cfg)
-            if self.precompile is not None and (spec.graphs_ahead or self._graphs):
-                with clock("helpers"):
-                    self._go(spec, cfg)
+        if self.precompile is not None:     # started only where the graphs are captured as the engine is built
+            with clock("helpers"):
+                self.precompile.go(spec, cfg)
         engine = make_engine(spec, self.tokenizer, clock)
         if spec.graphs_ahead and isinstance(self.tokenizer, LazyTokenizer):
             with clock("tokenizer"):        # a run that generates decodes text: made here, not in its first step
