@@ -36,6 +36,7 @@ from lmbatch.engine.worker import (
     Compressed,
     Done,
     Failed,
+    Finished,
     Matched,
     MatchQuery,
     Part,
@@ -91,6 +92,7 @@ class ParallelEngine:
         self.loads = [WorkerLoad() for _ in range(n)]
         self._executed: list[list[tuple[Request, Result]]] = [[] for _ in range(n)]  # each worker's, with results
         self._first_wave: list[int] | None = None   # each worker's optimum, while one scoring batch has run
+        self._spread_unique: list[int] | None = None    # each worker's optimum, where it ran programs (`spread`)
         self._batches = 0
         self.procs: list[Any] = []                 # local processes (none on Ray)
         self.cluster: Any = None
@@ -165,6 +167,8 @@ class ParallelEngine:
         run so far (`planner.posthoc_unique` per worker: shared prefixes once per worker that needs
         them, text a worker generated free; after one batch of scoring, from its cut): the data-parallel
         counterpart of the run's optimum."""
+        if self._spread_unique is not None:
+            return sum(self._spread_unique)
         if self._first_wave is not None:
             return sum(self._first_wave)
         total = 0
@@ -223,6 +227,55 @@ class ParallelEngine:
         self._account(requests, gather, cut, groups, dispatch.taken)
         yield Handover(remaining(gather.stats, handed), gather.results, gather.stats, True)
 
+    def shares(self, requests: Sequence[Request], groups: Sequence[Hashable]) -> list[list[Hashable]]:
+        """The groups of each worker's share of a batch (cut as `stream` cuts it: along whole subtrees, by
+        cost), each worker's in the batch's sorted order."""
+        out: list[dict[Hashable, None]] = [{} for _ in self.conns]
+        for chunk in self._cut(requests, None, groups).chunks:
+            out[chunk.home].update((groups[i], None) for i in chunk.requests)
+        return [list(d) for d in out]
+
+    def spread(self, works: dict[int, Any], tick_s: float) -> Iterator[tuple[int, Any] | None]:
+        """Run `works[k]` (a `worker.Remote`) on worker k: yield each (worker, message) it sends as it comes,
+        and None every `tick_s` seconds without one (the caller may stop there); end once every work has
+        `Finished` (yielded too). A worker's error or exit raises."""
+        self.running = True
+        for k, work in works.items():
+            self._send_msg(k, work)
+        left = set(works)
+        watch = list(self.other_ranks) + [p.sentinel for p in self.procs]
+        while left:
+            ready = wait([self.conns[k] for k in left] + watch, timeout=tick_s)
+            if not ready:
+                yield None
+            for k in [k for k in sorted(left) if self.conns[k] in ready]:
+                try:
+                    msg = self.conns[k].recv()
+                except (EOFError, OSError):
+                    msg = None
+                if msg is None or isinstance(msg, Failed):
+                    self._failed(self.conns[k], msg)
+                if isinstance(msg, Finished):
+                    left.discard(k)
+                yield k, msg
+            for who in [w for w in watch if w in ready]:
+                if isinstance(who, Connection):
+                    self._recv(who, type(None))
+                elif not any(self.conns[k].poll() for k in left):
+                    self._failed(who, None)
+        self.running = False
+
+    def account_spread(self, k: int, busy_s: float, idle_s: float, computed_tokens: int, unique_tokens: int) -> None:
+        """Worker k's load and optimum over programs it ran (`spread`)."""
+        load = self.loads[k]
+        load.busy_s += busy_s
+        load.idle_s += idle_s
+        load.computed_tokens += computed_tokens
+        load.chunks += 1
+        if self._spread_unique is None:
+            self._spread_unique = [0] * len(self.conns)
+        self._spread_unique[k] += unique_tokens
+
     def _cut(self, requests: Sequence[Request], plan: Plan | None, groups: Sequence[Hashable] | None) -> Chunking:
         """The batch's chunks: by cost (a generation's most new tokens count too), along the plan's sorted
         order where it has one, groups that ran before on the worker that ran them."""
@@ -241,16 +294,18 @@ class ParallelEngine:
         """Chunks to worker k, run under `how` (schedule, seed)."""
         schedule, seed = how
         for c in chunks:
-            msg = chunk_message(requests, cut.chunks[c], c, schedule, seed)
+            self._send_msg(k, chunk_message(requests, cut.chunks[c], c, schedule, seed))
+
+    def _send_msg(self, k: int, msg: Any) -> None:
+        try:
+            self.conns[k].send(Compressed.of(msg) if self.cluster is not None else msg)
+        except OSError:         # it exited: its last words, or its exit code
+            last = None
             try:
-                self.conns[k].send(Compressed.of(msg) if self.cluster is not None else msg)
-            except OSError:         # it exited: its last words, or its exit code
-                last = None
-                try:
-                    last = self.conns[k].recv() if self.conns[k].poll() else None
-                except (EOFError, OSError):
-                    pass
-                self._failed(self.conns[k], last)
+                last = self.conns[k].recv() if self.conns[k].poll() else None
+            except (EOFError, OSError):
+                pass
+            self._failed(self.conns[k], last)
 
     def _feed(self, dispatch: Dispatch, requests: Sequence[Request], cut: Chunking, how: tuple[str, int],
               out: queue.Queue[Any]) -> None:

@@ -9,10 +9,14 @@ the one before (`chunk_message`): the radix tree's edges, not every prompt whole
 that give the worker its plan without sorting or comparing anything. A worker alone on its model reads
 and plans its next chunk on a thread while it runs the one before.
 
+The parent may send instead a `Remote` work (a data-parallel worker's share of a run's programs,
+lmbatch/run/spread.py): the worker calls its `run_on` with its engine, which sends what it likes as it
+goes; the worker then sends `Finished` with what `run_on` returned.
+
 The messages, one dataclass each: the parent sends `RunChunk` (`Compressed` to a worker Ray placed),
-`MatchQuery` and `Close`; a worker
-answers `Ready` once built, `Part`s and then `Done` for a chunk, `Matched` for a query, and `Failed`
-for any error (a user's or not).
+`MatchQuery`, a `Remote` work and `Close`; a worker answers `Ready` once built, `Part`s and then `Done`
+for a chunk, `Matched` for a query, `Finished` for a remote work, and `Failed` for any error (a user's
+or not).
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import time
 import zlib
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence, Union, cast
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol, Sequence, Union, cast, runtime_checkable
 
 from lmbatch.engine.protocol import Request, Result
 from lmbatch.errors import UserError
@@ -83,6 +87,15 @@ class Close:
     pass
 
 
+@runtime_checkable
+class Remote(Protocol):
+    """Work the parent hands a worker alone on its model (no tensor-parallel group), run by the worker
+    with its engine: `send` gives the parent messages of its own as it goes, `due()` says when a handover
+    is due; what it returns goes to the parent in `Finished`."""
+
+    def run_on(self, engine: Engine, send: Callable[[Any], None], due: Callable[[], bool]) -> Any: ...
+
+
 # ---- worker -> parent --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Hello:
@@ -120,6 +133,12 @@ class Done:
 @dataclass(frozen=True)
 class Matched:
     lengths: list[int]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A `Remote` work ended: what its `run_on` returned."""
+    payload: Any
 
 
 @dataclass(frozen=True)
@@ -278,6 +297,11 @@ def serve(rank: int, spec: EngineSpec, conn: Connection, gpu: str | None, port: 
                 msg = _broadcast(msg, ctrl)
             if isinstance(msg, Close):
                 return
+            if isinstance(msg, Remote):
+                if ctrl is not None:
+                    raise RuntimeError("remote work needs a worker alone on its model")
+                conn.send(Finished(msg.run_on(engine, conn.send, _Relay(spec.relay_s))))
+                continue
             job = prepare(msg) if isinstance(msg, RunChunk) else msg
             assert isinstance(job, Job), msg
             _run(engine, job, conn if rank == 0 else None, _Relay(spec.relay_s, relay_ticks))

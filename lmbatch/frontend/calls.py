@@ -71,7 +71,7 @@ class CallPreparer:
     checked against the model's context; the grammars of constrained gens."""
 
     def __init__(self, encoder: TextEncoder, options: CallOptions):
-        o = options
+        o = self.options = options
         self.encoder, self.max_len, self.truncate_left = encoder, o.max_len, o.truncate_left
         self.think_budget, self.think_end = o.think_budget, o.think_end
         self.vocab_size, self.jump_forward, self.grammar_cache = o.vocab_size, o.jump_forward, o.grammar_cache

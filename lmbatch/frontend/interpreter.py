@@ -168,7 +168,7 @@ class Interpreter:
         programs may fill (default three quarters of every engine's pool)."""
         t0, tokenized, planned = time.perf_counter(), self.tokenize_s, self.stats.plan_s
         wave_tokens = wave_tokens or engine.kv_slots * engine.data_parallel * 3 // 4
-        yield self._take_completed()                  # programs that finished before any model work
+        yield self.take_completed()                  # programs that finished before any model work
         while self.ready:
             wave = self._pick_wave(engine, wave_tokens)
             yield from self._run_wave(engine, wave, handover_due, progress)
@@ -176,7 +176,7 @@ class Interpreter:
             if run.status is not Status.COMPLETE:
                 run.status = Status.COMPLETE
                 self._completed.append(run)
-        yield self._take_completed()
+        yield self.take_completed()
         # planning and tokenizing done in here are phases of their own (the first wave's plan, made
         # ahead while the model loaded, is not in here)
         self.stats.execute_s = (time.perf_counter() - t0 - (self.stats.plan_s - planned)
@@ -185,7 +185,8 @@ class Interpreter:
         self.tally.finish()
         self.stats.plan_s += time.perf_counter() - t1
 
-    def _take_completed(self) -> list[ProgramRun]:
+    def take_completed(self) -> list[ProgramRun]:
+        """Programs complete and not handed out yet (`stream` yields them)."""
         done, self._completed = self._completed, []
         return done
 
@@ -273,7 +274,7 @@ class Interpreter:
                 self.tally.end_wave(h.stats)
             self._receive(h)
             if h.due or h.last:     # a handover not due: its programs wait for the next that is
-                yield self._take_completed()
+                yield self.take_completed()
         self._wave = None
         self.waves += 1
 

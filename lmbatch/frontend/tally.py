@@ -90,6 +90,27 @@ class Tally:
         self.stats.plan_s += st.plan_s
         self.waves.append(st.unique_tokens)
 
+    def absorb(self, other: Tally) -> None:
+        """Add another interpreter's counts, each of its waves and the prompts it executed (a data-parallel
+        worker's, which ran programs of this run's): `finish` then gives the optimum of every prompt of both.
+        Its request rows are its own (written as its programs finished)."""
+        self.stats.add_run(other.stats)
+        for k, c in other.stages.items():
+            mine = self.stages.setdefault(k, StageCounts())
+            mine.add(c)
+            mine.calls += c.calls
+            mine.requests += c.requests
+        for task, t in other.tasks.items():
+            self.tasks.setdefault(task, TokenCounts()).add(t)
+        self.think_tokens += other.think_tokens
+        self.requests_accounted += other.requests_accounted
+        self._prompts += other._prompts
+        self._prompt_tasks += other._prompt_tasks
+        self._generated += other._generated
+        self._generated_tasks += other._generated_tasks
+        self.waves += other.waves
+        self._tree = None           # no one wave's plan holds every request
+
     def finish(self) -> None:
         """The post-hoc optimum: from the tree of every prompt actually executed, where tokens that
         generation already put in the cache count as free (their KV exists without any prefill). A run

@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lmbatch.results.task_results import NAN_ERROR
-from lmbatch.rundir.rows import InstanceRow
+from lmbatch.rundir.rows import InstanceRow, RequestRow
 
 if TYPE_CHECKING:
     from lmbatch.frontend.runs import ProgramRun
@@ -140,7 +140,10 @@ class PartWriter:
     def write(self, runs: list[ProgramRun]) -> None:
         if not runs:
             return
-        rows = instance_rows(self.w, runs)
         by_run = self.tally.rows_by_run
         reqs = [r for run in runs for r in by_run.pop(run.index, [])]      # token_ids written if saved
+        self.write_rows(instance_rows(self.w, runs), reqs)
+
+    def write_rows(self, rows: list[InstanceRow], reqs: list[RequestRow]) -> None:
+        """A part of rows made already (a data-parallel worker's programs': lmbatch/run/spread.py)."""
         self.rundir.write_part(rows, reqs, execute_s=time.perf_counter() - self.started)

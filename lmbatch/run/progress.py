@@ -6,9 +6,18 @@ generations run, between decode steps."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 REDRAW_S = 0.1
+
+
+class Meter(NamedTuple):
+    """A bar's counts: tokens of model work done and planned, prompt tokens cached and computed, tokens decoded."""
+    done: int
+    total: int
+    cached: int
+    computed: int
+    decoded: int
 
 
 class TokenProgress:
@@ -40,6 +49,21 @@ class TokenProgress:
         self._redraw = now + REDRAW_S
         self._postfix(self.cached + stats.cached_tokens, self.computed + stats.computed_tokens, self.decoded + decoded)
         self.bar.update(done - self.bar.n)
+
+    def counts(self) -> Meter:
+        """What the bar shows now, the engine run under way included."""
+        s, cached, computed, decoded = self._run, self.cached, self.computed, self.decoded
+        if s is not None:
+            cached, computed = cached + s.cached_tokens, computed + s.computed_tokens
+            decoded += s.decode_tokens + s.decoding_tokens
+        return Meter(self.n, int(self.bar.total or 0), cached, computed, decoded)
+
+    def show(self, meters: list[Meter]) -> None:
+        """Draw the sums of several runs' counts (each a data-parallel worker's, running programs of its own)."""
+        n, total, cached, computed, decoded = (sum(col) for col in zip(*meters)) if meters else (0,) * 5
+        self.bar.total = max(total, n)
+        self._postfix(cached, computed, decoded)
+        self.bar.update(n - self.bar.n)
 
     def _postfix(self, cached: int, computed: int, decoded: int) -> None:
         post = {"hit": f"{cached / max(cached + computed, 1):.4f}"} | ({"decoded": decoded} if decoded else {})

@@ -106,6 +106,13 @@ def test_every_bit_the_same_however_the_run_executes(tiny, program, tmp_path, ta
     for name, kw in VARIANTS.items():
         _same(_bits(_run(tiny, tmp_path, name, task, **kw)), ref, name)
     _same(_bits(_killed_then_resumed(tiny, tmp_path, task, checkpoint_s=1e-6)), ref, "killed and resumed")
+    if task == str(program):    # two workers, each running its programs whole, killed mid-run and resumed by two
+        _killed_at_part(2, tiny, tmp_path, "workers-resumed", task, data_parallel="2")
+        d = _run(tiny, tmp_path, "workers-resumed", task, data_parallel="2")
+        s = json.loads((d / "summary.json").read_text())
+        assert s["counts"]["resumed_instances"] >= 1 and [w["chunks"] for w in s["data_parallel"]["workers_load"]] \
+            == [1, 1]
+        _same(_bits(d), ref, "two workers killed and resumed")
     if task == "arc_easy:mc,mmlu":        # a task inside a suite: its rows as the task alone gives them
         alone = _bits(_run(tiny, tmp_path, "alone", "mmlu"))
         assert [r[1:] for r in ref if r[0] == "mmlu"] == [r[1:] for r in alone]

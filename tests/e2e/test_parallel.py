@@ -100,6 +100,16 @@ def test_two_workers_give_one_process_results(case, tmp_path, program_path, tiny
         taken = sum(w["chunks_taken"] for w in load)
         longest = max(r["prompt_tokens"] for r in reqs)
         assert dp["duplicated_tokens"] < s1["tokens"]["prompt"] * 0.01 + taken * longest, (taken, longest)
+    if case in ("program", "json", "tot"):     # programs that generate ran whole on their worker (run/spread.py)
+        assert [w["chunks"] for w in load] == [1, 1]
+        assert s2["counts"]["waves"] >= 1 and s2["counts"]["calls"] == s1["counts"]["calls"]
+        assert s2["counts"]["requests"] == s1["counts"]["requests"]
+        assert s2["tokens"]["decode"] == s1["tokens"]["decode"]
+        # the run's optimum is every executed prompt's, as one engine's; the workers' own is their sum's
+        assert s2["optimal_hit_rate"] == s1["optimal_hit_rate"]
+        assert s2["tokens"]["unique"] == s1["tokens"]["unique"]
+        assert sorted(r["order"] for r in reqs) == list(range(len(reqs)))
+        assert len(reqs) == s2["counts"]["executed_requests"]
     if case == "program":   # the select after each gen found its program's text cached on its worker
         selects = [r for r in reqs if r["kind"] == "select"]
         assert selects and all(r["cached_tokens"] >= r["prompt_tokens"] - 8 for r in selects)

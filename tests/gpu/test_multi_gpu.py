@@ -42,6 +42,22 @@ def test_data_parallel_run_on_two_gpus(tmp_path, dtype):
     assert same >= len(rows["1"]) - (0 if dtype == "float32" else len(rows["1"]) // 50)
 
 
+def test_programs_run_whole_on_each_gpu(tmp_path):
+    """Tree of thought on two GPUs: each worker runs its programs end to end (run/spread.py), with the
+    generated text, answers and counts of one engine (float32, greedy where the program is)."""
+    model = make_tiny_with_tokenizer(tmp_path / "tiny", 16384)
+    got = {}
+    for dp in ("1", "2"):
+        d = run(RunOptions.of(task="tot-gsm8k", limit=6, model=str(model), out=tmp_path, run_id=f"tot{dp}",
+                              device="cuda", dtype="float32", data_parallel=dp, quiet=True))
+        got[dp] = (pq.read_table(d / "instances.parquet").to_pylist(), json.loads((d / "summary.json").read_text()))
+    (one, s1), (two, s2) = got["1"], got["2"]
+    assert [w["chunks"] for w in s2["data_parallel"]["workers_load"]] == [1, 1]
+    assert [(r["id"], r["prediction"], r["outputs"]) for r in two] == [(r["id"], r["prediction"], r["outputs"])
+                                                                       for r in one]
+    assert s2["tokens"]["decode"] == s1["tokens"]["decode"] and s2["optimal_hit_rate"] == s1["optimal_hit_rate"]
+
+
 def test_auto_takes_every_gpu(tmp_path, monkeypatch):
     """The default (`--data-parallel auto`) on a machine of several GPUs: a worker on each, every one given
     chunks, and the predictions of one engine (float32); a job known to be small (its cached workload's
