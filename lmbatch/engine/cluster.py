@@ -56,7 +56,7 @@ def _rank(k: int, r: int, spec: EngineSpec, where: tuple[str, int], key: bytes, 
     """One rank, run by Ray: connect to the driver, say who it is, then serve as a local worker."""
     conn = Client(where, authkey=key)
     conn.send(Hello(k, r))
-    serve(r, spec, conn, None, port)
+    serve(r, spec, conn, None, port, k)
 
 
 class RayWorkers:

@@ -392,7 +392,7 @@ def _launch(spec: EngineSpec, n: int, gpus: Sequence[str] | None) -> tuple[list[
         groups.append([])
         for r in range(t):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=serve, args=(r, spec, child, gpus[k * t + r] if gpus else None, port),
+            p = ctx.Process(target=serve, args=(r, spec, child, gpus[k * t + r] if gpus else None, port, k),
                             name=f"lmbatch-dp{k}-tp{r}", daemon=True)
             p.start()
             child.close()

@@ -13,7 +13,8 @@ with 8 helpers (BENCHMARKS.md). A helper starts its CUDA work only once the engi
 KV pool is sized to the memory free then), takes about a GB of the GPU for a few seconds, and changes no
 result: a kernel found in the cache is the one the engine would have compiled. Anything a helper fails at,
 the engine compiles itself as before; helpers still at work when the engine's graphs are captured are
-stopped.
+stopped. Once an engine has captured its graphs, a file in Triton's cache says so (`marker`), and a later
+load of the same spec starts no helper: their starts cost a warm load more than they save.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import pickle
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -53,11 +55,35 @@ def helpers(engines: int = 1) -> int:
     return int(n) if n.isdigit() else min(HELPERS, (os.cpu_count() or 1) // 2 // max(1, engines))
 
 
-class Precompile:
-    """Helpers started now (importing torch, then waiting for `go`); `close` stops those still at work."""
+def marker(spec: EngineSpec) -> Path | None:
+    """A file in Triton's cache (`TRITON_CACHE_DIR`, else `$TRITON_HOME` or home's `.triton/cache`, as Triton
+    picks it) whose presence says that an engine of `spec` (as the run gave it, before fitting), of this
+    model's config and of these torch, Triton and lmbatch versions captured its decode graphs with that
+    cache: their kernels are there, and no helper is worth its start. None where that cannot be told."""
+    import hashlib
+    from importlib import metadata
 
-    def __init__(self, count: int | None = None):
-        n = count if count is not None else helpers()
+    import lmbatch
+
+    try:
+        config = (Path(spec.model_dir) / "config.json").read_bytes()
+        versions = [metadata.version(name) for name in ("torch", "triton")]
+    except (OSError, metadata.PackageNotFoundError):
+        return None
+    base = os.environ.get("TRITON_CACHE_DIR") or os.path.join(
+        os.environ.get("TRITON_HOME") or os.path.expanduser("~"), ".triton", "cache")
+    key = hashlib.sha256(repr((replace(spec, model_dir=""), versions, lmbatch.__version__)).encode() + config)
+    return Path(base) / "lmbatch-graphs" / key.hexdigest()[:32]
+
+
+class Precompile:
+    """Helpers started now (importing torch, then waiting for `go`), none where Triton's cache holds the
+    graphs' kernels of an engine of `spec` already (`marker`); `close` stops those still at work, `captured`
+    marks the cache once the engine's graphs are captured."""
+
+    def __init__(self, spec: EngineSpec, count: int | None = None):
+        self.marker = marker(spec)
+        n = 0 if self.marker is not None and self.marker.exists() else count if count is not None else helpers()
         self.procs: list[subprocess.Popen[bytes]] = []
         self.sent = False
         try:
@@ -90,6 +116,15 @@ class Precompile:
                 pass
         if not room:
             self.close()
+
+    def captured(self) -> None:
+        """The engine captured its graphs: their kernels are in Triton's cache for the next load of the spec."""
+        if self.marker is not None:
+            try:
+                self.marker.parent.mkdir(parents=True, exist_ok=True)
+                self.marker.touch()
+            except OSError:     # a cache we cannot write: helpers again next time
+                pass
 
     def close(self) -> None:
         """Stop the helpers still running (their work is done or no longer wanted)."""

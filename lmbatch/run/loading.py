@@ -85,6 +85,10 @@ class ModelLoader:
         t = time.perf_counter()
         try:
             runner.capture_graphs()
+            with self._lock:
+                helpers = self.precompile
+            if helpers is not None:
+                helpers.captured()
             if isinstance(self.tokenizer, LazyTokenizer):
                 self.tokenizer.ready_to_decode()    # the run decodes text: made ready here, not in its first step
         except BaseException as e:  # noqa: BLE001  raised on the run's thread
@@ -135,7 +139,7 @@ class ModelLoader:
         with self._lock:
             graphs = spec.graphs_ahead or self._graphs
         if precompile.wanted(spec, graphs) and cfg.runtime == "native":
-            self.precompile = precompile.Precompile()       # importing torch beside this thread
+            self.precompile = precompile.Precompile(spec)   # importing torch beside this thread
         with clock("imports"):
             import torch  # noqa: F401
 
@@ -148,6 +152,8 @@ class ModelLoader:
             with clock("helpers"):
                 self.precompile.go(spec, cfg)
         engine = make_engine(spec, self.tokenizer, clock)
+        if spec.graphs_ahead and self.precompile is not None:
+            self.precompile.captured()
         if spec.graphs_ahead and isinstance(self.tokenizer, LazyTokenizer):
             with clock("tokenizer"):        # a run that generates decodes text: made here, not in its first step
                 self.tokenizer.ready_to_decode()

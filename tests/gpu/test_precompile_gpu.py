@@ -52,7 +52,7 @@ def test_precompiled_kernels_are_the_ones_the_engine_loads(tmp_path, monkeypatch
     cfg = model_config(model)
     spec, _ = fit(EngineSpec(str(model), "cuda", "bfloat16", EngineOptions(kv_cache_tokens=8192, attention=attention)),
                   cfg)
-    helpers = precompile.Precompile(count=3)
+    helpers = precompile.Precompile(spec, count=3)
     procs = list(helpers.procs)
     helpers.go(spec, cfg)
     assert [p.wait(timeout=300) for p in procs] == [0, 0, 0]

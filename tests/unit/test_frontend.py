@@ -106,6 +106,42 @@ def test_waves_and_schedules_change_no_result(tiny_tok):
         assert i.stats.hit_rate >= 0.95 * i.stats.optimal_hit_rate
 
 
+def test_tallies_of_split_programs_absorbed_give_one_interpreters_counts(tiny_tok):
+    """Programs split between two interpreters (as data-parallel workers run them, lmbatch/run/spread.py), their
+    tallies absorbed into a third: the counts, stages and optimum of one interpreter running them all."""
+    def program(s, q):
+        s += PREFIX + q
+        forks = s.fork(2)
+        forks += " Step:" + gen("step", max_tokens=5, temperature=0.9)
+        for f in forks:
+            f += " Good?" + select("ok", [" yes", " no"])
+        s += " So:" + gen("final", max_tokens=4)
+
+    inputs = [{"q": f"Question {k}?"} for k in range(6)]
+    one, tok = run_programs(tiny_tok, program, inputs)
+    parts = []
+    for numbers in ([0, 2, 4], [1, 3, 5]):
+        interp = Interpreter(tok, CallOptions(max_len=2048))
+        interp.start(program, [Instance(str(k), inputs[k]) for k in numbers], numbers)
+        interp.execute(Engine.from_pretrained(tiny_tok, tokenizer=tok, kv_cache_tokens=16384))
+        parts.append(interp)
+    assert [r.state["final"] for r in sorted((r for i in parts for r in i.runs), key=lambda r: r.number)] == \
+        [r.state["final"] for r in one.runs]
+    merged = Interpreter(tok, CallOptions(max_len=2048)).tally
+    for interp in parts:
+        merged.absorb(interp.tally)
+    merged.finish()
+    a, b = merged.stats, one.stats
+    assert (a.prompt_tokens, a.cached_tokens + a.computed_tokens, a.decode_tokens, a.requests, a.executed) == \
+        (b.prompt_tokens, b.prompt_tokens, b.decode_tokens, b.requests, b.executed)
+    assert a.unique_tokens == b.unique_tokens and a.optimal_hit_rate == b.optimal_hit_rate
+    assert merged.prompt_tree_optimal_hit_rate == one.prompt_tree_optimal_hit_rate
+    assert {k: (c.calls, c.requests, c.prompt_tokens) for k, c in merged.stages.items()} == \
+        {k: (c.calls, c.requests, c.prompt_tokens) for k, c in one.stages.items()}
+    # each half computes its own shared prefix: together more than one interpreter, never less than the optimum
+    assert a.computed_tokens >= b.computed_tokens >= b.unique_tokens
+
+
 def brute_optimum(prompts, generated):
     need = {tuple(p[:k]) for p in prompts for k in range(1, len(p) + 1)}
     decoded = {tuple(s[:k]) for s, g in generated for k in range(g + 1, len(s) + 1)}

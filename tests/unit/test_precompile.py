@@ -39,6 +39,7 @@ def test_a_helper_builds_one_layer_of_each_kind(tmp_path, kind, layers, want):
 def test_helpers_end_when_the_engine_wants_no_graphs(tmp_path, monkeypatch):
     """Helpers told of an engine without decode graphs on a GPU (on the CPU; with the torch backend) end at
     once, and so do helpers never told anything (their input closed: the engine's process went)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     make_tiny_hf("llama", tmp_path)
     cpu = EngineSpec(str(tmp_path), "cpu", "float32", EngineOptions())
     assert not precompile.wanted(cpu, True)
@@ -47,26 +48,50 @@ def test_helpers_end_when_the_engine_wants_no_graphs(tmp_path, monkeypatch):
     monkeypatch.setenv("LMBATCH_PRECOMPILE", "2")
     assert precompile.wanted(gpu, True) and not precompile.wanted(gpu, False)     # a run that only scores: none
     monkeypatch.delenv("LMBATCH_PRECOMPILE")
-    helpers = precompile.Precompile(count=2)
+    helpers = precompile.Precompile(cpu, count=2)
     procs = list(helpers.procs)
     assert len(procs) == 2
     helpers.go(cpu, model_config(tmp_path))
     assert helpers.procs == [] and all(p.poll() is not None for p in procs)
     torch_attention = replace(cpu, device="cuda", dtype="bfloat16", options=EngineOptions(attention="torch"))
-    helpers = precompile.Precompile(count=1)    # a CUDA engine whose backend runs no decode graphs
+    helpers = precompile.Precompile(cpu, count=1)    # a CUDA engine whose backend runs no decode graphs
     procs = list(helpers.procs)
     helpers.go(torch_attention, model_config(tmp_path))
     assert helpers.procs == [] and all(p.poll() is not None for p in procs)
     failing = replace(torch_attention, options=EngineOptions(attention="triton"))
-    helpers = precompile.Precompile(count=1)    # no GPU here: its free memory cannot be read, and no error escapes
+    helpers = precompile.Precompile(cpu, count=1)    # no GPU here: its free memory cannot be read, and no error escapes
     procs = list(helpers.procs)
     helpers.go(failing, model_config(tmp_path))
     assert helpers.procs == [] and all(p.poll() is not None for p in procs)
-    idle = precompile.Precompile(count=1)
+    idle = precompile.Precompile(cpu, count=1)
     p = idle.procs[0]
     assert p.stdin is not None
     p.stdin.close()         # as when the engine's process ends
     assert p.wait(timeout=120) == 0
+
+
+def test_no_helpers_once_an_engine_of_the_spec_captured_its_graphs(tmp_path, monkeypatch):
+    """`captured` marks Triton's cache for the spec: a later load of it starts no helper; another spec (other
+    options, another model's config) or another cache still does."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    make_tiny_hf("llama", tmp_path / "a")
+    make_tiny_hf("llama", tmp_path / "b", num_hidden_layers=3)
+    spec = EngineSpec(str(tmp_path / "a"), "cuda", "bfloat16", EngineOptions())
+    first = precompile.Precompile(spec, count=1)
+    assert len(first.procs) == 1
+    first.close()
+    first.captured()
+    assert first.marker is not None and first.marker.is_relative_to(tmp_path / "triton")
+    assert precompile.Precompile(spec, count=1).procs == []
+    others = [replace(spec, options=EngineOptions(attention="cascade")), replace(spec, model_dir=str(tmp_path / "b"))]
+    for other in others:
+        helpers = precompile.Precompile(other, count=1)
+        assert len(helpers.procs) == 1, other
+        helpers.close()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "fresh"))
+    helpers = precompile.Precompile(spec, count=1)
+    assert len(helpers.procs) == 1
+    helpers.close()
 
 
 def test_helpers_take_a_small_share_of_the_gpu(tmp_path):
