@@ -13,38 +13,29 @@ multi-stage program's calls) go to one worker, and its later calls to the worker
 ones, whose cache holds their prefix. The results come back in the order of the requests, as from one
 engine.
 
-Workers (`engine/worker.py`) start as the engine is made, each fitting its own engine to its device, and
-hand finished results back every `EngineSpec.relay_s` seconds, so handovers to the caller (the run's
-result parts, and so a stop) and progress go on as with one engine. A worker that fails raises here,
-naming it (`WorkerFailed`). Workers ignore SIGINT: Ctrl-C in a terminal reaches the whole process group,
-and it is the parent that stops a run (`close` ends workers still running).
+Workers (`engine/worker.py`, started and ended by `pool.Workers`) start as the engine is made, each fitting
+its own engine to its device, and hand finished results back every `EngineSpec.relay_s` seconds, so
+handovers to the caller (the run's result parts, and so a stop) and progress go on as with one engine. A
+worker that fails raises here, naming it (`WorkerFailed`). A run's programs may instead go to the workers
+whole (`shares` cuts them, `pool.Workers.spread` runs them: lmbatch/run/spread.py).
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import queue
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Hashable, Iterator, Sequence
 
 from lmbatch.engine.dispatch import Dispatch, Gather
+from lmbatch.engine.pool import Workers
 from lmbatch.engine.protocol import Handover, Progress, Request, Result, StreamArgs, drain, remaining
 from lmbatch.engine.worker import (
-    Close,
-    Compressed,
     Done,
-    Failed,
-    Finished,
-    Matched,
-    MatchQuery,
     Part,
-    Ready,
     chunk_message,
-    serve,
 )
-from lmbatch.errors import UserError, WorkerFailed
 from lmbatch.requests import (
     GenerateRequest,
     GenerateResult,
@@ -56,10 +47,8 @@ from lmbatch.scheduler.partition import DECODE_COST, Batch, Chunking, chunk_batc
 from lmbatch.scheduler.planner import posthoc_unique
 
 if TYPE_CHECKING:
-    import torch
     from typing_extensions import Unpack
 
-    from lmbatch.engine.build import Attention
     from lmbatch.engine.options import EngineSpec
     from lmbatch.model.config import ModelConfig
     from lmbatch.scheduler.planner import Plan
@@ -78,89 +67,21 @@ class WorkerLoad:
     taken: int = 0
 
 
-class ParallelEngine:
+class ParallelEngine(Workers):
     """`spec.workers` engines in worker processes, used as one (a `BatchEngine`). Each engine is
     `spec.ranks` processes (a tensor-parallel group, one device each)."""
 
     def __init__(self, spec: EngineSpec, cfg: ModelConfig, gpus: Sequence[str] | None = None):
         """`gpus`: the CUDA_VISIBLE_DEVICES entry of each process (worker k's rank r: k * tp + r);
         `spec.ray_address`: the processes are placed on that Ray cluster instead (engine/cluster.py)."""
+        super().__init__(spec, cfg, gpus)
         n = spec.workers
-        self.cfg, self.data_parallel, self.tensor_parallel = cfg, n, spec.ranks
         self.group_worker: dict[Hashable, int] = {}     # group -> the worker that ran its earlier calls
-        self.running = False
         self.loads = [WorkerLoad() for _ in range(n)]
         self._executed: list[list[tuple[Request, Result]]] = [[] for _ in range(n)]  # each worker's, with results
         self._first_wave: list[int] | None = None   # each worker's optimum, while one scoring batch has run
         self._spread_unique: list[int] | None = None    # each worker's optimum, where it ran programs (`spread`)
         self._batches = 0
-        self.procs: list[Any] = []                 # local processes (none on Ray)
-        self.cluster: Any = None
-        if spec.ray_address is not None:
-            from lmbatch.engine.cluster import RayWorkers
-            self.cluster = RayWorkers(spec.ray_address, spec, n)
-            groups = self.cluster.groups
-        else:
-            groups, self.procs = _launch(spec, n, gpus)
-        self.conns = [g[0] for g in groups]                 # rank 0 of each worker: requests and results
-        self.other_ranks = [c for g in groups for c in g[1:]]   # only their errors come from there
-        self.names: dict[Any, str] = {}                     # a connection or process sentinel -> whose
-        for k, g in enumerate(groups):
-            for r, c in enumerate(g):
-                name = f"data-parallel worker {k}" + (f" (tensor-parallel rank {r})" if len(g) > 1 else "")
-                self.names[c] = name
-                if self.procs:
-                    self.names[self.procs[k * len(g) + r].sentinel] = name
-        try:
-            self.ready: list[Ready] = [self._recv(c, Ready) for c in self.conns]
-            for c in self.other_ranks:
-                self._recv(c, Ready)
-        except BaseException:
-            self.close()
-            raise
-        self.spec = replace(self.ready[0].spec, data_parallel=n, tensor_parallel=spec.ranks)
-
-    @property
-    def attention(self) -> Attention:
-        return self.ready[0].attention
-
-    @property
-    def seconds(self) -> dict[str, float]:
-        """The slowest worker's start, by step ("spawn": its interpreter and lmbatch's modules)."""
-        slowest = max((r.seconds for r in self.ready), key=lambda s: sum(s.values()))
-        return {("spawn" if k == "startup" else k): v for k, v in slowest.items()}
-
-    @property
-    def device(self) -> torch.device:
-        import torch
-        return torch.device(self.spec.device)
-
-    @property
-    def kv_slots(self) -> int:
-        """Tokens the smallest worker's pool holds (what one request may take)."""
-        return min(r.kv_slots for r in self.ready)
-
-    def _recv(self, c: Connection, kind: type) -> Any:
-        """The next message from `c`, which must be a `kind`; a worker's error or exit raises."""
-        try:
-            msg = c.recv()
-        except (EOFError, OSError):
-            msg = None
-        if not isinstance(msg, kind):
-            self._failed(c, msg)
-        return msg
-
-    def _failed(self, who: Any, msg: Any) -> None:
-        name = self.names[who]
-        if isinstance(msg, Failed):
-            raise (UserError if msg.user_error else WorkerFailed)(f"{name}: {msg.text}")
-        if msg is not None:
-            raise WorkerFailed(f"{name} sent {type(msg).__name__} out of turn")
-        proc = next((p for p in self.procs if self.names[p.sentinel] == name), None)
-        if proc is None:
-            raise WorkerFailed(f"{name} closed its connection (it exited)")
-        proc.join(5)
-        raise WorkerFailed(f"{name} exited (code {proc.exitcode})")
 
     def optimal_unique_tokens(self) -> int | None:
         """The fewest prompt tokens the workers had to compute, each over what it executed in every
@@ -178,13 +99,6 @@ class ParallelEngine:
                          if isinstance(r, GenerateResult)]
             total += posthoc_unique(prompts, generated)
         return total
-
-    def match_lens(self, seqs: list[list[int]]) -> list[int]:
-        """Each sequence's longest cached prefix on any worker."""
-        for c in self.conns:
-            c.send(MatchQuery(seqs))
-        got = [self._recv(c, Matched).lengths for c in self.conns]
-        return [max(col) for col in zip(*got)] if seqs else []
 
     def run(self, requests: Sequence[Request], *, schedule: str = "dfs", seed: int = 0,
             progress: Progress | None = None) -> tuple[list[Result], RunStats]:
@@ -235,36 +149,6 @@ class ParallelEngine:
             out[chunk.home].update((groups[i], None) for i in chunk.requests)
         return [list(d) for d in out]
 
-    def spread(self, works: dict[int, Any], tick_s: float) -> Iterator[tuple[int, Any] | None]:
-        """Run `works[k]` (a `worker.Remote`) on worker k: yield each (worker, message) it sends as it comes,
-        and None every `tick_s` seconds without one (the caller may stop there); end once every work has
-        `Finished` (yielded too). A worker's error or exit raises."""
-        self.running = True
-        for k, work in works.items():
-            self._send_msg(k, work)
-        left = set(works)
-        watch = list(self.other_ranks) + [p.sentinel for p in self.procs]
-        while left:
-            ready = wait([self.conns[k] for k in left] + watch, timeout=tick_s)
-            if not ready:
-                yield None
-            for k in [k for k in sorted(left) if self.conns[k] in ready]:
-                try:
-                    msg = self.conns[k].recv()
-                except (EOFError, OSError):
-                    msg = None
-                if msg is None or isinstance(msg, Failed):
-                    self._failed(self.conns[k], msg)
-                if isinstance(msg, Finished):
-                    left.discard(k)
-                yield k, msg
-            for who in [w for w in watch if w in ready]:
-                if isinstance(who, Connection):
-                    self._recv(who, type(None))
-                elif not any(self.conns[k].poll() for k in left):
-                    self._failed(who, None)
-        self.running = False
-
     def account_spread(self, k: int, busy_s: float, idle_s: float, computed_tokens: int, unique_tokens: int) -> None:
         """Worker k's load and optimum over programs it ran (`spread`)."""
         load = self.loads[k]
@@ -295,17 +179,6 @@ class ParallelEngine:
         schedule, seed = how
         for c in chunks:
             self._send_msg(k, chunk_message(requests, cut.chunks[c], c, schedule, seed))
-
-    def _send_msg(self, k: int, msg: Any) -> None:
-        try:
-            self.conns[k].send(Compressed.of(msg) if self.cluster is not None else msg)
-        except OSError:         # it exited: its last words, or its exit code
-            last = None
-            try:
-                last = self.conns[k].recv() if self.conns[k].poll() else None
-            except (EOFError, OSError):
-                pass
-            self._failed(self.conns[k], last)
 
     def _feed(self, dispatch: Dispatch, requests: Sequence[Request], cut: Chunking, how: tuple[str, int],
               out: queue.Queue[Any]) -> None:
@@ -363,48 +236,3 @@ class ParallelEngine:
         """Each worker's load over the run (summary.json `data_parallel.workers_load`)."""
         return [{"busy_s": round(w.busy_s, 3), "idle_s": round(w.idle_s, 3), "computed_tokens": w.computed_tokens,
                  "chunks": w.chunks, "chunks_taken": w.taken} for w in self.loads]
-
-    def close(self) -> None:
-        """End the workers: at once if a run was cut short (they are still working), else when they
-        have read the close."""
-        for c in self.conns:
-            try:
-                c.send(Close())
-            except OSError:
-                pass
-        for p in self.procs:
-            p.join(0 if self.running else 10)
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-        if self.cluster is not None:
-            self.cluster.close(at_once=self.running)
-
-
-def _launch(spec: EngineSpec, n: int, gpus: Sequence[str] | None) -> tuple[list[list[Connection]], list[Any]]:
-    """`n` workers of `spec.ranks` local processes: each one's connections (rank 0 first), and the processes."""
-    t = spec.ranks
-    ctx = mp.get_context("spawn")              # CUDA cannot be forked; a fresh interpreter each
-    groups: list[list[Connection]] = []
-    procs = []
-    for k in range(n):
-        port = _free_port() if t > 1 else 0
-        groups.append([])
-        for r in range(t):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=serve, args=(r, spec, child, gpus[k * t + r] if gpus else None, port, k),
-                            name=f"lmbatch-dp{k}-tp{r}", daemon=True)
-            p.start()
-            child.close()
-            groups[-1].append(parent)
-            procs.append(p)
-    return groups, procs
-
-
-def _free_port() -> int:
-    """A TCP port on the loopback address for a tensor-parallel group's rendezvous."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

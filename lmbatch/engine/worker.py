@@ -326,10 +326,8 @@ def _run(engine: Engine, job: Job, conn: Connection | None, due: _Relay) -> None
 
 
 def _build(rank: int, spec: EngineSpec, port: int, worker: int) -> tuple[Engine, Any, Ready]:
-    """(engine, the group's control channel or None, what the worker tells its parent) of one process. The
-    first worker starts helpers compiling the graphs' kernels (engine/precompile.py): every worker's are the
-    same, and they share Triton's cache (with helpers in every worker, a fresh 4-GPU H200 host captured its
-    graphs in 8.5 s against one engine's 3.7 s, and a warm one loaded in 12.5 s against 6.2 s without)."""
+    """(engine, the group's control channel or None, what the worker tells its parent) of one process. Only the
+    first worker starts helpers (engine/precompile.py): every worker's kernels are the same, in one cache."""
     from lmbatch.engine import precompile
     from lmbatch.timing import Phases
 

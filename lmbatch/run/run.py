@@ -31,8 +31,8 @@ from lmbatch.timing import Phases
 
 if TYPE_CHECKING:
     from lmbatch.engine.protocol import BatchEngine
-    from lmbatch.frontend.calls import KnownIds
     from lmbatch.frontend.interpreter import Interpreter
+    from lmbatch.run.spread import Programs
 
 PARALLEL_PART_S = 2.0       # seconds between parts at most, where workers run the model
 
@@ -107,7 +107,8 @@ def run_in(o: RunOptions, w: Workload, model: ModelFiles, rundir: RunDir, watch:
                 interp = prep.interpreter(rundir.unsaved(ids))
             host_gc.model_work()
             tokenized = interp.tokenize_s
-            execute(o, w, interp, loaded.engine, rundir, stop, Spread(prep.snapshot().known, model.dir))
+            works = spread_works(o, w, interp, loaded.engine, prep.snapshot().known, model.dir)
+            execute(o, interp, loaded.engine, PartWriter(w, rundir, interp.tally), stop, works)
             clock.add("tokenize", interp.tokenize_s - tokenized)
             clock.add("plan", interp.stats.plan_s)
             clock.add("execute", interp.stats.execute_s)
@@ -160,28 +161,19 @@ def dry_run(o: RunOptions, w: Workload, model: ModelFiles, clock: Phases) -> dic
     return summary.dry_run(o, w, model, tasks, snap.figures, clock.total())
 
 
-class Spread(NamedTuple):
-    """What workers running programs of their own need from this process (lmbatch/run/spread.py): the
-    first stage's token ids made here, the model's folder."""
-    known: KnownIds
-    model_dir: Path
-
-
-def execute(o: RunOptions, w: Workload, interp: Interpreter, engine: BatchEngine, rundir: RunDir, stop: Stop,
-            spread: Spread | None = None) -> None:
+def execute(o: RunOptions, interp: Interpreter, engine: BatchEngine, parts: PartWriter, stop: Stop,
+            works: dict[int, Programs] | None = None) -> None:
     """Run every program; finished ones go to the run directory as parts every --checkpoint-s seconds of
-    work, and at once when a stop is asked for (then the run raises Interrupted). Where the engine is several
-    workers and the programs generate, each worker runs its share of them whole (lmbatch/run/spread.py)."""
-    parts = PartWriter(w, rundir, interp.tally)
+    work, and at once when a stop is asked for (then the run raises Interrupted). `works`: each data-parallel
+    worker's share of the programs, which it runs whole (lmbatch/run/spread.py)."""
     progress = TokenProgress("execute", disable=o.output.quiet)
     # workers' results come to this process as they finish: a part written meanwhile costs their GPUs nothing,
     # and what is left to write when the last ends is small
     every = o.output.checkpoint_s if engine.data_parallel == 1 else min(o.output.checkpoint_s, PARALLEL_PART_S)
-    works = spread_works(o, w, interp, engine, spread.known, spread.model_dir) if spread is not None else None
     stop.executing = True
     try:
         if works is not None:
-            run_spread(interp, engine, works, parts, progress, Every(every, stop), stop)
+            run_spread(interp, engine, works, parts, progress, Every(every, stop))
         else:
             for finished in interp.stream(engine, handover_due=Every(every, stop), progress=progress):
                 parts.write(finished)
@@ -190,6 +182,7 @@ def execute(o: RunOptions, w: Workload, interp: Interpreter, engine: BatchEngine
     finally:        # a stop's line starts a line of its own, under the bar
         stop.executing = False
         progress.close()
+    rundir = parts.rundir
     if rundir.unsaved_count:
         raise RuntimeError(f"{rundir.unsaved_count} of {rundir.total} instances were not written")
 

@@ -19,19 +19,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, cast
 
+from lmbatch.errors import Interrupted
 from lmbatch.frontend.calls import CallOptions, KnownIds, engine_requests
 from lmbatch.frontend.runs import Status
 from lmbatch.frontend.workload import Instance
 from lmbatch.run.progress import Meter
 
 if TYPE_CHECKING:
-    from lmbatch.engine.engine import Engine
     from lmbatch.engine.parallel import ParallelEngine
+    from lmbatch.engine.protocol import BatchEngine
     from lmbatch.frontend.interpreter import Interpreter
     from lmbatch.frontend.tally import Tally
     from lmbatch.frontend.workload import Workload
     from lmbatch.options import RunOptions
-    from lmbatch.run.parts import PartWriter, Stop
+    from lmbatch.run.parts import Every, PartWriter
     from lmbatch.run.progress import TokenProgress
     from lmbatch.rundir.rows import InstanceRow, RequestRow
 
@@ -68,7 +69,7 @@ class Programs:
     known: KnownIds             # their first-stage calls' token ids, as this process made them
     token_ids: bool             # request rows keep their prompts' ids (--save-token-ids)
 
-    def run_on(self, engine: Engine, send: Callable[[Any], None], due: Callable[[], bool]) -> Ended:
+    def run_on(self, engine: BatchEngine, send: Callable[[Any], None], due: Callable[[], bool]) -> Ended:
         """On the worker: the programs run as one engine's run would run them, rows handed over as they end."""
         from lmbatch.frontend.interpreter import Interpreter
         from lmbatch.frontend.tokenize import TextEncoder
@@ -127,9 +128,10 @@ def spread_works(o: RunOptions, w: Workload, interp: Interpreter, engine: Any, k
 
 
 def run_spread(interp: Interpreter, engine: Any, works: dict[int, Programs], parts: PartWriter,
-               progress: TokenProgress, every: Callable[[], bool], stop: Stop) -> None:
+               progress: TokenProgress, every: Every) -> None:
     """Run every worker's programs; write their rows as parts when `every()` says so (and at the end), stop
-    at the first chance once `stop` is asked; then the run's counts are the workers' added up."""
+    at the first chance once a stop is asked for (`every.stop`); then the run's counts are the workers'
+    added up."""
     engine = cast("ParallelEngine", engine)
     t0 = time.perf_counter()
     meters: dict[int, Meter] = {}
@@ -153,9 +155,8 @@ def run_spread(interp: Interpreter, engine: Any, works: dict[int, Programs], par
         if rows and (every() or len(ended) == len(works)):
             parts.write_rows(rows, reqs)
             rows, reqs = [], []
-        if stop.asked:
-            from lmbatch.errors import Interrupted
-            raise Interrupted(stop.kept())
+        if every.stop.asked:
+            raise Interrupted(every.stop.kept())
     parts.write_rows(rows, reqs)
     wall = time.perf_counter() - t0
     t1 = time.perf_counter()
