@@ -84,21 +84,23 @@ def test_control_flow_stages_and_select_tokenization(tiny_tok):
         assert meta["num_tokens"] == [len(c) for c in conts] and ctx[-1] != tok.encode(" ")[0]
 
 
-def test_waves_and_schedules_change_no_result(tiny_tok):
-    def program(s, q):
-        s += PREFIX + q
-        forks = s.fork(2)
-        forks += " Step:" + gen("step", max_tokens=5, temperature=0.9)
-        for f in forks:
-            f += " Good?" + select("ok", [" yes", " no"])
-        best = max(forks, key=lambda f: f.meta("ok")["logprobs"][0])
-        best += " So:" + gen("final", max_tokens=4)
-        s["final"] = best["final"]
+def judged(s, q):
+    """Two sampled steps, each judged by a select; the better one continues."""
+    s += PREFIX + q
+    forks = s.fork(2)
+    forks += " Step:" + gen("step", max_tokens=5, temperature=0.9)
+    for f in forks:
+        f += " Good?" + select("ok", [" yes", " no"])
+    best = max(forks, key=lambda f: f.meta("ok")["logprobs"][0])
+    best += " So:" + gen("final", max_tokens=4)
+    s["final"] = best["final"]
 
+
+def test_waves_and_schedules_change_no_result(tiny_tok):
     inputs = [{"q": f"Question {k}?"} for k in range(6)]
-    one, _ = run_programs(tiny_tok, program, inputs)
-    many, _ = run_programs(tiny_tok, program, inputs, wave_tokens=1, kv=2048)
-    fcfs, _ = run_programs(tiny_tok, program, inputs, schedule="fcfs", wave_tokens=40)
+    one, _ = run_programs(tiny_tok, judged, inputs)
+    many, _ = run_programs(tiny_tok, judged, inputs, wave_tokens=1, kv=2048)
+    fcfs, _ = run_programs(tiny_tok, judged, inputs, schedule="fcfs", wave_tokens=40)
     results = [[r.state["final"] for r in i.runs] for i in (one, many, fcfs)]
     assert results[0] == results[1] == results[2]
     assert many.waves > one.waves
@@ -109,20 +111,12 @@ def test_waves_and_schedules_change_no_result(tiny_tok):
 def test_tallies_of_split_programs_absorbed_give_one_interpreters_counts(tiny_tok):
     """Programs split between two interpreters (as data-parallel workers run them, lmbatch/run/spread.py), their
     tallies absorbed into a third: the counts, stages and optimum of one interpreter running them all."""
-    def program(s, q):
-        s += PREFIX + q
-        forks = s.fork(2)
-        forks += " Step:" + gen("step", max_tokens=5, temperature=0.9)
-        for f in forks:
-            f += " Good?" + select("ok", [" yes", " no"])
-        s += " So:" + gen("final", max_tokens=4)
-
     inputs = [{"q": f"Question {k}?"} for k in range(6)]
-    one, tok = run_programs(tiny_tok, program, inputs)
+    one, tok = run_programs(tiny_tok, judged, inputs)
     parts = []
     for numbers in ([0, 2, 4], [1, 3, 5]):
         interp = Interpreter(tok, CallOptions(max_len=2048))
-        interp.start(program, [Instance(str(k), inputs[k]) for k in numbers], numbers)
+        interp.start(judged, [Instance(str(k), inputs[k]) for k in numbers], numbers)
         interp.execute(Engine.from_pretrained(tiny_tok, tokenizer=tok, kv_cache_tokens=16384))
         parts.append(interp)
     assert [r.state["final"] for r in sorted((r for i in parts for r in i.runs), key=lambda r: r.number)] == \
