@@ -64,26 +64,31 @@ def _bytes(dtype: str) -> int:
     return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
 
 
-def default_kv_tokens(cfg: ModelConfig, device: str, dtype: str) -> int:
+def default_kv_tokens(cfg: ModelConfig, device: str, dtype: str, share: int = 1) -> int:
+    """The KV pool: half of the GPU's free memory, of its `share` (workers on one GPU), or CPU_KV_BYTES."""
     per_token = (1 if cfg.keys_are_values else 2) * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _bytes(dtype)
     if device == "cpu":
         return min(CPU_KV_BYTES // per_token, 1 << 20)
-    import torch
-
-    return min(torch.cuda.mem_get_info()[0] // 2 // per_token, CUDA_MAX_KV_TOKENS)
+    return min(_free_cuda() // share // 2 // per_token, CUDA_MAX_KV_TOKENS)
 
 
-def default_batch_tokens(cfg: ModelConfig, device: str, dtype: str) -> int:
+def default_batch_tokens(cfg: ModelConfig, device: str, dtype: str, share: int = 1) -> int:
+    """The prefill batch: its activations within a tenth of the GPU's free memory (of its `share`)."""
     if device == "cpu":
         return CPU_BATCH_TOKENS
-    import torch
-
     width = 3 * cfg.intermediate_size + 4 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     per_token = width * _bytes(dtype)
     budget = CUDA_MAX_BATCH_TOKENS
-    while budget > 1024 and budget * per_token > torch.cuda.mem_get_info()[0] // 10:
+    free = _free_cuda() // share
+    while budget > 1024 and budget * per_token > free // 10:
         budget //= 2
     return budget
+
+
+def _free_cuda() -> int:
+    import torch
+
+    return int(torch.cuda.mem_get_info()[0])
 
 
 SINKS = "attention sinks (gpt-oss)"
@@ -147,8 +152,10 @@ def fit(spec: EngineSpec, cfg: ModelConfig) -> tuple[EngineSpec, Attention]:
             raise UserError(f"--attention {attention.name} is not deterministic: use {DEFAULT_CUDA} or auto with "
                             "--deterministic")
         attention = Attention(DEFAULT_CUDA, "deterministic")
-    kv = o.kv_cache_tokens if o.kv_cache_tokens is not None else default_kv_tokens(cfg, device, dtype)
-    batch = o.max_tokens_per_batch if o.max_tokens_per_batch is not None else default_batch_tokens(cfg, device, dtype)
+    share = spec.gpu_share
+    kv = o.kv_cache_tokens if o.kv_cache_tokens is not None else default_kv_tokens(cfg, device, dtype, share)
+    batch = o.max_tokens_per_batch if o.max_tokens_per_batch is not None else \
+        default_batch_tokens(cfg, device, dtype, share)
     fp8_gemm = o.fp8_gemm if o.fp8_gemm is not None else fp8_fits(spec, cfg, device, dtype)
     options = replace(o, kv_cache_tokens=kv, max_tokens_per_batch=batch, attention=attention.name, fp8_gemm=fp8_gemm)
     return replace(spec, device=device, dtype=dtype, options=options), attention
@@ -190,11 +197,13 @@ def fit_pool(spec: EngineSpec, longest: int, user_set: bool) -> EngineSpec:
     return replace(spec, options=replace(o, kv_cache_tokens=need))
 
 
-def gpus(n: int) -> list[str]:
-    """The CUDA_VISIBLE_DEVICES entry of each of n processes: the first n of what this process sees."""
+def gpus(n: int, share: int = 1) -> list[str]:
+    """The CUDA_VISIBLE_DEVICES entry of each of n processes: the first n / `share` GPUs this process sees,
+    each given to `share` of them in turn."""
     seen = os.environ.get("CUDA_VISIBLE_DEVICES")
-    names = [s.strip() for s in seen.split(",")] if seen else [str(k) for k in range(n)]
-    return names[:n]
+    m = -(-n // share)
+    names = ([s.strip() for s in seen.split(",")] if seen else [str(k) for k in range(m)])[:m]
+    return [names[k % m] for k in range(n)]
 
 
 def several(spec: EngineSpec) -> bool:

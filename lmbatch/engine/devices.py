@@ -6,6 +6,8 @@ entries), and `--data-parallel auto` / `--tensor-parallel auto` from them and th
   fewest GPUs (a power of two dividing its heads) whose share fits;
 - data parallel, auto: every visible GPU over that (on a Ray cluster, every GPU of the cluster), but one
   engine for a job whose model work is known to be small (a cached scoring workload's figures); on CPU 1.
+  A number of workers beyond the GPUs (a multiple of them, one GPU a model) puts as many on each GPU
+  (`EngineSpec.gpu_share`): they share its memory, and one's host work runs beside another's kernels.
 """
 from __future__ import annotations
 
@@ -124,10 +126,19 @@ def layout(spec: EngineSpec, cfg: ModelConfig, gpus: GPUs | None = None, work: f
                    + (f", {t} a model" if t > 1 else ""))
     else:
         n = int(dp)
+        if n * t > gpus.visible and t == 1 and gpus.visible and spec.ray_address is None:
+            if n % gpus.visible:
+                raise UserError(f"--data-parallel {dp}: {n} workers do not share {gpus.visible} GPUs evenly "
+                                f"(use a multiple of {gpus.visible})")
+            return Layout(n, t, f"asked for: {n} workers on {_count(gpus.visible, 'GPU')}, {n // gpus.visible} a GPU")
         if n * t > gpus.visible:
             what = f"--data-parallel {dp}" + (f" x --tensor-parallel {t}" if t > 1 else "")
             raise UserError(f"{what}: {n * t} GPUs needed, {gpus.visible} visible")
     return Layout(n, t, "; ".join(why) or "asked for")
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'s' if n != 1 else ''}"
 
 
 def _tensor_parallel(cfg: ModelConfig, dtype: str, gpus: GPUs) -> tuple[int, str]:
@@ -154,4 +165,6 @@ def resolved(spec: EngineSpec, cfg: ModelConfig, work: float | None = None) -> t
     device = spec.device
     if device == "auto" and lay.data_parallel * lay.tensor_parallel > 1 and gpus.visible:
         device = "cuda"
-    return replace(spec, device=device, data_parallel=lay.data_parallel, tensor_parallel=lay.tensor_parallel), lay.why
+    share = lay.data_parallel // gpus.visible if device == "cuda" and lay.data_parallel > gpus.visible > 0 else 1
+    return replace(spec, device=device, data_parallel=lay.data_parallel, tensor_parallel=lay.tensor_parallel,
+                   gpu_share=share), lay.why

@@ -44,6 +44,7 @@ class EngineSpec:
     load_format: str = "auto"           # "dummy": random weights (speed work)
     graphs_ahead: bool = True           # capture decode graphs as the engine is built (else at the first decode)
     threads: int | None = None          # torch threads of each CPU process (default: the cores shared out)
+    gpu_share: int = 1                  # workers on each GPU (more: they share its memory and its time)
 
     @property
     def workers(self) -> int:

@@ -195,6 +195,6 @@ def make_parallel(spec: EngineSpec, clock: Phases) -> ParallelEngine:
     from lmbatch.model.checkpoint import model_config
 
     with clock("workers"):
+        local = spec.device == "cuda" and not spec.ray_address
         return ParallelEngine(spec, model_config(spec.model_dir),
-                              gpus(spec.workers * spec.ranks) if spec.device == "cuda" and not spec.ray_address
-                              else None)
+                              gpus(spec.workers * spec.ranks, spec.gpu_share) if local else None)

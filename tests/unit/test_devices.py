@@ -86,3 +86,35 @@ def test_a_small_job_runs_on_one_engine():
     assert layout(spec, cfg, GPUs(4, 80 * GIB), work=devices.SMALL_JOB_FLOPS)[:2] == (4, 1)
     assert layout(EngineSpec("m", "cuda", data_parallel=4), cfg, GPUs(4, 80 * GIB), work=1e14)[:2] == (4, 1)
     assert layout(spec, _cfg("llama-3.1-70b"), GPUs(4, 141 * GIB), work=1e14)[:2] == (1, 2)
+
+
+def test_more_workers_than_gpus_share_them_evenly(monkeypatch):
+    """A number of workers beyond the GPUs (a multiple of them) puts as many on each GPU: each worker's process
+    sees its GPU (`build.gpus`), and fits its pool and batch to its share of the GPU's free memory."""
+    import torch
+
+    from lmbatch.engine import build
+
+    cfg = _cfg("qwen3-8b")
+    assert layout(EngineSpec("m", "cuda", data_parallel=2), cfg, GPUs(1, 80 * GIB)) == \
+        (2, 1, "asked for: 2 workers on 1 GPU, 2 a GPU")
+    assert layout(EngineSpec("m", "cuda", data_parallel=8), cfg, GPUs(4, 80 * GIB))[:2] == (8, 1)
+    with pytest.raises(UserError, match=r"^--data-parallel 3: 3 workers do not share 2 GPUs evenly \(use a multiple "
+                                        r"of 2\)$"):
+        layout(EngineSpec("m", "cuda", data_parallel=3), cfg, GPUs(2, 80 * GIB))
+    with pytest.raises(UserError, match=r"^--data-parallel 2 x --tensor-parallel 2: 4 GPUs needed, 2 visible$"):
+        layout(EngineSpec("m", "cuda", data_parallel=2, tensor_parallel=2), cfg, GPUs(2, 80 * GIB))
+    monkeypatch.setattr(devices, "visible_gpus", lambda: GPUs(2, 80 * GIB))
+    spec, _ = devices.resolved(EngineSpec("m", "auto", data_parallel=4), cfg)
+    assert (spec.device, spec.workers, spec.gpu_share) == ("cuda", 4, 2)
+    assert devices.resolved(EngineSpec("m", "auto", data_parallel=2), cfg)[0].gpu_share == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    assert build.gpus(4, 2) == ["1", "3", "1", "3"] and build.gpus(2) == ["1", "3"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert build.gpus(6, 3) == ["0", "1", "0", "1", "0", "1"] and build.gpus(2) == ["0", "1"]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (24 * GIB, 141 * GIB))
+    one = build.default_kv_tokens(cfg, "cuda", "bfloat16"), build.default_batch_tokens(cfg, "cuda", "bfloat16")
+    two = build.default_kv_tokens(cfg, "cuda", "bfloat16", 2), build.default_batch_tokens(cfg, "cuda", "bfloat16", 2)
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    assert (one[0], two[0]) == (24 * GIB // 2 // per_token, 24 * GIB // 2 // 2 // per_token)
+    assert (one[1], two[1]) == (16384, 8192)    # 16,384 tokens' activations (1.8 GiB) fit a tenth of 24 GiB, not of 12
