@@ -16,8 +16,13 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import make_tiny_with_tokenizer
+from conftest import make_tiny_hf, make_tiny_with_tokenizer
 
+from lmbatch.engine.options import EngineOptions, EngineSpec
+from lmbatch.engine.parallel import ParallelEngine
+from lmbatch.engine.worker import Finished
+from lmbatch.errors import WorkerFailed
+from lmbatch.model.config import ModelConfig
 from lmbatch.options import RunOptions
 from lmbatch.run.run import run
 
@@ -273,3 +278,35 @@ def test_auto_is_one_process_on_cpu(tmp_path):
     assert s["data_parallel"]["workers"] == 1 and s["data_parallel"]["tensor_parallel"] == 1
     assert s["data_parallel"]["why"] == "--data-parallel and --tensor-parallel auto: 1 on CPU"
     assert "workers_load" not in s["data_parallel"]
+
+
+class _Report:
+    """A remote work (engine/worker.py `Remote`): one message of its own, then its engine's pool as its result."""
+
+    def run_on(self, engine, send, due):
+        send("hello")
+        return engine.kv_slots
+
+
+class _Exit:
+    def run_on(self, engine, send, due):
+        os._exit(9)
+
+
+def test_remote_work_runs_on_each_worker_and_a_worker_that_exits_is_named(tmp_path):
+    """`ParallelEngine.spread` (how a run's programs go to its workers whole): each worker's messages as they
+    come and its result once it ends; a worker that exits meanwhile raises, naming it and its exit code."""
+    make_tiny_hf("llama", tmp_path)
+    spec = EngineSpec(str(tmp_path), "cpu", "float32", EngineOptions(kv_cache_tokens=512, max_tokens_per_batch=64),
+                      data_parallel=2, threads=1)
+    engine = ParallelEngine(spec, ModelConfig.from_dir(tmp_path))
+    try:
+        got = [m for m in engine.spread({0: _Report(), 1: _Report()}, 0.05) if m is not None]
+        assert sorted((k, m) for k, m in got if m == "hello") == [(0, "hello"), (1, "hello")]
+        assert {k: m.payload for k, m in got if isinstance(m, Finished)} == {0: engine.kv_slots, 1: engine.kv_slots}
+        assert not engine.running
+        with pytest.raises(WorkerFailed, match=r"^data-parallel worker 1 exited \(code 9\)$"):
+            list(engine.spread({0: _Report(), 1: _Exit()}, 0.05))
+        assert engine.running       # cut short: `close` ends the workers at once
+    finally:
+        engine.close()
