@@ -11,10 +11,12 @@ Definitions (reported by every run):
 """
 from __future__ import annotations
 
+import heapq
 import itertools
+import operator
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence, cast
+from typing import Any, Callable, Iterator, NamedTuple, Sequence, cast
 
 import numpy as np
 
@@ -273,14 +275,16 @@ def posthoc_unique(prompts: list[list[int]], generated: list[tuple[list[int], in
     return posthoc_figures(prompts, generated)[0]
 
 
-def posthoc_figures(prompts: list[list[int]], generated: list[tuple[list[int], int]]) -> tuple[int, int]:
+def posthoc_figures(prompts: list[list[int]], generated: list[tuple[list[int], int]],
+                    presorted: tuple[Sequence[int], np.ndarray] | None = None) -> tuple[int, int]:
     """`posthoc_unique`, and the unique tokens of the prompts' own tree (`summarize(prompts)`'s), from
-    one sort of every sequence: the prompts' adjacent common prefixes are the least of the sorted
+    one sort of every sequence (`posthoc_seqs`; `presorted`: their sorted order and adjacent common
+    prefixes, made already): the prompts' adjacent common prefixes are the least of the sorted
     sequences' between them (`sub_lcps`)."""
-    seqs = list(prompts) + [s for s, _ in generated]
+    seqs = posthoc_seqs(prompts, generated)
     if not seqs:
         return 0, 0
-    order, lcps = sorted_lcps(seqs)
+    order, lcps = presorted if presorted is not None else sorted_lcps(seqs)
     root, ends = tree_from_sorted([len(s) for s in seqs], order, lcps.tolist())
     n = len(prompts)
     at = np.asarray(order, dtype=np.int64)
@@ -288,6 +292,44 @@ def posthoc_figures(prompts: list[list[int]], generated: list[tuple[list[int], i
     lens = np.fromiter((len(seqs[i]) for i in at[ranks]), dtype=np.int64, count=len(ranks))
     plain = int((lens - sub_lcps(lcps, ranks)).sum())
     return _fold_posthoc(root, ends, n, generated), plain
+
+
+def posthoc_seqs(prompts: list[list[int]], generated: list[tuple[list[int], int]]) -> list[list[int]]:
+    """Every sequence the post-hoc optimum sorts: the prompts, then each generation's prompt and output."""
+    return list(prompts) + [s for s, _ in generated]
+
+
+def merge_sorted(seqs: Sequence[Sequence[int]], parts: Sequence[tuple[Sequence[int], np.ndarray]]
+                 ) -> tuple[list[int], np.ndarray]:
+    """`sorted_lcps(seqs)` from the sorted orders of parts of them (each part: indices into `seqs` in sorted
+    order, and each one's common prefix with the one before it in the part, as `sorted_lcps` gives them;
+    together every index once): a merge, which compares sequences only where the part changes (data-parallel
+    workers' executed prompts, each worker's sorted already). Equal sequences of several parts come in the
+    parts' order."""
+    order: list[int] = []
+    lcps = np.zeros(len(seqs), dtype=np.int64)
+    def stream(k: int, part: Sequence[int]) -> Iterator[tuple[Sequence[int], int, int, int]]:
+        return ((seqs[i], k, r, i) for r, i in enumerate(part))
+
+    streams = [stream(k, part) for k, (part, _) in enumerate(parts)]
+    last, prev = -1, None
+    for seq, k, r, i in heapq.merge(*streams, key=operator.itemgetter(0)):
+        if order:
+            lcps[len(order)] = parts[k][1][r] if k == last else _lcp(cast("Sequence[int]", prev), seq)
+        order.append(i)
+        last, prev = k, seq
+    return order, lcps
+
+
+def _lcp(a: Sequence[int], b: Sequence[int], step: int = 256) -> int:
+    """The length of the common prefix of two sequences (lists compared a slice at a time)."""
+    n, k = min(len(a), len(b)), 0
+    while k < n and a[k:k + step] == b[k:k + step]:
+        k += step
+    k = min(k, n)
+    while k < n and a[k] == b[k]:
+        k += 1
+    return k
 
 
 def _fold_posthoc(root: PlanNode, ends: list[PlanNode], n: int, generated: list[tuple[list[int], int]]) -> int:

@@ -11,7 +11,15 @@ from lmbatch.frontend.calls import EngineRequest
 from lmbatch.frontend.dsl import Gen, Pending, Select
 from lmbatch.requests import GenerateResult, RunStats, ScoreResult, TokenCounts, optimal_hit_rate
 from lmbatch.rundir.rows import RequestRow
-from lmbatch.scheduler.planner import posthoc_figures, posthoc_unique, sub_lcps, summarize
+from lmbatch.scheduler.planner import (
+    merge_sorted,
+    posthoc_figures,
+    posthoc_seqs,
+    posthoc_unique,
+    sorted_lcps,
+    sub_lcps,
+    summarize,
+)
 
 
 @dataclass
@@ -40,6 +48,11 @@ class Tally:
         # the first wave's requests in sorted order with their common prefixes, lengths and tasks, where
         # its plan was made: each task's tree from them, not from its prompts sorted again
         self._tree: tuple[Sequence[int], np.ndarray, list[int], list[str]] | None = None
+        # every sequence of the post-hoc optimum in sorted order with its common prefixes (`finish`, where
+        # there was generation), and, absorbed, each other tally's: (its first prompt here, its first
+        # generation here, its prompts, its sorted order), merged in `finish` rather than sorted again
+        self.sorted: tuple[list[int], np.ndarray] | None = None
+        self._parts: list[tuple[int, int, int, tuple[list[int], np.ndarray]]] | None = None
 
     def start_wave(self, owner: list[Pending],
                    tree: tuple[Sequence[int], np.ndarray, list[int]] | None = None) -> None:
@@ -104,6 +117,12 @@ class Tally:
             self.tasks.setdefault(task, TokenCounts()).add(t)
         self.think_tokens += other.think_tokens
         self.requests_accounted += other.requests_accounted
+        if self._parts is None and not self._prompts:
+            self._parts = []
+        if self._parts is not None and other.sorted is not None and other._generated:
+            self._parts.append((len(self._prompts), len(self._generated), len(other._prompts), other.sorted))
+        else:
+            self._parts = [(-1, -1, -1, ([], np.zeros(0, dtype=np.int64)))]    # sorted again in `finish`
         self._prompts += other._prompts
         self._prompt_tasks += other._prompt_tasks
         self._generated += other._generated
@@ -118,7 +137,9 @@ class Tally:
         the whole batch's, however many workers ran it)."""
         s = self.stats
         if self._generated:         # one sort gives both: the post-hoc optimum, the prompts' own tree's
-            s.unique_tokens, plain = posthoc_figures(self._prompts, self._generated)
+            seqs = posthoc_seqs(self._prompts, self._generated)
+            self.sorted = self._merged(seqs) or sorted_lcps(seqs)
+            s.unique_tokens, plain = posthoc_figures(self._prompts, self._generated, self.sorted)
         else:
             plain = self.waves[0] if len(self.waves) == 1 else summarize(self._prompts).unique_tokens
             s.unique_tokens = plain     # the prompts' own tree (Theorem 3.1)
@@ -126,6 +147,19 @@ class Tally:
         s.engine_optimal_hit_rate = s.optimal_hit_rate
         self.prompt_tree_optimal_hit_rate = optimal_hit_rate(plain, s.prompt_tokens)
         self._finish_tasks()
+
+    def _merged(self, seqs: list[list[int]]) -> tuple[list[int], np.ndarray] | None:
+        """The sorted order of `seqs` merged from the absorbed tallies' own (None: not each had one)."""
+        parts = self._parts
+        if not parts or any(n < 0 for n, _, _, _ in parts):
+            return None
+        total = len(self._prompts)
+        mapped = []
+        for first_prompt, first_generation, prompts, (order, lcps) in parts:
+            at = np.asarray(order, dtype=np.int64)
+            at = np.where(at < prompts, first_prompt + at, total + first_generation + at - prompts)
+            mapped.append((at.tolist(), lcps))
+        return merge_sorted(seqs, mapped)
 
     def _finish_tasks(self) -> None:
         """Each task's own optimum: the unique tokens of its prompts alone (as the run's, post hoc). A

@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmbatch.scheduler.planner import make_plan, sorted_lcps, summarize
+from lmbatch.scheduler.planner import make_plan, merge_sorted, posthoc_figures, sorted_lcps, summarize
 
 tokens = st.lists(st.integers(0, 2), min_size=1, max_size=6)
 # a long common run then a short tail: common prefixes across numpy's 64-position blocks
@@ -96,6 +96,31 @@ def test_sorted_lcps_brute_force(prompts):
     assert order == sorted(range(len(prompts)), key=lambda i: (prompts[i], i))
     expect = [0] + [lcp(prompts[a], prompts[b]) for a, b in zip(order, order[1:])]
     assert lcps.tolist() == expect
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(batches(max_prompts=20), batches(max_prompts=8, long=True)), st.data())
+def test_merging_parts_sorted_on_their_own_sorts_the_whole(prompts, data):
+    """Prompts dealt to parts (data-parallel workers), each sorted on its own: the merge is the whole's sorted
+    order (equal prompts in any order among themselves) with its common prefixes, and the post-hoc
+    optimum from it is the one from sorting everything."""
+    k = data.draw(st.integers(1, 4))
+    where = data.draw(st.lists(st.integers(0, k - 1), min_size=len(prompts), max_size=len(prompts)))
+    parts = []
+    for part in range(k):
+        mine = [i for i in range(len(prompts)) if where[i] == part]
+        order, lcps = sorted_lcps([prompts[i] for i in mine])
+        parts.append(([mine[j] for j in order], lcps))
+    order, lcps = merge_sorted(prompts, parts)
+    want_order, want_lcps = sorted_lcps(prompts)
+    assert sorted(order) == list(range(len(prompts)))
+    assert [prompts[i] for i in order] == [prompts[i] for i in want_order]
+    assert lcps.tolist() == want_lcps.tolist()
+    cut = data.draw(st.integers(0, len(prompts)))      # the rest as generations of the first prompts
+    generated = [(prompts[i], data.draw(st.integers(0, len(prompts[i])))) for i in range(cut, len(prompts))]
+    plain = prompts[:cut]
+    if plain:
+        assert posthoc_figures(plain, generated, (order, lcps)) == posthoc_figures(plain, generated)
 
 
 def test_sorted_lcps_long_shared_prefixes():
