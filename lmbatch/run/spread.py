@@ -3,8 +3,8 @@ its share of the programs whole (`Programs`), cut along the first stage's radix 
 are, and each worker runs them end to end with an interpreter of its own beside its engine: waves, tokenizing
 and planning of later calls on that worker, its GPU never waiting for another's wave or for this process.
 
-This process only writes the instance rows each worker hands over as its programs finish (`Finished` rows
-come every few seconds, so a stop and a resume keep what finished) and, at the end, adds up the workers'
+This process only writes the instance rows each worker hands over as its programs finish (`Rows`, about every
+second, so a stop and a resume keep what finished) and, once each has `Finished`, adds up the workers'
 counts (`Tally.absorb`): the run's optimum is that of every prompt executed, as with one engine, and each
 worker's own is the data-parallel optimum. Request rows are numbered here in the order they arrive.
 `LMBATCH_SPREAD=0` keeps this process's interpreter instead: waves, each cut across the workers.
@@ -119,11 +119,12 @@ def spread_works(o: RunOptions, w: Workload, interp: Interpreter, engine: Any, k
         works[k] = Programs(o.workload.task, str(model_dir), interp.preparer.options, interp.schedule, interp.seed,
                             [run.instance for run in runs], numbers,
                             {key: v for key, v in known.items() if key[0] in mine}, o.output.save_token_ids)
-    try:
-        for work in works.values():
-            pickle.dumps(work, protocol=pickle.HIGHEST_PROTOCOL)
-    except (pickle.PicklingError, TypeError, AttributeError):
-        return None
+    if w.data_files is None:        # a program file's instances: whatever its code made
+        try:
+            for work in works.values():
+                pickle.dumps(work, protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, TypeError, AttributeError):
+            return None
     return works
 
 

@@ -280,6 +280,35 @@ def test_auto_is_one_process_on_cpu(tmp_path):
     assert "workers_load" not in s["data_parallel"]
 
 
+UNPICKLABLE = '''from lmbatch.frontend import gen
+
+def instances():
+    return [{"id": f"q{k}", "n": k, "show": lambda x: f"<{x}>"} for k in range(4)]
+
+def program(s, n, show):
+    s += show(n) + " next:"
+    s += gen("a", max_tokens=4)
+    s += " and then:" + gen("b", max_tokens=4)
+'''
+
+
+def test_instances_that_do_not_pickle_run_in_waves(tmp_path, tiny_model):
+    """A program file whose instances hold what cannot cross to a worker (a function): the programs run in
+    this process's interpreter, each wave cut across the workers, with one engine's results."""
+    path = tmp_path / "unpicklable.py"
+    path.write_text(UNPICKLABLE)
+    got = {}
+    for workers in ("1", "2"):
+        d = run(RunOptions.of(task=str(path), model=str(tiny_model), out=tmp_path, run_id=f"u{workers}", device="cpu",
+                              quiet=True, data_parallel=workers, max_tokens_per_batch=256))
+        summary = json.loads((d / "summary.json").read_text())
+        got[workers] = (pq.read_table(d / "instances.parquet").to_pylist(), summary)
+    assert [r["outputs"] for r in got["2"][0]] == [r["outputs"] for r in got["1"][0]]
+    dp = got["2"][1]["data_parallel"]
+    assert dp["workers"] == 2 and got["2"][1]["counts"]["instances"] == 4
+    assert sum(w["chunks"] for w in dp["workers_load"]) == 4      # two waves, each cut in two (whole programs: 2)
+
+
 class _Report:
     """A remote work (engine/worker.py `Remote`): one message of its own, then its engine's pool as its result."""
 
