@@ -326,10 +326,9 @@ def _lcp(a: Sequence[int], b: Sequence[int], step: int = 256) -> int:
     n, k = min(len(a), len(b)), 0
     while k < n and a[k:k + step] == b[k:k + step]:
         k += step
-    k = min(k, n)
-    while k < n and a[k] == b[k]:
+    while k < n and a[k] == b[k]:       # k > n only where a whole slice matched to the shorter's end
         k += 1
-    return k
+    return min(k, n)
 
 
 def _fold_posthoc(root: PlanNode, ends: list[PlanNode], n: int, generated: list[tuple[list[int], int]]) -> int:
