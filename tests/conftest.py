@@ -307,3 +307,21 @@ def assert_self_contained_html(text: str, plots: int) -> Page:
     for needle in ("http:", "https:", "src=", "href=", "url(", "@import", "//"):
         assert needle not in text, needle
     return page
+
+
+def tot_on_workers(tmp_path, model, workers: tuple[str, ...] = ("1", "2")) -> dict:
+    """Tree of thought (6 questions, float32, on CUDA) with each `--data-parallel` of `workers`: each run's
+    instance rows and summary (tests/gpu: workers' results against one engine's)."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from lmbatch.options import RunOptions
+    from lmbatch.run.run import run
+
+    got = {}
+    for dp in workers:
+        d = run(RunOptions.of(task="tot-gsm8k", limit=6, model=str(model), out=tmp_path, run_id=f"tot{dp}",
+                              device="cuda", dtype="float32", data_parallel=dp, quiet=True))
+        got[dp] = (pq.read_table(d / "instances.parquet").to_pylist(), json.loads((d / "summary.json").read_text()))
+    return got

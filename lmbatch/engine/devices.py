@@ -130,15 +130,13 @@ def layout(spec: EngineSpec, cfg: ModelConfig, gpus: GPUs | None = None, work: f
             if n % gpus.visible:
                 raise UserError(f"--data-parallel {dp}: {n} workers do not share {gpus.visible} GPUs evenly "
                                 f"(use a multiple of {gpus.visible})")
-            return Layout(n, t, f"asked for: {n} workers on {_count(gpus.visible, 'GPU')}, {n // gpus.visible} a GPU")
+            return Layout(n, t, f"asked for: {n} workers on {gpus.visible} GPU{'s' if gpus.visible > 1 else ''}, "
+                                f"{n // gpus.visible} a GPU")
         if n * t > gpus.visible:
             what = f"--data-parallel {dp}" + (f" x --tensor-parallel {t}" if t > 1 else "")
             raise UserError(f"{what}: {n * t} GPUs needed, {gpus.visible} visible")
     return Layout(n, t, "; ".join(why) or "asked for")
 
-
-def _count(n: int, what: str) -> str:
-    return f"{n} {what}{'s' if n != 1 else ''}"
 
 
 def _tensor_parallel(cfg: ModelConfig, dtype: str, gpus: GPUs) -> tuple[int, str]:
@@ -165,6 +163,7 @@ def resolved(spec: EngineSpec, cfg: ModelConfig, work: float | None = None) -> t
     device = spec.device
     if device == "auto" and lay.data_parallel * lay.tensor_parallel > 1 and gpus.visible:
         device = "cuda"
-    share = lay.data_parallel // gpus.visible if device == "cuda" and lay.data_parallel > gpus.visible > 0 else 1
+    local = device == "cuda" and spec.ray_address is None       # Ray's workers are placed on the cluster's GPUs
+    share = lay.data_parallel // gpus.visible if local and lay.data_parallel > gpus.visible > 0 else 1
     return replace(spec, device=device, data_parallel=lay.data_parallel, tensor_parallel=lay.tensor_parallel,
                    gpu_share=share), lay.why

@@ -51,8 +51,9 @@ class Tally:
         # every sequence of the post-hoc optimum in sorted order with its common prefixes (`finish`, where
         # there was generation), and, absorbed, each other tally's: (its first prompt here, its first
         # generation here, its prompts, its sorted order), merged in `finish` rather than sorted again
+        # (None: sorted again, as where this tally had prompts of its own or another had no sorted order)
         self.sorted: tuple[list[int], np.ndarray] | None = None
-        self._parts: list[tuple[int, int, int, tuple[list[int], np.ndarray]]] | None = None
+        self._parts: list[tuple[int, int, int, tuple[list[int], np.ndarray]]] | None = []
 
     def start_wave(self, owner: list[Pending],
                    tree: tuple[Sequence[int], np.ndarray, list[int]] | None = None) -> None:
@@ -117,12 +118,11 @@ class Tally:
             self.tasks.setdefault(task, TokenCounts()).add(t)
         self.think_tokens += other.think_tokens
         self.requests_accounted += other.requests_accounted
-        if self._parts is None and not self._prompts:
-            self._parts = []
-        if self._parts is not None and other.sorted is not None and other._generated:
+        if self._parts is not None and (self._parts or not self._prompts) and other.sorted is not None \
+                and other._generated:
             self._parts.append((len(self._prompts), len(self._generated), len(other._prompts), other.sorted))
         else:
-            self._parts = [(-1, -1, -1, ([], np.zeros(0, dtype=np.int64)))]    # sorted again in `finish`
+            self._parts = None
         self._prompts += other._prompts
         self._prompt_tasks += other._prompt_tasks
         self._generated += other._generated
@@ -151,7 +151,7 @@ class Tally:
     def _merged(self, seqs: list[list[int]]) -> tuple[list[int], np.ndarray] | None:
         """The sorted order of `seqs` merged from the absorbed tallies' own (None: not each had one)."""
         parts = self._parts
-        if not parts or any(n < 0 for n, _, _, _ in parts):
+        if not parts:
             return None
         total = len(self._prompts)
         mapped = []

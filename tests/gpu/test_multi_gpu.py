@@ -11,7 +11,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu2]
 
-from conftest import make_tiny_hf, make_tiny_with_tokenizer, random_requests  # noqa: E402
+from conftest import make_tiny_hf, make_tiny_with_tokenizer, random_requests, tot_on_workers  # noqa: E402
 
 from lmbatch.engine import Engine, EngineOptions  # noqa: E402
 from lmbatch.engine.options import EngineSpec  # noqa: E402
@@ -45,12 +45,7 @@ def test_data_parallel_run_on_two_gpus(tmp_path, dtype):
 def test_programs_run_whole_on_each_gpu(tmp_path):
     """Tree of thought on two GPUs: each worker runs its programs end to end (run/spread.py), with the
     generated text, answers and counts of one engine (float32, greedy where the program is)."""
-    model = make_tiny_with_tokenizer(tmp_path / "tiny", 16384)
-    got = {}
-    for dp in ("1", "2"):
-        d = run(RunOptions.of(task="tot-gsm8k", limit=6, model=str(model), out=tmp_path, run_id=f"tot{dp}",
-                              device="cuda", dtype="float32", data_parallel=dp, quiet=True))
-        got[dp] = (pq.read_table(d / "instances.parquet").to_pylist(), json.loads((d / "summary.json").read_text()))
+    got = tot_on_workers(tmp_path, make_tiny_with_tokenizer(tmp_path / "tiny", 16384))
     (one, s1), (two, s2) = got["1"], got["2"]
     assert [w["chunks"] for w in s2["data_parallel"]["workers_load"]] == [1, 1]
     assert [(r["id"], r["prediction"], r["outputs"]) for r in two] == [(r["id"], r["prediction"], r["outputs"])

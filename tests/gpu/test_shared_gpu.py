@@ -1,27 +1,15 @@
 """Two data-parallel workers on one GPU (`--data-parallel 2` where one GPU is visible): each fits its pool to
 half the free memory, runs its programs whole, and the run gives one engine's generated text and answers
 (float32, greedy where the program is)."""
-import json
-
-import pyarrow.parquet as pq
 import pytest
+from conftest import make_tiny_with_tokenizer, tot_on_workers
 
 pytestmark = pytest.mark.gpu
-
-from conftest import make_tiny_with_tokenizer  # noqa: E402
-
-from lmbatch.options import RunOptions  # noqa: E402
-from lmbatch.run.run import run  # noqa: E402
 
 
 def test_two_workers_share_one_gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    model = make_tiny_with_tokenizer(tmp_path / "tiny", 16384)
-    got = {}
-    for dp in ("1", "2"):
-        d = run(RunOptions.of(task="tot-gsm8k", limit=6, model=str(model), out=tmp_path, run_id=f"tot{dp}",
-                              device="cuda", dtype="float32", data_parallel=dp, quiet=True))
-        got[dp] = (pq.read_table(d / "instances.parquet").to_pylist(), json.loads((d / "summary.json").read_text()))
+    got = tot_on_workers(tmp_path, make_tiny_with_tokenizer(tmp_path / "tiny", 16384))
     (one, s1), (two, s2) = got["1"], got["2"]
     dp = s2["data_parallel"]
     assert dp["workers"] == 2 and dp["why"] == "asked for: 2 workers on 1 GPU, 2 a GPU"
