@@ -9,14 +9,12 @@ the one before (`chunk_message`): the radix tree's edges, not every prompt whole
 that give the worker its plan without sorting or comparing anything. A worker alone on its model reads
 and plans its next chunk on a thread while it runs the one before.
 
-The parent may send instead a `Remote` work (a data-parallel worker's share of a run's programs,
-lmbatch/run/spread.py): the worker calls its `run_on` with its engine, which sends what it likes as it
-goes; the worker then sends `Finished` with what `run_on` returned.
+The parent may send instead a `Remote` work (a worker's share of a run's programs, run/spread.py): the worker
+calls its `run_on` with its engine, which sends what it likes; then `Finished` with what `run_on` returned.
 
 The messages, one dataclass each: the parent sends `RunChunk` (`Compressed` to a worker Ray placed),
 `MatchQuery`, a `Remote` work and `Close`; a worker answers `Ready` once built, `Part`s and then `Done`
-for a chunk, `Matched` for a query, `Finished` for a remote work, and `Failed` for any error (a user's
-or not).
+for a chunk, `Matched` for a query, `Finished` for a remote work, and `Failed` for any error (a user's or not).
 """
 from __future__ import annotations
 
@@ -32,6 +30,7 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol, Sequence, Union, cast, runtime_checkable
 
+from lmbatch.engine.driver import start_early
 from lmbatch.engine.protocol import Request, Result
 from lmbatch.errors import UserError
 from lmbatch.requests import GenerateRequest, RunStats, ScoreRequest, TokenCounts
@@ -344,6 +343,7 @@ def _build(rank: int, spec: EngineSpec, port: int, worker: int) -> tuple[Engine,
 def _build_engine(rank: int, spec: EngineSpec, port: int, clock: Phases,
                   helpers: Precompile | None) -> tuple[Engine, Any, Ready]:
     """`_build`'s engine, timed by `clock`; `helpers` (or None) told of the fitted spec."""
+    started = start_early(spec.device)       # CUDA's driver beside the imports
     with clock("imports"):
         import torch
 
@@ -353,6 +353,7 @@ def _build_engine(rank: int, spec: EngineSpec, port: int, clock: Phases,
         cfg = model_config(spec.model_dir)
     tp, ctrl = None, None
     with clock("cuda_init"):
+        started()
         fitted, attention = fit(spec, cfg)
         if fitted.device == "cpu":
             torch.set_num_threads(spec.threads or spec.options.threads

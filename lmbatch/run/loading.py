@@ -127,6 +127,7 @@ class ModelLoader:
         where the run spans several devices; else built here."""
         from lmbatch.engine.build import several
         from lmbatch.engine.devices import resolved
+        from lmbatch.engine.driver import start_early
         from lmbatch.model.checkpoint import model_config
 
         clock = Phases(since_start=False)
@@ -140,12 +141,14 @@ class ModelLoader:
             graphs = spec.graphs_ahead or self._graphs
         if precompile.wanted(spec, graphs) and cfg.runtime == "native":
             self.precompile = precompile.Precompile(spec)   # importing torch beside this thread
+        started = start_early(spec.device)   # beside the imports
         with clock("imports"):
             import torch  # noqa: F401
 
             from lmbatch.engine.build import fit, start_cuda
         self.imported.set()
         with clock("cuda_init"):
+            started()
             spec, attention = fit(spec, cfg)
             start_cuda(spec.device)
         if self.precompile is not None:     # started only where the graphs are captured as the engine is built
