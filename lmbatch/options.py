@@ -273,13 +273,14 @@ def _check_task_options(o: WorkloadOptions, w: Workload, jump_forward: bool) -> 
                             "choices): leave it out")
 
 
-def engine_spec(o: RunOptions, model_dir: Path, generates: bool) -> EngineSpec:
+def engine_spec(o: RunOptions, model_dir: Path, generates: bool, stages: int = 1) -> EngineSpec:
     """The engine the run asks for; what it leaves open is fitted once the device is known (build.fit).
-    A workload that `generates` has its decode graphs captured while the host prepares it."""
+    A workload that `generates` has its decode graphs captured while the host prepares it; its `stages`
+    (`Workload.stages`) go to `--data-parallel auto` (engine/devices.py)."""
     e = o.engine
     options = EngineOptions(kv_cache_tokens=e.kv_cache_tokens, max_tokens_per_batch=e.max_tokens_per_batch,
                             attention=e.attention, cache=not e.no_cache, jump_forward=e.jump_forward,
                             deterministic=e.deterministic, threads=e.threads)
     return EngineSpec(str(model_dir), e.device, e.dtype, options, data_parallel=e.data_parallel,
                       tensor_parallel=e.tensor_parallel, ray_address=e.ray_address,
-                      relay_s=min(1.0, o.output.checkpoint_s), graphs_ahead=generates)
+                      relay_s=min(1.0, o.output.checkpoint_s), graphs_ahead=generates, stages=stages)

@@ -137,4 +137,4 @@ def score(inst: Instance, s: State) -> dict[str, float]:
 
 WORKLOAD = Workload("tot-gsm8k", f"Tree of thought on GSM8K, 1,319 test questions: {LEVELS} levels of {BRANCHES} "
                     f"sampled next steps per kept state, self-judged, best {KEEP} kept", program, instances, score,
-                    max_shots=0, data_files=lambda: [data_file()])
+                    max_shots=0, data_files=lambda: [data_file()], stages=2 * LEVELS + 1)

@@ -6,6 +6,12 @@ entries), and `--data-parallel auto` / `--tensor-parallel auto` from them and th
   fewest GPUs (a power of two dividing its heads) whose share fits;
 - data parallel, auto: every visible GPU over that (on a Ray cluster, every GPU of the cluster), but one
   engine for a job whose model work is known to be small (a cached scoring workload's figures); on CPU 1.
+  A run whose steps the host sets puts GENERATING_SHARE workers on each local GPU where the machine has
+  the cores: one that generates in several stages (`EngineSpec.stages`, tree of thought's 7) on a model
+  of SMALL_MODEL_BYTES at most, so one worker's host work (its step loop, the next stage's tokenizing and
+  planning) runs beside the other's kernels. Where a step's device time is longer (an 8B model), or a
+  run is one or two stages (lm-eval's generate_until, thinking then JSON), two workers a GPU measured no
+  faster or slower: each reads the weights for half the rows (BENCHMARKS.md, "Workers a GPU").
   A number of workers beyond the GPUs (a multiple of them, one GPU a model) puts as many on each GPU
   (`EngineSpec.gpu_share`): they share its memory, and one's host work runs beside another's kernels.
 """
@@ -28,6 +34,10 @@ FIT_SHARE = 0.6     # the weights may take this share of a GPU's memory: the res
 # rules in the code")
 SMALL_JOB_FLOPS = 1.2e15
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GENERATING_SHARE = 2    # workers a GPU that `auto` gives a run whose steps the host sets (`_share`) ...
+HOST_BOUND_STAGES = 3   # ... one that generates in this many stages or more
+SMALL_MODEL_BYTES = 4 << 30     # ... on a model of these bytes of weights at most
+CORES_A_WORKER = 4      # ... where the machine has this many cores for each worker
 
 
 class GPUs(NamedTuple):
@@ -96,9 +106,10 @@ def check_count(flag: str, wanted: int | str) -> None:
         raise UserError(f"{flag} {wanted}: use {what} (at least 1) or auto")
 
 
-def layout(spec: EngineSpec, cfg: ModelConfig, gpus: GPUs | None = None, work: float | None = None) -> Layout:
+def layout(spec: EngineSpec, cfg: ModelConfig, gpus: GPUs | None = None, work: float | None = None,
+           cores: int | None = None) -> Layout:
     """The run's data- and tensor-parallel sizes (`spec`'s, with auto decided) and why (`work`: the job's
-    model FLOPs, where known)."""
+    model FLOPs, where known; `cores`: the machine's, else this process's usable ones)."""
     dp, tp = str(spec.data_parallel), str(spec.tensor_parallel)
     check_count("--data-parallel", dp)
     check_count("--tensor-parallel", tp)
@@ -117,13 +128,15 @@ def layout(spec: EngineSpec, cfg: ModelConfig, gpus: GPUs | None = None, work: f
         why.append(why_tp)
     else:
         t = int(tp)
-    if dp == "auto" and work is not None and work < SMALL_JOB_FLOPS and gpus.visible // t > 1:
+    share = _share(spec, cfg, gpus, t, cores) if dp == "auto" else 1
+    if dp == "auto" and work is not None and work < SMALL_JOB_FLOPS and gpus.visible // t * share > 1:
         n = 1
         why.append(f"1 worker: a small job ({work / 1e12:.0f} TFLOP of model work)")
     elif dp == "auto":
-        n = max(1, gpus.visible // t)
+        n = max(1, gpus.visible // t) * share
+        shared = f", {share} a GPU: {spec.stages} stages" if share > 1 else ""
         why.append(f"{n} worker{'s' if n > 1 else ''}: {gpus.visible} GPU{'s' if gpus.visible != 1 else ''} visible"
-                   + (f", {t} a model" if t > 1 else ""))
+                   + (f", {t} a model" if t > 1 else "") + shared)
     else:
         n = int(dp)
         if n * t > gpus.visible and t == 1 and gpus.visible and spec.ray_address is None:
@@ -137,6 +150,19 @@ def layout(spec: EngineSpec, cfg: ModelConfig, gpus: GPUs | None = None, work: f
             raise UserError(f"{what}: {n * t} GPUs needed, {gpus.visible} visible")
     return Layout(n, t, "; ".join(why) or "asked for")
 
+
+
+def _share(spec: EngineSpec, cfg: ModelConfig, gpus: GPUs, t: int, cores: int | None) -> int:
+    """Workers a GPU for auto: GENERATING_SHARE for a run that generates in HOST_BOUND_STAGES or more on
+    local GPUs, each alone on a model of SMALL_MODEL_BYTES at most, where the cores go round; else 1."""
+    size, k = weight_bytes(cfg, spec.dtype or "bfloat16"), GENERATING_SHARE
+    if not (spec.graphs_ahead and spec.stages >= HOST_BOUND_STAGES) or t > 1 or spec.ray_address is not None \
+            or gpus.memory is None or size > SMALL_MODEL_BYTES or k * size > FIT_SHARE * gpus.memory:
+        return 1
+    if cores is None:
+        from lmbatch.engine.threads import usable_cores
+        cores = usable_cores()
+    return k if cores >= CORES_A_WORKER * k * gpus.visible else 1
 
 
 def _tensor_parallel(cfg: ModelConfig, dtype: str, gpus: GPUs) -> tuple[int, str]:

@@ -45,6 +45,7 @@ class EngineSpec:
     graphs_ahead: bool = True           # capture decode graphs as the engine is built (else at the first decode)
     threads: int | None = None          # torch threads of each CPU process (default: the cores shared out)
     gpu_share: int = 1                  # workers on each GPU (more: they share its memory and its time)
+    stages: int = 1                     # the workload's calls one after another (`Workload.stages`: auto's)
 
     @property
     def workers(self) -> int:

@@ -53,6 +53,7 @@ class Workload:
     shot_pool_name: str = ""
     chat: bool = False              # takes --apply-chat-template, --system-instruction, --fewshot-as-multiturn
     generates: bool = True          # some call generates (a run captures decode graphs ahead only then)
+    stages: int = 1                 # its programs' model calls made one after another (a run's waves, at least)
     # the files its instances are read from: a built-in task's loaded, tokenized and planned workload is
     # cached, keyed by them among the rest (lmbatch/caches/workloads.py); None: not cached (a program file,
     # whose code may read anything)

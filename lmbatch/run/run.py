@@ -87,7 +87,7 @@ def run_in(o: RunOptions, w: Workload, model: ModelFiles, rundir: RunDir, watch:
     if rundir.resuming:
         say(f"resuming {rundir.path}: {len(rundir.saved)} instances kept from earlier attempts")
     prep = Preparation(o, w, model, clock, fork=True)       # before the model's thread: it may fork
-    spec = engine_spec(o, model.dir, w.generates)
+    spec = engine_spec(o, model.dir, w.generates, w.stages)
     try:
         user_pool = o.engine.kv_cache_tokens is not None
         with ModelLoader(spec, model.encoder.hf_source, user_pool, model_work(w, prep)) as loader:

@@ -2,6 +2,7 @@
 (CUDA_VISIBLE_DEVICES applied), the model's weights against their memory, and auto's choices."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,7 @@ def test_weights_are_the_models_parameters():
 ])
 def test_auto_takes_every_gpu_and_splits_what_does_not_fit(preset, gpus, want):
     spec = EngineSpec(str(PRESETS / preset), "auto", data_parallel="auto", tensor_parallel="auto")
-    got = layout(spec, _cfg(preset), gpus)
+    got = layout(spec, _cfg(preset), gpus, cores=128)
     assert (got.data_parallel, got.tensor_parallel) == want
     assert got.why.endswith(f"{gpus.visible} GPUs visible" + (f", {want[1]} a model" if want[1] > 1 else "")) \
         or got.why.endswith(f"{gpus.visible} GPU visible")
@@ -118,3 +119,56 @@ def test_more_workers_than_gpus_share_them_evenly(monkeypatch):
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
     assert (one[0], two[0]) == (24 * GIB // 2 // per_token, 24 * GIB // 2 // 2 // per_token)
     assert (one[1], two[1]) == (16384, 8192)    # 16,384 tokens' activations (1.8 GiB) fit a tenth of 24 GiB, not of 12
+
+
+@pytest.mark.parametrize("preset, gpus, cores, stages, want", [
+    ("qwen2.5-1.5b", GPUs(1, 141 * GIB), 16, 7, (2, 1, "2 workers: 1 GPU visible, 2 a GPU: 7 stages")),
+    ("qwen2.5-1.5b", GPUs(4, 80 * GIB), 64, 3, (8, 1, "8 workers: 4 GPUs visible, 2 a GPU: 3 stages")),
+    ("qwen2.5-1.5b", GPUs(4, 80 * GIB), 16, 7, (4, 1, "4 workers: 4 GPUs visible")),        # 2 cores a worker
+    ("qwen2.5-1.5b", GPUs(1, 80 * GIB), 16, 2, (1, 1, "1 worker: 1 GPU visible")),          # thinking then JSON
+    ("qwen2.5-1.5b", GPUs(1, 8 * GIB), 16, 7, (1, 1, "1 worker: 1 GPU visible")),           # two copies: 5.7 GiB
+    ("qwen3-8b", GPUs(1, 141 * GIB), 16, 7, (1, 1, "1 worker: 1 GPU visible")),             # 15.3 GiB of weights
+    ("qwen2.5-1.5b", GPUs(4, None), 64, 7, (4, 1, "4 workers: 4 GPUs visible")),            # memory not known
+])
+def test_a_host_bound_run_gets_two_workers_a_gpu(preset, gpus, cores, stages, want):
+    """auto, for a run that generates (`graphs_ahead`) in HOST_BOUND_STAGES or more on a model of
+    SMALL_MODEL_BYTES at most: GENERATING_SHARE workers on each GPU where their weights fit FIT_SHARE of it
+    and the machine has CORES_A_WORKER cores for each; a run that only scores, a small job and a
+    placement by Ray keep a worker a GPU."""
+    spec = EngineSpec(str(PRESETS / preset), "auto", data_parallel="auto", tensor_parallel="auto", stages=stages)
+    got = layout(spec, _cfg(preset), gpus, cores=cores)
+    assert (got.data_parallel, got.tensor_parallel) == want[:2]
+    assert got.why.endswith(want[2]), got.why
+    shared = "a GPU" in want[2]
+    scoring = layout(replace(spec, graphs_ahead=False), _cfg(preset), gpus, cores=cores)
+    assert scoring.data_parallel == want[0] // (2 if shared else 1)
+    assert layout(spec, _cfg(preset), gpus, work=1e14, cores=cores).data_parallel == (1 if want[0] > 1 else want[0])
+    asked = layout(replace(spec, data_parallel=gpus.visible), _cfg(preset), gpus, cores=cores)
+    assert asked.data_parallel == gpus.visible
+
+
+def test_two_workers_a_gpu_share_it(monkeypatch):
+    """The layout auto picks for tree of thought on a small model and one GPU puts both workers on it, each with
+    half its memory; without the cores for two, one worker."""
+    import lmbatch.engine.threads as threads
+
+    monkeypatch.setattr(devices, "visible_gpus", lambda: GPUs(1, 141 * GIB))
+    monkeypatch.setattr(threads, "usable_cores", lambda: 16)
+    spec = EngineSpec("m", "auto", data_parallel="auto", stages=7)
+    got, why = devices.resolved(spec, _cfg("qwen2.5-1.5b"))
+    assert (got.device, got.workers, got.gpu_share) == ("cuda", 2, 2), why
+    monkeypatch.setattr(threads, "usable_cores", lambda: 4)
+    got, why = devices.resolved(spec, _cfg("qwen2.5-1.5b"))
+    assert (got.workers, got.gpu_share) == (1, 1), why
+
+
+def test_tree_of_thought_is_a_run_of_several_stages(tmp_path):
+    """`lmbatch run tot-gsm8k` asks for its 7 stages (3 levels of a proposal and a judgement, then the
+    answer); a task of one stage, the default."""
+    from lmbatch.options import RunOptions, engine_spec
+    from lmbatch.programs.registry import get_workload
+
+    tot, mmlu = get_workload("tot-gsm8k"), get_workload("mmlu")
+    assert (tot.stages, mmlu.stages) == (7, 1)
+    o = RunOptions.of(task="tot-gsm8k", model="m", out=tmp_path)
+    assert engine_spec(o, tmp_path, tot.generates, tot.stages).stages == 7
