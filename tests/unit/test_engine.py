@@ -315,6 +315,25 @@ def test_sampling_noise_is_finite_at_the_ends_of_its_range():
     assert int(masked.argmax()) == 1
 
 
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 23), vocab=st.sampled_from([1, 5, 17, 64, 1000, 4099]), scale=st.floats(0.01, 30.0),
+       seed=st.integers(0, 2**32))
+def test_cpu_noise_a_few_rows_at_a_time_is_the_whole_batchs(rows, vocab, scale, seed):
+    """`noisy_argmax` (the CPU's sampling: CPU_ROWS rows of noise at a time, in place) picks, row for row,
+    the token of the whole batch's noise as the module's formula gives it, at any batch size and vocabulary
+    (one not a multiple of the vector width too), and a row's pick is the same alone as in its batch."""
+    from lmbatch.engine import sampling
+
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(rows, vocab, generator=g) * scale
+    seeds = torch.randint(-2**62, 2**62, (rows,), generator=g)
+    steps = torch.randint(0, 10**6, (rows,), generator=g)
+    whole = (z + -torch.log(-torch.log(sampling._uniform(seeds, steps, vocab)))).argmax(dim=-1)
+    assert torch.equal(sampling.noisy_argmax(z, seeds, steps), whole)
+    alone = [int(sampling.noisy_argmax(z[i:i + 1], seeds[i:i + 1], steps[i:i + 1])) for i in range(rows)]
+    assert alone == whole.tolist()
+
+
 def test_sampling_follows_the_distribution_and_top_p():
     from lmbatch.engine.sampling import sample
 
