@@ -44,8 +44,10 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], steps: 
     """As `sample`, the tokens left on the logits' device (launched: nothing waits for them). On CUDA,
     rows without top-p are picked by one Triton kernel (lmbatch.kernels.sampling: the same noise and
     token as the PyTorch ops here, which `fused=False` runs instead)."""
-    out = logits.argmax(dim=-1)
     hot = [i for i, p in enumerate(params) if p.temperature > 0]
+    # every row sampled: no greedy pick to make first (a pass over the whole batch's logits)
+    out = logits.argmax(dim=-1) if len(hot) < len(params) else torch.empty(len(params), dtype=torch.int64,
+                                                                            device=logits.device)
     if hot:
         # the rows' settings in two host arrays, each one copy that waits for nothing (a tensor made on
         # the device from a list waits for the work queued before it: the step's forward pass)
