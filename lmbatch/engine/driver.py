@@ -1,7 +1,7 @@
 """CUDA's driver started beside `import torch`: the driver's own start (`cuInit`) and the GPU's primary context
 (the one torch then uses) are made on a thread through the driver's C API while the importing thread loads
 torch's libraries, so an engine's "cuda_init" phase finds them made. Its cost grows with the processes that
-start at once (the driver serializes them): measured in BENCHMARKS.md, "Workers a GPU".
+start at once (the driver serializes them): BENCHMARKS.md, "Workers' start: CUDA's driver beside torch's import".
 
 Nothing here can fail a start: where there is no driver, no GPU or an error, torch starts CUDA itself as
 before (and reports what is wrong). `LMBATCH_EARLY_CUDA=0` turns it off.
