@@ -1,19 +1,28 @@
-"""Two data-parallel workers on one GPU (`--data-parallel 2` where one GPU is visible): each fits its pool to
-half the free memory, runs its programs whole, and the run gives one engine's generated text and answers
-(float32, greedy where the program is)."""
+"""Two data-parallel workers on one GPU (`--data-parallel 2` where one GPU is visible, and auto's choice for
+tree of thought on a small model): each fits its pool to half the free memory, runs its programs whole, and
+the run gives one engine's generated text and answers (float32, greedy where the program is)."""
 import pytest
 from conftest import make_tiny_with_tokenizer, tot_on_workers
+
+from lmbatch.engine.devices import CORES_A_WORKER
+from lmbatch.engine.threads import usable_cores
 
 pytestmark = pytest.mark.gpu
 
 
 def test_two_workers_share_one_gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    got = tot_on_workers(tmp_path, make_tiny_with_tokenizer(tmp_path / "tiny", 16384))
-    (one, s1), (two, s2) = got["1"], got["2"]
+    got = tot_on_workers(tmp_path, make_tiny_with_tokenizer(tmp_path / "tiny", 16384), ("1", "2", "auto"))
+    (one, s1), (two, s2), (auto, sa) = got["1"], got["2"], got["auto"]
     dp = s2["data_parallel"]
     assert dp["workers"] == 2 and dp["why"] == "asked for: 2 workers on 1 GPU, 2 a GPU"
     assert [w["chunks"] for w in dp["workers_load"]] == [1, 1]
     assert s2["kv_cache_tokens"] <= s1["kv_cache_tokens"]
     assert [(r["id"], r["prediction"], r["outputs"]) for r in two] == [(r["id"], r["prediction"], r["outputs"])
                                                                        for r in one]
+    two_a_gpu = usable_cores() >= CORES_A_WORKER * 2        # auto's rule: the cores for two workers
+    assert sa["data_parallel"]["workers"] == (2 if two_a_gpu else 1)
+    assert sa["data_parallel"]["why"].endswith("2 workers: 1 GPU visible, 2 a GPU: 7 stages" if two_a_gpu
+                                               else "1 worker: 1 GPU visible")
+    assert [(r["id"], r["prediction"], r["outputs"]) for r in auto] == [(r["id"], r["prediction"], r["outputs"])
+                                                                        for r in one]
