@@ -4,7 +4,7 @@ the run gives one engine's generated text and answers (float32, greedy where the
 import pytest
 from conftest import make_tiny_with_tokenizer, tot_on_workers
 
-from lmbatch.engine.devices import CORES_A_WORKER
+from lmbatch.engine.devices import CORES_A_WORKER, visible_gpus
 from lmbatch.engine.threads import usable_cores
 
 pytestmark = pytest.mark.gpu
@@ -20,7 +20,8 @@ def test_two_workers_share_one_gpu(tmp_path, monkeypatch):
     assert s2["kv_cache_tokens"] <= s1["kv_cache_tokens"]
     assert [(r["id"], r["prediction"], r["outputs"]) for r in two] == [(r["id"], r["prediction"], r["outputs"])
                                                                        for r in one]
-    two_a_gpu = usable_cores() >= CORES_A_WORKER * 2        # auto's rule: the cores for two workers
+    # auto's rule: the cores for two workers, and the GPU's memory known (NVML)
+    two_a_gpu = usable_cores() >= CORES_A_WORKER * 2 and visible_gpus().memory is not None
     assert sa["data_parallel"]["workers"] == (2 if two_a_gpu else 1)
     assert sa["data_parallel"]["why"].endswith("2 workers: 1 GPU visible, 2 a GPU: 7 stages" if two_a_gpu
                                                else "1 worker: 1 GPU visible")
