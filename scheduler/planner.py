@@ -11,12 +11,10 @@ Definitions (reported by every run):
 """
 from __future__ import annotations
 
-import heapq
 import itertools
-import operator
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, NamedTuple, Sequence, cast
+from typing import Any, Callable, NamedTuple, Sequence, cast
 
 import numpy as np
 
@@ -297,38 +295,6 @@ def posthoc_figures(prompts: list[list[int]], generated: list[tuple[list[int], i
 def posthoc_seqs(prompts: list[list[int]], generated: list[tuple[list[int], int]]) -> list[list[int]]:
     """Every sequence the post-hoc optimum sorts: the prompts, then each generation's prompt and output."""
     return list(prompts) + [s for s, _ in generated]
-
-
-def merge_sorted(seqs: Sequence[Sequence[int]], parts: Sequence[tuple[Sequence[int], np.ndarray]]
-                 ) -> tuple[list[int], np.ndarray]:
-    """`sorted_lcps(seqs)` from the sorted orders of parts of them (each part: indices into `seqs` in sorted
-    order, and each one's common prefix with the one before it in the part, as `sorted_lcps` gives them;
-    together every index once): a merge, which compares sequences only where the part changes (data-parallel
-    workers' executed prompts, each worker's sorted already). Equal sequences of several parts come in the
-    parts' order."""
-    order: list[int] = []
-    lcps = np.zeros(len(seqs), dtype=np.int64)
-    def stream(k: int, part: Sequence[int]) -> Iterator[tuple[Sequence[int], int, int, int]]:
-        return ((seqs[i], k, r, i) for r, i in enumerate(part))
-
-    streams = [stream(k, part) for k, (part, _) in enumerate(parts)]
-    last, prev = -1, None
-    for seq, k, r, i in heapq.merge(*streams, key=operator.itemgetter(0)):
-        if order:
-            lcps[len(order)] = parts[k][1][r] if k == last else _lcp(cast("Sequence[int]", prev), seq)
-        order.append(i)
-        last, prev = k, seq
-    return order, lcps
-
-
-def _lcp(a: Sequence[int], b: Sequence[int], step: int = 256) -> int:
-    """The length of the common prefix of two sequences (lists compared a slice at a time)."""
-    n, k = min(len(a), len(b)), 0
-    while k < n and a[k:k + step] == b[k:k + step]:
-        k += step
-    while k < n and a[k] == b[k]:       # k > n only where a whole slice matched to the shorter's end
-        k += 1
-    return min(k, n)
 
 
 def _fold_posthoc(root: PlanNode, ends: list[PlanNode], n: int, generated: list[tuple[list[int], int]]) -> int:
