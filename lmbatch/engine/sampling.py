@@ -83,7 +83,8 @@ def noisy_argmax(z: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> t
     buffers made once and updated in place: the whole batch's noise as [rows, vocab] int64 temporaries (ten of
     them, 400 MB each at 1,024 rows of a 49,152-token vocabulary) took a quarter of a CPU decode step, most of it
     their pages' first touch. Each row's noise is computed to a width of a multiple of 16, so every element takes
-    the ops' vectorized path whatever the batch."""
+    the ops' vectorized path whatever the batch. `_uniform` states the same hash out of place on purpose: CUDA's
+    unfused path runs it, and the tests hold this in-place form to it bit for bit."""
     rows, vocab = z.shape
     width = -(-vocab // 16) * 16
     tok = torch.arange(width, dtype=torch.int64).mul_(_K_TOKEN)
