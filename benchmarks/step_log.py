@@ -24,6 +24,36 @@ def _now():
     return time.perf_counter() - T0
 
 
+HOST = {  # the host work of a decode step, timed per call: name -> (module, class, method)
+    "level_plan": ("lmbatch.engine.graphs", "DecodeGraphs", "_level_plan"),
+    "runner_decode": ("lmbatch.engine.model_runner", "ModelRunner", "decode"),
+    "land": ("lmbatch.engine.sampler", "Sampler", "land"),
+    "stop_search": ("lmbatch.engine.sampler", "Sampler", "_stop_in_tail"),
+    "launch": ("lmbatch.engine.sampler", "Sampler", "launch"),
+    "release": ("lmbatch.engine.decode", "Decode", "_release_finished"),
+    "event_wait": ("torch.cuda", "Event", "synchronize"),
+}
+
+
+def _time_host():
+    """LOG["host"][name] = [calls, seconds] for each of HOST (nested ones counted in both)."""
+    import importlib
+
+    LOG["host"] = {}
+    for name, (mod, cls, meth) in HOST.items():
+        owner = getattr(importlib.import_module(mod), cls)
+        f0, rec = getattr(owner, meth), LOG["host"].setdefault(name, [0, 0.0])
+
+        def timed(*a, _f=f0, _r=rec, **k):
+            t = time.perf_counter()
+            try:
+                return _f(*a, **k)
+            finally:
+                _r[0] += 1
+                _r[1] += time.perf_counter() - t
+        setattr(owner, meth, timed)
+
+
 def _patch():
     from lmbatch.engine import decode as dmod
     from lmbatch.engine import engine as emod
@@ -33,6 +63,7 @@ def _patch():
 
     step0 = dmod.Decode.step
     prof = {"p": None, "n": 0}
+    _time_host()
 
     def step(self):
         n = len(self.running)
@@ -164,6 +195,8 @@ def show(path):
         for s in st:
             hs[min(s[2] // 64 * 64, 512)] += s[1]
         print("rows hist (bucket: steps, s):", {k: (h[k], round(hs[k], 2)) for k in sorted(h)})
+    if "host" in d:
+        print("host (calls, s):", {k: (c, round(t, 3)) for k, (c, t) in d["host"].items()})
     if "prof" in d:
         p = d["prof"]
         print("prof:", {k: p[k] for k in p if k != "top"})

@@ -19,6 +19,7 @@ from lmbatch.engine.options import MASK_MODES
 from lmbatch.engine.sampling import sample, sample_on_device
 from lmbatch.engine.state import Running
 from lmbatch.model.config import ModelConfig
+from lmbatch.model.tokenizer import LazyTokenizer
 
 if TYPE_CHECKING:      # lmbatch.grammar imports xgrammar: loaded only where a grammar is used
     from lmbatch.grammar import Constraint
@@ -53,6 +54,7 @@ class Sampler:
         self.masks, self.jump_forward, self.max_rows = masks, jump_forward, max_rows
         self._mask_buf: torch.Tensor | None = None
         self._retok_memo: dict = {}     # retokenized jump boundaries (the tokenizer never changes)
+        self._stop_memo: dict[tuple[str, ...], frozenset[int] | None] = {}
         self._host_buf: torch.Tensor | None = None     # pinned: launched tokens on their way to the host
 
     def pick(self, rows: list[Running], logits: torch.Tensor) -> Picked:
@@ -186,10 +188,24 @@ class Sampler:
         the same step ends as with the whole answer decoded each step, at a cost that does not grow
         with the output."""
         stop = r.params.stop
+        holding = self._stop_tokens(stop)
+        if holding is not None and holding.isdisjoint(r.out[r.stop_seen:]):
+            r.stop_seen = len(r.out)    # no new token holds a stop string's last character: none ends in them
+            return False
         lo = max(r.think_len, min(r.stop_seen, len(r.out) - 1) - max(len(s.encode()) for s in stop) - STOP_MARGIN)
         r.stop_seen = len(r.out)
         text = self.tokenizer.decode(r.out[lo:])
         return any(s in text for s in stop)
+
+    def _stop_tokens(self, stop: tuple[str, ...]) -> frozenset[int] | None:
+        """The tokens a new occurrence of one of `stop` must end in (`TextDecoder.tokens_holding`: those
+        whose text holds a stop string's last character), or None where lmbatch's decoder cannot say
+        (a transformers tokenizer, or such a character): every search then decodes."""
+        if stop not in self._stop_memo:
+            decoder = self.tokenizer.decoder() if isinstance(self.tokenizer, LazyTokenizer) else None
+            self._stop_memo[stop] = None if decoder is None or not all(stop) else \
+                decoder.tokens_holding(frozenset(s[-1] for s in stop))
+        return self._stop_memo[stop]
 
     def _think(self, r: Running) -> None:
         """A thinking row's token: the thinking ends where its output ends with the end marker, or the

@@ -127,6 +127,8 @@ class TextDecoder:
         self.clean_up = clean_up
         # transformers' clean-up applies to this model type (always where not BPE)
         self.cleans = clean_up_bpe or type(tokenizer.model).__name__ != "BPE"
+        self._pieces: list[str] | None = None      # each token's text alone
+        self._holding: dict[frozenset[str], frozenset[int]] = {}
 
     @classmethod
     def of(cls, folder: str | Path, tokenizer: Tokenizer) -> TextDecoder:
@@ -144,3 +146,20 @@ class TextDecoder:
         text = self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
         clean = self.clean_up if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces
         return clean_up_tokenization(text) if clean and self.cleans else text
+
+    def tokens_holding(self, chars: frozenset[str]) -> frozenset[int] | None:
+        """The token ids whose text alone holds one of `chars`: a text that gains one of them where tokens
+        are appended gains it in one of those tokens, for a character of ASCII but the space and no clean-up
+        (a byte of its own in every tokenizer, decoded where it stands). None where that does not hold: a
+        space (a decoder may strip one at the text's start), a character beyond ASCII (split over tokens),
+        or the clean-up (it drops a space as later text decides)."""
+        if not chars or (self.clean_up and self.cleans) or any(not c.isascii() or c == " " or len(c) != 1
+                                                                for c in chars):
+            return None
+        held = self._holding.get(chars)
+        if held is None:
+            if self._pieces is None:
+                vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+                self._pieces = self.tokenizer.decode_batch([[i] for i in range(vocab)], skip_special_tokens=False)
+            held = self._holding[chars] = frozenset(i for i, p in enumerate(self._pieces) if any(c in p for c in chars))
+        return held

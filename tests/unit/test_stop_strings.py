@@ -17,6 +17,7 @@ from lmbatch.engine.sampler import Sampler
 from lmbatch.engine.state import Running
 from lmbatch.model.config import ModelConfig
 from lmbatch.model.embedded import embedded_model_dir
+from lmbatch.model.tokenizer import LazyTokenizer, TextDecoder
 from lmbatch.requests import SamplingParams
 from tests.unit.test_tokenizer_build import sentencepiece_like
 
@@ -26,11 +27,21 @@ TEXTS = ["Question: what is 2 + 2?\n\nAnswer: 4", "café 日本語 😀👍🏽 
 
 
 @pytest.fixture(scope="module")
-def tokenizers():
-    out = {"embedded": AutoTokenizer.from_pretrained(str(embedded_model_dir()))}
+def tokenizers(tmp_path_factory):
+    """Each tokenizer as transformers' (decoding every search) and as a run holds it, a `LazyTokenizer`
+    whose `TextDecoder` skips the searches no new token can end a stop string in (name + "-lazy")."""
+    out = {"embedded": AutoTokenizer.from_pretrained(str(embedded_model_dir())),
+           "embedded-lazy": LazyTokenizer(embedded_model_dir())}
     for kind, spec in sentencepiece_like().items():
         out[kind] = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)))
+        out[kind + "-lazy"] = lazy = LazyTokenizer(tmp_path_factory.mktemp(kind))
+        lazy.use_decoder(Tokenizer.from_str(json.dumps(spec)))
     return out
+
+
+def _reference(tokenizers, name):
+    """The transformers tokenizer the whole answer is decoded with."""
+    return tokenizers[name.removesuffix("-lazy")]
 
 
 def _whole(tok, out: list[int], think_len: int, stop: tuple[str, ...]) -> bool:
@@ -42,7 +53,7 @@ def _whole(tok, out: list[int], think_len: int, stop: tuple[str, ...]) -> bool:
 @given(data=st.data())
 def test_the_tail_search_ends_where_the_whole_answer_does(tokenizers, data):
     name = data.draw(st.sampled_from(sorted(tokenizers)))
-    tok = tokenizers[name]
+    tok = _reference(tokenizers, name)
     vocab = len(tok)
     stop = tuple(data.draw(st.lists(st.sampled_from(STOPS), min_size=1, max_size=3, unique=True)))
     # ids of real text (characters split over byte tokens), of random tokens and of special tokens
@@ -52,7 +63,7 @@ def test_the_tail_search_ends_where_the_whole_answer_does(tokenizers, data):
     chunks = data.draw(st.lists(st.integers(1, 12), min_size=len(ids), max_size=len(ids)))   # jumped tokens at once
     think_len = data.draw(st.integers(0, 3))
     cfg = ModelConfig.from_dir(embedded_model_dir())
-    sampler = Sampler(cfg, torch.device("cpu"), tokenizer=tok)
+    sampler = Sampler(cfg, torch.device("cpu"), tokenizer=tokenizers[name])
     r = Running(0, None, torch.zeros(0, dtype=torch.int64), 0, SamplingParams(max_new_tokens=10_000, stop=stop,
                                                                             ignore_eos=True))
     r.out, r.think_len = ids[:think_len], think_len
@@ -68,15 +79,35 @@ def test_the_tail_search_ends_where_the_whole_answer_does(tokenizers, data):
             break
 
 
-@pytest.mark.parametrize("name", ["embedded", "llama", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["embedded", "llama", "gemma2", "gemma3", "embedded-lazy", "llama-lazy"])
 @pytest.mark.parametrize("before", ["", "é", "日本語 "])
 def test_a_stop_string_early_in_many_new_tokens_is_found(tokenizers, name, before):
     """A jump-forward appends many tokens at once: a stop string at their start, far from the end, ends
     the request (only the tokens before the last search may be left out of the tail)."""
-    tok = tokenizers[name]
-    sampler = Sampler(ModelConfig.from_dir(embedded_model_dir()), torch.device("cpu"), tokenizer=tok)
+    tok = _reference(tokenizers, name)
+    sampler = Sampler(ModelConfig.from_dir(embedded_model_dir()), torch.device("cpu"), tokenizer=tokenizers[name])
     r = Running(0, None, torch.zeros(0, dtype=torch.int64), 0, SamplingParams(max_new_tokens=100, stop=("::",)))
     r.out = tok.encode(before + "x", add_special_tokens=False)
     assert not sampler._stop_in_tail(r)
     r.out += tok.encode(" :: " + "b " * 30, add_special_tokens=False)
     assert sampler._stop_in_tail(r)
+
+
+def test_the_tokens_a_stop_string_ends_in(tokenizers):
+    """The tokens whose text holds a stop string's last character, for the searches skipped: on the
+    embedded tokenizer exactly those, and None (every search decodes) where a token's text alone cannot
+    say: a space, a character beyond ASCII, or a decoder that cleans spaces up."""
+    lazy = tokenizers["embedded-lazy"]
+    hf = tokenizers["embedded"]
+    held = lazy.decoder().tokens_holding(frozenset("\n:"))
+    assert held == {i for i in range(len(hf)) if "\n" in hf.decode([i]) or ":" in hf.decode([i])}
+    assert hf.encode("\n\n", add_special_tokens=False)[0] in held and 64 < len(held) < len(hf) // 10
+    for chars in ("a ", "é", "日", ""):
+        assert lazy.decoder().tokens_holding(frozenset(chars)) is None, chars
+    cleaning = TextDecoder(lazy.decoder().tokenizer, clean_up=True, clean_up_bpe=True)
+    assert cleaning.tokens_holding(frozenset("\n")) is None
+    sampler = Sampler(ModelConfig.from_dir(embedded_model_dir()), torch.device("cpu"), tokenizer=lazy)
+    assert sampler._stop_tokens(("x\n", "::")) == lazy.decoder().tokens_holding(frozenset("\n:"))
+    assert sampler._stop_tokens(("a", "the ")) is None and len(sampler._stop_tokens(("a", " the"))) > 1000
+    assert Sampler(ModelConfig.from_dir(embedded_model_dir()), torch.device("cpu"), tokenizer=hf)._stop_tokens(
+        ("\n",)) is None
