@@ -10,22 +10,30 @@ last step reuses it; only the levels' offsets into the step's key table are new 
 """
 from __future__ import annotations
 
+import functools
 from collections import Counter
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import numpy as np
 
 from lmbatch.engine.radix_cache import Node
 
 MIN_KEYS = 16       # a shorter run of shared keys is read as each row's own: a level costs a merge per row
+# a step whose rows changed takes the last plan's levels for the rows that end where its rows did (the others
+# read all their keys as their own) until more than this share of its rows are new: then it plans anew
+REPLAN_NEW = 1 / 8
+Levels = list[tuple[Node, int, int]]     # a row's levels: (first node, first key, end key), top down
 
 
 @dataclass
 class LevelPlan:
     """Shared levels of a set of rows: per row, the keys its levels cover (`skip`) and how many levels
     (`levels`); per block of rows of one level, a row holding it (`rep`), where the level starts in that
-    row's keys (`start`), its keys, its level index and the block's rows (`rows`, padded with 0)."""
+    row's keys (`start`), its keys, its level index and the block's rows (`rows`, padded with 0).
+    `ends`: the planned levels of the rows that end at a node (`replan` reads them): its row of `end_levels`
+    (level numbers, -1 past its last; the table's last row: a row with none), `end_skip` and `end_count`
+    (a row's skip and levels), and each level's (first key, keys, level index) in `level_info`."""
     skip: np.ndarray            # [n]
     levels: np.ndarray          # [n]
     rep: np.ndarray             # [blocks]
@@ -34,6 +42,11 @@ class LevelPlan:
     level: np.ndarray           # [blocks]
     count: np.ndarray           # [blocks] rows in the block
     rows: np.ndarray            # [blocks, per_block]
+    ends: dict[Node, int] = field(default_factory=dict)
+    end_levels: np.ndarray = field(default_factory=lambda: np.full((1, 1), -1, dtype=np.int64))
+    end_skip: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+    end_count: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+    level_info: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
 
     @property
     def num_blocks(self) -> int:
@@ -53,9 +66,9 @@ def _path(end: Node) -> list[Node]:
     return nodes[::-1]
 
 
-def _levels(path: list[Node], rows: Counter, max_levels: int) -> list[tuple[Node, int, int]]:
+def _levels(path: list[Node], rows: Counter, max_levels: int) -> Levels:
     """A path's levels: (first node, first key, end key), top down."""
-    out: list[tuple[Node, int, int]] = []
+    out: Levels = []
     depth, i = 0, 0
     while i < len(path) and rows[path[i]] >= 2 and len(out) < max_levels:
         n, first, start = rows[path[i]], path[i], depth
@@ -66,6 +79,10 @@ def _levels(path: list[Node], rows: Counter, max_levels: int) -> list[tuple[Node
             break
         out.append((first, start, depth))
     return out
+
+
+def _end_levels(paths: dict[int, list[Node]], rows: Counter, max_levels: int, end: Node) -> Levels:
+    return _levels(paths[id(end)], rows, max_levels)
 
 
 def plan_levels(ends: Sequence[Node | None], per_block: int, max_levels: int, max_blocks: int) -> LevelPlan | None:
@@ -83,41 +100,87 @@ def plan_levels(ends: Sequence[Node | None], per_block: int, max_levels: int, ma
         for node in path:
             rows[node] += many[key]
     while max_levels > 0:
-        plan = _blocks(ends, paths, rows, per_block, max_levels)
+        plan = _blocks(ends, functools.partial(_end_levels, paths, rows, max_levels), per_block)
         if plan is None or plan.num_blocks <= max_blocks:
             return plan
         max_levels -= 1
     return None
 
 
-def _blocks(ends: Sequence[Node | None], paths: dict[int, list[Node]], rows: Counter, per_block: int,
-            max_levels: int) -> LevelPlan | None:
-    n = len(ends)
-    skip, count = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-    members: dict[int, list[int]] = {}         # a level's first node -> its rows
-    where: dict[int, tuple[int, int, int]] = {}  # -> (first key, end key, level)
-    cached: dict[int, list[tuple[Node, int, int]]] = {}
+def replan(ends: Sequence[Node | None], last: LevelPlan, per_block: int, max_blocks: int) -> LevelPlan | None:
+    """A plan for rows whose prompts end at `ends` made from `last`, another set of rows': a row that ends
+    where one of last's did takes its levels, whatever rows share them now (they hold the same slots: a
+    level is a stretch of their common path), the others none; None where more than REPLAN_NEW of the
+    rows are new, no row has a level, or the blocks are more than `max_blocks` (`plan_levels` then)."""
+    known = last.ends
+    u = np.fromiter((-2 if e is None else known.get(e, -1) for e in ends), dtype=np.int64, count=len(ends))
+    if np.count_nonzero(u == -1) > REPLAN_NEW * len(ends):
+        return None
+    u[u < 0] = len(last.end_levels) - 1
+    plan = _assemble(u, last, per_block)
+    return plan if plan is not None and plan.num_blocks <= max_blocks else None
+
+
+def _blocks(ends: Sequence[Node | None], levels_of: Callable[[Node], Levels], per_block: int) -> LevelPlan | None:
+    """The plan of rows whose prompts end at `ends`, an end's levels being `levels_of(end)`: each level's
+    rows in row order, cut into blocks of `per_block`, the levels in the order of the first row holding
+    them (Python once an end, numpy on the rows)."""
+    index: dict[Node, int] = {}            # distinct ends, in the order of their first row
+    u = np.empty(len(ends), dtype=np.int64)
     for i, end in enumerate(ends):
         if end is None:
+            u[i] = -1
             continue
-        levels = cached.get(id(end))
-        if levels is None:
-            levels = cached[id(end)] = _levels(paths[id(end)], rows, max_levels)
+        j = index.get(end)
+        if j is None:
+            j = index[end] = len(index)
+        u[i] = j
+    first: dict[Node, int] = {}             # a level's first node -> its number
+    info: list[tuple[int, int, int]] = []   # a level's (first key, keys, level index)
+    lid: list[list[int]] = []               # an end's levels' numbers
+    skip = np.zeros(len(index) + 1, dtype=np.int64)
+    for j, end in enumerate(index):
+        ids = []
+        levels = levels_of(end)
         for k, (node, begin, stop) in enumerate(levels):
-            members.setdefault(id(node), []).append(i)
-            where[id(node)] = (begin, stop, k)
+            t = first.get(node)
+            if t is None:
+                t = first[node] = len(info)
+                info.append((begin, stop - begin, k))
+            ids.append(t)
+        lid.append(ids)
         if levels:
-            skip[i], count[i] = levels[-1][2], len(levels)
-    if not members:
+            skip[j] = levels[-1][2]
+    if not info:
         return None
-    block: list[tuple[int, int, int, int, list[int]]] = []
-    for key, rs in members.items():
-        first, stop, k = where[key]
-        for lo in range(0, len(rs), per_block):
-            block.append((rs[lo], first, stop - first, k, rs[lo:lo + per_block]))
-    table = np.zeros((len(block), per_block), dtype=np.int64)
-    for j, b in enumerate(block):
-        table[j, :len(b[4])] = b[4]
-    rep, starts, keys, level = (np.array([b[c] for b in block], dtype=np.int64) for c in range(4))
-    return LevelPlan(skip, count, rep, starts, keys, level, np.array([len(b[4]) for b in block], dtype=np.int64),
-                     table)
+    count = np.array([len(ids) for ids in lid] + [0], dtype=np.int64)
+    table = np.full((len(lid) + 1, int(count.max())), -1, dtype=np.int64)    # the last row: no end
+    for j, ids in enumerate(lid):
+        table[j, :len(ids)] = ids
+    u[u < 0] = len(lid)
+    return _assemble(u, LevelPlan(*(np.zeros(0, dtype=np.int64),) * 7, np.zeros((0, per_block), dtype=np.int64),
+                                  index, table, skip, count, np.array(info, dtype=np.int64)), per_block)
+
+
+def _assemble(u: np.ndarray, ends: LevelPlan, per_block: int) -> LevelPlan | None:
+    """The plan of rows whose ends are rows `u` of `ends`'s end tables: each level's rows in row order,
+    cut into blocks of `per_block`, the levels in the order of their numbers."""
+    row_levels = ends.end_levels[u]
+    held = row_levels >= 0
+    r = np.nonzero(held)[0]                 # each (row, level) held, rows ascending
+    if not len(r):
+        return None
+    lv = row_levels[held]
+    order = np.argsort(lv, kind="stable")   # by level, rows ascending within one
+    lv, r = lv[order], r[order]
+    new_level = np.concatenate([[True], lv[1:] != lv[:-1]])
+    rank = np.arange(len(lv)) - np.flatnonzero(new_level)[np.cumsum(new_level) - 1]
+    new_block = rank % per_block == 0
+    block = np.cumsum(new_block) - 1
+    rows = np.zeros((int(block[-1]) + 1, per_block), dtype=np.int64)
+    rows[block, rank % per_block] = r
+    heads = np.flatnonzero(new_block)
+    meta = ends.level_info[lv[heads]]
+    return LevelPlan(ends.end_skip[u], ends.end_count[u], r[heads], meta[:, 0], meta[:, 1], meta[:, 2],
+                     np.bincount(block, minlength=len(heads)).astype(np.int64), rows, ends.ends, ends.end_levels,
+                     ends.end_skip, ends.end_count, ends.level_info)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from lmbatch.attention.base import AttentionBackend, ForwardBatch, no_sinks, to_device
-from lmbatch.engine.cascade import LevelPlan, plan_levels
+from lmbatch.engine.cascade import LevelPlan, plan_levels, replan
 from lmbatch.engine.radix_cache import Node
 
 if TYPE_CHECKING:
@@ -112,14 +112,17 @@ class DecodeGraphs:
             self.cascade_from = 1 if every_step else -(-WHOLE_FROM // cfg.num_kv_heads)
 
     def _level_plan(self, ends: list[Node | None] | None) -> LevelPlan | None:
-        """The step's shared levels (the last step's where its rows' prompts end in the same nodes)."""
+        """The step's shared levels: the last step's where its rows' prompts end in the same nodes, made from
+        them where few rows are new (cascade.replan), else planned anew."""
         if self.levels is None or not ends or next(b for b in self.buckets if b >= len(ends)) < self.cascade_from:
             return None     # no levels, or a bucket that attends with plain decode
         from lmbatch.kernels.cascade_attention import LEVELS
 
         last, plan = self._plan
         if len(last) != len(ends) or any(a is not b for a, b in zip(last, ends)):
-            plan = plan_levels(ends, self.levels.per_block, LEVELS, self.levels.max_blocks)
+            per_block, max_blocks = self.levels.per_block, self.levels.max_blocks
+            plan = (plan is not None and replan(ends, plan, per_block, max_blocks)) or \
+                plan_levels(ends, per_block, LEVELS, max_blocks)
             self._plan = (list(ends), plan)
         return plan
 

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmbatch.engine.cascade import MIN_KEYS, plan_levels
+from lmbatch.engine.cascade import MIN_KEYS, REPLAN_NEW, plan_levels, replan
 from lmbatch.engine.radix_cache import RadixTree
 
 
@@ -37,8 +37,9 @@ def _rows(prompts: list[list[int]], copies: list[int], own: list[int]):
     return ends, seqs
 
 
-def _check(plan, ends, seqs, max_levels):
-    """Read every row as the kernels do, and compare with its keys."""
+def _check(plan, ends, seqs, max_levels, shared=True):
+    """Read every row as the kernels do, and compare with its keys (`shared`: every level held by 2+ rows,
+    as a plan made anew; one made from the last step's may keep a level one row is left in)."""
     indptr = np.concatenate([[0], np.cumsum([len(s) for s in seqs])])
     flat = np.concatenate(seqs)
     table = plan.table(indptr)
@@ -56,7 +57,7 @@ def _check(plan, ends, seqs, max_levels):
         assert np.array_equal(read, s), i
         assert plan.skip[i] < len(s), "a row's own keys hold at least its new token"
     for level_rows in _members(plan).values():
-        assert len(level_rows) >= 2, "a level is shared by two rows or more"
+        assert len(level_rows) >= 2 or not shared, "a level is shared by two rows or more"
 
 
 def _members(plan):
@@ -126,3 +127,54 @@ def test_rows_read_as_planned_are_their_keys(case, max_levels, per_block, max_bl
     assert plan.num_blocks <= max_blocks
     assert (plan.count <= per_block).all() and (plan.count >= 1).all()
     _check(plan, ends, seqs, max_levels)
+
+
+@st.composite
+def _programs(draw):
+    """Prompts as a batch of programs makes them: a few-shot prefix, questions under it, forks under each
+    (lengths drawn around MIN_KEYS, so levels come and go), each prompt sampled 1-3 times."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    base = rng.integers(0, 1000, draw(st.integers(0, 3 * MIN_KEYS))).tolist()
+    prompts = []
+    for _ in range(draw(st.integers(1, 6))):
+        mid = base + rng.integers(0, 1000, draw(st.integers(0, 2 * MIN_KEYS))).tolist()
+        prompts += [mid + rng.integers(0, 1000, draw(st.integers(1, 2 * MIN_KEYS))).tolist()
+                    for _ in range(draw(st.integers(1, 3)))]
+    copies = draw(st.lists(st.integers(1, 3), min_size=len(prompts), max_size=len(prompts)))
+    return prompts, copies, draw(st.lists(st.integers(1, 5), min_size=1, max_size=4))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(_forest(), _programs()), st.integers(1, 3), st.sampled_from([2, 3, 10, 64]), st.integers(1, 40),
+       st.data())
+def test_a_plan_made_from_the_last_steps_reads_every_row_as_its_keys(case, max_levels, per_block, max_blocks,
+                                                                      data):
+    """Rows leave and join between two steps: `replan` gives a row that ends where one of the last plan's
+    rows did that row's levels, a new one none, and every row still reads exactly its keys; it declines
+    (None) where more than REPLAN_NEW of the rows are new."""
+    prompts, copies, own = case
+    ends, seqs = _rows(prompts, copies, own)
+    n = len(ends)
+    before = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True))
+    last = plan_levels([ends[i] for i in before], per_block, max_levels, 10_000)
+    if last is None:
+        return
+    # the step's rows: some of the last plan's and a few others (sometimes more than REPLAN_NEW), in any order
+    kept = data.draw(st.lists(st.sampled_from(before), min_size=1, max_size=len(before), unique=True))
+    others = [i for i in range(n) if i not in before]
+    joined = data.draw(st.lists(st.sampled_from(others), max_size=len(kept) // 6 + 1, unique=True)) if others else []
+    now = data.draw(st.permutations(kept + joined))
+    step_ends, step_seqs = [ends[i] for i in now], [seqs[i] for i in now]
+    plan = replan(step_ends, last, per_block, max_blocks)
+    known = {id(ends[i]): k for k, i in enumerate(before)}
+    new = sum(id(e) not in known for e in step_ends)
+    if plan is None:
+        assert new > REPLAN_NEW * len(now) or not any(last.levels[known[id(e)]] for e in step_ends
+                                                       if id(e) in known) or max_blocks < 3 * len(now)
+        return
+    assert new <= REPLAN_NEW * len(now) and plan.num_blocks <= max_blocks
+    assert (plan.count <= per_block).all() and (plan.count >= 1).all()
+    for k, e in enumerate(step_ends):
+        j = known.get(id(e))
+        assert (plan.skip[k], plan.levels[k]) == ((last.skip[j], last.levels[j]) if j is not None else (0, 0))
+    _check(plan, step_ends, step_seqs, max_levels, shared=False)
