@@ -617,6 +617,35 @@ def test_cascade_decode_gives_the_tokens_of_plain_decode(tiny_graphed, dtype, wh
     assert differ <= len(reqs) // 2, differ
 
 
+@pytest.mark.parametrize("whole", [False, True])
+def test_levels_made_from_the_last_steps_give_the_tokens_of_plain_decode(tmp_path, whole, monkeypatch):
+    """Rows leave (each its own length) and join (more requests than rows) step after step: most steps take
+    the last plan's levels (cascade.replan; a new row reads all its keys as its own), the others plan anew;
+    float32 greedy tokens equal plain decode's."""
+    from lmbatch.engine import cascade, graphs
+    from lmbatch.kernels import decode_attention
+
+    if whole:
+        monkeypatch.setattr(decode_attention, "WHOLE_FROM", 0)
+    make_tiny_hf("qwen3", tmp_path, hidden_size=256, head_dim=64)
+    g = random.Random(7)
+    base = [g.randrange(5, 120) for _ in range(120)]
+    prompts = []
+    for m in range(6):
+        mid = base + [g.randrange(5, 120) for _ in range(30)]
+        prompts += [mid + [g.randrange(5, 120) for _ in range(20 + q)] for q in range(10)]
+    reqs = [GenerateRequest(p, SamplingParams(max_new_tokens=2 + g.randrange(20), ignore_eos=True)) for p in prompts]
+    made = []
+    monkeypatch.setattr(graphs, "replan", lambda *a: made.append(cascade.replan(*a)) or made[-1])
+    got = Engine.from_pretrained(tmp_path, device="cuda", dtype=torch.float32, attention="cascade",
+                                 max_running=24).generate(reqs)[0]
+    assert sum(p is not None for p in made) >= 20 and sum(p is None for p in made) >= 2, len(made)
+    monkeypatch.setattr(graphs.DecodeGraphs, "use_cascade", lambda self, every_step: None)   # plain decode
+    want = Engine.from_pretrained(tmp_path, device="cuda", dtype=torch.float32, attention="triton",
+                                  max_running=24).generate(reqs)[0]
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
 def test_cascade_bucket_whose_rows_share_nothing_replays_the_plain_graph(tmp_path):
     """A step of a cascade bucket with no shared level replays the bucket's plain-decode graph (captured then),
     and a step whose rows share levels its cascade graph: float32 tokens equal plain decode's either way."""
