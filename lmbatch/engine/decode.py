@@ -123,7 +123,7 @@ class Decode:
                 logits = self.model_runner.decode(live)
             self._release_finished()
             if live:
-                self._pick(live, logits)
+                self._pick(live, logits.float())     # grammar masks and rows picked again: float32 (exact)
         return self._drop_finished()
 
     def _land(self) -> None:

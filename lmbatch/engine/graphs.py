@@ -157,7 +157,7 @@ class DecodeGraphs:
 
     def warm(self, b: int, cascade: bool) -> None:
         """Run graph (b, cascade)'s forward once, uncaptured: its kernels compiled (engine/precompile.py)."""
-        self.model(*self._inputs(b, cascade))
+        self.model(*self._inputs(b, cascade), float_logits=False)
 
     def _inputs(self, b: int, cascade: bool) -> tuple[ForwardBatch, _GraphAttention]:
         """Graph (b, cascade)'s batch over the static buffers, set to harmless inputs, and its attention."""
@@ -183,11 +183,12 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: Triton JIT and allocator, outside the capture
-                self.model(batch, attn)
+                self.model(batch, attn, float_logits=False)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool_handle):
-            logits = self.model(batch, attn)
+            # the LM head's logits as they come (bf16: a step's sampler reads them, no float32 copy)
+            logits = self.model(batch, attn, float_logits=False)
         self.pool_handle = graph.pool()
         self.graphs[b, cascade] = (graph, logits)
 
@@ -199,10 +200,10 @@ class DecodeGraphs:
         stores its KV before any attends). `pending` = (src, device tokens): row i's token is
         tokens[src[i]] where src[i] >= 0 (sampled by the last step, never seen by the host). `ends`:
         the tree node where row i's prompt ends (its first keys are that node's path), for the shared
-        levels of cascade attention. Returns float32 logits [len(rows), vocab] of the rows asked for
-        (default: all): a view of the graph's output when those are all its rows of one replay (valid
-        until the next: graphs share their memory), else a copy. Past the largest bucket, rows run in
-        order in several replays."""
+        levels of cascade attention. Returns the logits [len(rows), vocab] of the rows asked for (default:
+        all), in the model's dtype where it soft-caps none (Transformer.forward's float_logits): a view of the
+        graph's output when those are all its rows of one replay (valid until the next: graphs share their
+        memory), else a copy. Past the largest bucket, rows run in order in several replays."""
         rows = list(range(len(tokens))) if rows is None else rows
         cap = self.buckets[-1]
         parts = []

@@ -364,8 +364,10 @@ class Transformer(nn.Module):
         x = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill(outside[:, None], 0)
         return self.tp.all_reduce(x)
 
-    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """Runs the batch's new tokens through the model; returns float32 logits at batch.logit_rows."""
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend, float_logits: bool = True) -> torch.Tensor:
+        """Runs the batch's new tokens through the model; returns float32 logits at batch.logit_rows (with
+        `float_logits` False: in the model's dtype where it soft-caps none, as they come from the LM head;
+        float32 holds each of them exactly)."""
         attn.plan(batch)
         rope = self._rope(batch.positions)
         x, residual = self._embed(batch.input_ids), None
@@ -379,7 +381,8 @@ class Transformer(nn.Module):
         logits = maybe_fixed_linear(h, w, self.deterministic)
         if self.tp is not None:                    # each rank's slice of the vocabulary, side by side
             logits = self.tp.gather(logits, self.cfg.vocab_size)
-        logits = logits.float()
+        if float_logits or self.cfg.final_softcap:
+            logits = logits.float()
         if cap := self.cfg.final_softcap:
             logits = torch.tanh(logits / cap) * cap
         return logits

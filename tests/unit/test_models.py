@@ -345,3 +345,25 @@ def test_active_parameters_of_presets(preset: str, billions: float) -> None:
     cfg = ModelConfig.from_dir(Path(__file__).resolve().parents[2] / "presets" / preset)
     embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     assert abs((cfg.active_linear_params() + embeddings) / 1e9 - billions) < 0.02 * billions
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2"])
+def test_logits_in_the_models_dtype_are_the_float32_ones(tmp_path: Path, kind: str) -> None:
+    """The decode graphs take the LM head's logits as they come (`float_logits=False`): bf16 whose float32
+    values are exactly the logits a forward returns; a model that soft-caps its logits gives float32."""
+    from conftest import make_tiny_hf
+
+    from lmbatch.engine import Engine
+    from lmbatch.engine.model_runner import _UNCAPTURED, TokenBatch
+
+    make_tiny_hf(kind, tmp_path)
+    runner = Engine.from_pretrained(tmp_path, device="cpu", dtype=torch.bfloat16).model_runner
+    slots = runner.pool.alloc(12)
+    out = {}
+    for as_float in (True, False):
+        b = TokenBatch()
+        b.add(list(range(3, 15)), 0, slots, slots, np.arange(12), _UNCAPTURED.repeat(12))
+        out[as_float] = runner.model(b.build().to(runner.device), runner.attn, float_logits=as_float)
+    assert out[True].dtype == torch.float32
+    assert out[False].dtype == (torch.float32 if kind == "gemma2" else torch.bfloat16)
+    assert torch.equal(out[False].float(), out[True])
