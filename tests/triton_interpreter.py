@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 # numpy 2 refuses int() of a 1-element array, and Triton's scalars are such arrays in its interpreter
@@ -30,3 +31,12 @@ def interpreted(script: str, *args: str, timeout: int = 900) -> Any:
                        timeout=timeout)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def interpreted_each(script: str, cases: list[tuple[str, ...]], timeout: int = 900) -> list[Any]:
+    """`interpreted(script, *args)` for each `args` of `cases`, each in a process of its own, as many side by
+    side as this process may use cores (the interpreter runs on one): the results in the order of `cases`."""
+    workers = max(1, min(len(cases), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                         else os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda args: interpreted(script, *args, timeout=timeout), cases))

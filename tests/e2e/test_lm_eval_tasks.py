@@ -29,10 +29,18 @@ def task_dir(tmp_path_factory) -> Path:
     return d
 
 
-def _evaluate(model, task_dir: Path) -> dict:
+@pytest.fixture(scope="module")
+def offline_tasks(task_dir) -> TaskManager:
+    """One TaskManager of the offline tasks alone, for every run that needs no task of lm-eval's own list:
+    each TaskManager that includes them indexes every YAML lm-eval ships (thousands; ~15 s a time on the
+    CPU runner). Each load builds new task objects from the index, so runs share nothing else."""
+    return TaskManager(include_path=str(task_dir), include_defaults=False)
+
+
+def _evaluate(model, manager: TaskManager) -> dict:
     out = {}
     for task, limit in LIMITS.items():
-        res = lm_eval.simple_evaluate(model=model, tasks=[task], task_manager=TaskManager(include_path=str(task_dir)),
+        res = lm_eval.simple_evaluate(model=model, tasks=[task], task_manager=manager,
                                       limit=limit, log_samples=True, random_seed=0, numpy_random_seed=0,
                                       torch_random_seed=0, fewshot_random_seed=0,
                                       **(GSM8K if task == "gsm8k_offline" else {}))
@@ -40,10 +48,10 @@ def _evaluate(model, task_dir: Path) -> dict:
     return out
 
 
-def test_tasks_match_lm_evals_hf_backend(task_dir):
+def test_tasks_match_lm_evals_hf_backend(offline_tasks):
     path = str(embedded_model_dir())
-    ours = _evaluate(LMBatch(pretrained=path, device="cpu", dtype="float32", score_cache=False), task_dir)
-    theirs = _evaluate(HFLM(pretrained=path, device="cpu", dtype="float32", batch_size=4), task_dir)
+    ours = _evaluate(LMBatch(pretrained=path, device="cpu", dtype="float32", score_cache=False), offline_tasks)
+    theirs = _evaluate(HFLM(pretrained=path, device="cpu", dtype="float32", batch_size=4), offline_tasks)
     for task in LIMITS:
         # one sample per document (and per filter, where lm-eval logs several): by document
         a = {s["doc_id"]: s for s in ours[task]["samples"][task]}
@@ -128,23 +136,30 @@ def test_cached_templates_give_lm_evals_prompts(task_dir, monkeypatch):
 
 def test_lm_evals_own_models_still_load(task_dir, tmp_path):
     """Registering "lmbatch" must not hide lm-eval's models (lm-eval fills its registry only while it
-    is empty): in a fresh process, `lmbatch lm-eval --model dummy` runs lm-eval's own dummy model."""
+    is empty): in a fresh process, `lmbatch lm-eval --model dummy` runs lm-eval's own dummy model.
+
+    Offline (HF_HUB_OFFLINE=1): the dummy model's `tokenizer` is a Hub model's, which lm-eval only reads
+    for the results' tokenizer fields (and skips when it cannot be had); without a network the Hub client
+    retries for ~50 s before giving up. An MMLU subject, not HellaSwag, whose process_docs maps all 10,042
+    rows whatever the limit (~15 s)."""
+    import os
     import subprocess
     import sys
 
     res = subprocess.run([sys.executable, "-c", "from lmbatch.cli import main; main()", "lm-eval", "--model", "dummy",
-                          "--tasks", "hellaswag_offline", "--include_path", str(task_dir), "--limit", "2",
-                          "--output_path", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+                          "--tasks", "mmlu_offline_anatomy", "--include_path", str(task_dir), "--limit", "2",
+                          "--output_path", str(tmp_path / "out")], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert res.returncode == 0, res.stderr[-2000:]
     assert list((tmp_path / "out").rglob("results_*.json"))
 
 
-def test_chat_template_options_match_lm_evals_hf_backend(task_dir):
+def test_chat_template_options_match_lm_evals_hf_backend(offline_tasks):
     """--apply_chat_template with --fewshot_as_multiturn and --system_instruction: lmbatch renders
     through the same template (its apply_chat_template), so the requests and scores are the HF
     backend's."""
     path = str(embedded_model_dir())
-    kw = dict(tasks=["mmlu_offline_anatomy"], task_manager=TaskManager(include_path=str(task_dir)), limit=2,
+    kw = dict(tasks=["mmlu_offline_anatomy"], task_manager=offline_tasks, limit=2,
               num_fewshot=2, log_samples=True, apply_chat_template=True, fewshot_as_multiturn=True,
               system_instruction="Answer with one letter.", random_seed=0, numpy_random_seed=0,
               torch_random_seed=0, fewshot_random_seed=0)
