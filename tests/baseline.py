@@ -92,19 +92,20 @@ def score_pairs(model: Any, instances: list[ChoiceInstance], batch_tokens: int =
             targets += cont
             owner += [(k, c)] * len(cont)
         picked_rows = hidden[rows, cols]
-        if not full_logits:     # the model's own head: its LM head, then Gemma's final soft-cap where set
-            picked_rows = model.lm_head(picked_rows)
-            if cap := getattr(model.config, "final_logit_softcapping", None):
-                picked_rows = torch.tanh(picked_rows / cap) * cap
-        lp = torch.log_softmax(picked_rows.float(), -1)
+        lp = torch.log_softmax(picked_rows.float(), -1) if full_logits else _head(model, picked_rows)
         picked = lp[torch.arange(len(targets), device=device), torch.tensor(targets, device=device)].tolist()
         for (k, c), v in zip(owner, picked):
             out[k][c] += v
+    return _finished(out, start, sum(len(s) for s in seqs), device)
+
+
+def _finished(out: list[list[float]], start: float, tokens: int, device: torch.device) -> BaselineRun:
+    """The run of per-instance logprobs `out`, timed from `start` (the device's work waited for)."""
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     preds = [max(range(len(lps)), key=lps.__getitem__) for lps in out]
-    return BaselineRun(out, preds, seconds, sum(len(s) for s in seqs))
+    return BaselineRun(out, preds, seconds, tokens)
 
 
 def _head(model: Any, hidden: torch.Tensor) -> torch.Tensor:
@@ -185,11 +186,7 @@ def score_pairs_context_once(model: Any, instances: list[ChoiceInstance], batch_
             picked = lp[torch.arange(len(targets), device=device), torch.tensor(targets, device=device)].tolist()
             for (i, c), v in zip(who, picked):
                 out[i][c] += v
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    preds = [max(range(len(lps)), key=lps.__getitem__) for lps in out]
-    return BaselineRun(out, preds, seconds, tokens)
+    return _finished(out, start, tokens, device)
 
 
 @torch.inference_mode()

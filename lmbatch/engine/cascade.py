@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -27,13 +27,23 @@ Levels = list[tuple[Node, int, int]]     # a row's levels: (first node, first ke
 
 
 @dataclass
+class EndLevels:
+    """The levels planned for the rows that end at each node (`replan` reads them): the node's row of
+    `table` (level numbers, -1 past its last; the table's last row: a row with no end), `skip` and `count`
+    (a row's skip and levels) by that row, and each level's (first key, keys, level index) in `info`."""
+    rows: dict[Node, int]
+    table: np.ndarray           # [ends + 1, levels]
+    skip: np.ndarray            # [ends + 1]
+    count: np.ndarray           # [ends + 1]
+    info: np.ndarray            # [level numbers, 3]
+
+
+@dataclass
 class LevelPlan:
     """Shared levels of a set of rows: per row, the keys its levels cover (`skip`) and how many levels
     (`levels`); per block of rows of one level, a row holding it (`rep`), where the level starts in that
-    row's keys (`start`), its keys, its level index and the block's rows (`rows`, padded with 0).
-    `ends`: the planned levels of the rows that end at a node (`replan` reads them): its row of `end_levels`
-    (level numbers, -1 past its last; the table's last row: a row with none), `end_skip` and `end_count`
-    (a row's skip and levels), and each level's (first key, keys, level index) in `level_info`."""
+    row's keys (`start`), its keys, its level index and the block's rows (`rows`, padded with 0); `by_end`,
+    the levels it gave each end node."""
     skip: np.ndarray            # [n]
     levels: np.ndarray          # [n]
     rep: np.ndarray             # [blocks]
@@ -42,11 +52,7 @@ class LevelPlan:
     level: np.ndarray           # [blocks]
     count: np.ndarray           # [blocks] rows in the block
     rows: np.ndarray            # [blocks, per_block]
-    ends: dict[Node, int] = field(default_factory=dict)
-    end_levels: np.ndarray = field(default_factory=lambda: np.full((1, 1), -1, dtype=np.int64))
-    end_skip: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
-    end_count: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
-    level_info: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
+    by_end: EndLevels
 
     @property
     def num_blocks(self) -> int:
@@ -112,12 +118,12 @@ def replan(ends: Sequence[Node | None], last: LevelPlan, per_block: int, max_blo
     where one of last's did takes its levels, whatever rows share them now (they hold the same slots: a
     level is a stretch of their common path), the others none; None where more than REPLAN_NEW of the
     rows are new, no row has a level, or the blocks are more than `max_blocks` (`plan_levels` then)."""
-    known = last.ends
-    u = np.fromiter((-2 if e is None else known.get(e, -1) for e in ends), dtype=np.int64, count=len(ends))
+    known = last.by_end
+    u = np.fromiter((-2 if e is None else known.rows.get(e, -1) for e in ends), dtype=np.int64, count=len(ends))
     if np.count_nonzero(u == -1) > REPLAN_NEW * len(ends):
         return None
-    u[u < 0] = len(last.end_levels) - 1
-    plan = _assemble(u, last, per_block)
+    u[u < 0] = len(known.table) - 1
+    plan = _assemble(u, known, per_block)
     return plan if plan is not None and plan.num_blocks <= max_blocks else None
 
 
@@ -158,14 +164,13 @@ def _blocks(ends: Sequence[Node | None], levels_of: Callable[[Node], Levels], pe
     for j, ids in enumerate(lid):
         table[j, :len(ids)] = ids
     u[u < 0] = len(lid)
-    return _assemble(u, LevelPlan(*(np.zeros(0, dtype=np.int64),) * 7, np.zeros((0, per_block), dtype=np.int64),
-                                  index, table, skip, count, np.array(info, dtype=np.int64)), per_block)
+    return _assemble(u, EndLevels(index, table, skip, count, np.array(info, dtype=np.int64)), per_block)
 
 
-def _assemble(u: np.ndarray, ends: LevelPlan, per_block: int) -> LevelPlan | None:
-    """The plan of rows whose ends are rows `u` of `ends`'s end tables: each level's rows in row order,
-    cut into blocks of `per_block`, the levels in the order of their numbers."""
-    row_levels = ends.end_levels[u]
+def _assemble(u: np.ndarray, ends: EndLevels, per_block: int) -> LevelPlan | None:
+    """The plan of rows whose ends are rows `u` of `ends`: each level's rows in row order, cut into blocks
+    of `per_block`, the levels in the order of their numbers."""
+    row_levels = ends.table[u]
     held = row_levels >= 0
     r = np.nonzero(held)[0]                 # each (row, level) held, rows ascending
     if not len(r):
@@ -180,7 +185,6 @@ def _assemble(u: np.ndarray, ends: LevelPlan, per_block: int) -> LevelPlan | Non
     rows = np.zeros((int(block[-1]) + 1, per_block), dtype=np.int64)
     rows[block, rank % per_block] = r
     heads = np.flatnonzero(new_block)
-    meta = ends.level_info[lv[heads]]
-    return LevelPlan(ends.end_skip[u], ends.end_count[u], r[heads], meta[:, 0], meta[:, 1], meta[:, 2],
-                     np.bincount(block, minlength=len(heads)).astype(np.int64), rows, ends.ends, ends.end_levels,
-                     ends.end_skip, ends.end_count, ends.level_info)
+    meta = ends.info[lv[heads]]
+    return LevelPlan(ends.skip[u], ends.count[u], r[heads], meta[:, 0], meta[:, 1], meta[:, 2],
+                     np.bincount(block, minlength=len(heads)).astype(np.int64), rows, ends)
