@@ -40,7 +40,10 @@ class ScoreRequest:
     @property
     def prompt(self) -> list[int]:
         """What must run through the model: the continuation's last token is scored, never run.
-        Requests with equal prompts (e.g. one-token choices after one context) run once."""
+        Requests with equal prompts (e.g. one-token choices after one context) run once. A one-token
+        continuation's prompt is the context itself (no copy: callers only read it)."""
+        if len(self.continuation) == 1:
+            return self.context
         return self.context + self.continuation[:-1]
 
     @property

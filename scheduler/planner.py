@@ -11,7 +11,6 @@ Definitions (reported by every run):
 """
 from __future__ import annotations
 
-import itertools
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence, cast
@@ -75,18 +74,31 @@ class Plan:
 
 
 def sorted_lcps(prompts: Sequence[Sequence[int]]) -> tuple[list[int], np.ndarray]:
-    """The prompts' sorted order and, for each prompt in that order, the length of its longest
-    common prefix with the one before (0 for the first). Compared in numpy, a block of positions at
-    a time for every adjacent pair still equal so far: no Python work per token."""
-    order = sorted(range(len(prompts)), key=cast("Callable[[int], Any]", prompts.__getitem__))  # lexicographic
-    n = len(order)
+    """The prompts' sorted order (equal prompts by index) and, for each prompt in that order, the length of
+    its longest common prefix with the one before (0 for the first). A prompt object at several places (a
+    select's one-token choices share their context's list) is sorted and compared once."""
+    n = len(prompts)
     if n == 0:
-        return order, np.zeros(0, dtype=np.int64)
-    # a prompt equal to the one before it (a choice sharing its context's prompt) has lcp = its
-    # length; only the distinct ones are compared in numpy
-    lcps = np.fromiter((len(prompts[i]) for i in order), dtype=np.int64, count=n)
-    distinct = [0] + [k for k in range(1, n) if prompts[order[k]] != prompts[order[k - 1]]]
-    lcps[distinct] = _adjacent_lcps([prompts[order[k]] for k in distinct])
+        return [], np.zeros(0, dtype=np.int64)
+    first: dict[int, int] = {}
+    rep = [first.setdefault(id(p), i) for i, p in enumerate(prompts)]
+    distinct = sorted(first.values(), key=cast("Callable[[int], Any]", prompts.__getitem__))  # lexicographic
+    if len(distinct) == n:
+        order = distinct
+    else:
+        places: dict[int, list[int]] = {}
+        for i, r in enumerate(rep):
+            places.setdefault(r, []).append(i)
+        order = [i for r in distinct for i in places[r]]
+    lcps = np.fromiter((len(prompts[i]) for i in order), dtype=np.int64, count=n)   # a repeat's: its length
+    starts = [k for k in range(n) if rep[order[k]] == order[k]]                     # each object's first place
+    lcps[starts] = _adjacent_lcps([prompts[order[k]] for k in starts])
+    lens = lcps.copy() if len(distinct) == n else np.fromiter((len(prompts[i]) for i in order), np.int64, n)
+    if len(distinct) < n:       # equal prompts of different objects: by index, as a stable sort of all gives
+        same = np.zeros(n, dtype=bool)
+        same[1:] = (lcps[1:] == lens[1:]) & (lens[1:] == lens[:-1])
+        at = np.asarray(order, dtype=np.int64)
+        order = at[np.lexsort((at, np.cumsum(~same)))].tolist()
     return order, lcps
 
 
@@ -101,30 +113,35 @@ def sub_lcps(lcps: np.ndarray, ranks: np.ndarray) -> np.ndarray:
 
 
 def _adjacent_lcps(seqs: list[Sequence[int]]) -> np.ndarray:
-    """For each sequence, its longest common prefix with the one before it (0 for the first)."""
-    n = len(seqs)
-    lcps = np.zeros(n, dtype=np.int64)
-    if n < 2:
-        return lcps
-    lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
-    starts = np.zeros(n, dtype=np.int64)
-    np.cumsum(lens[:-1], out=starts[1:])
-    flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lens.sum()))
-    most = np.minimum(lens[:-1], lens[1:])      # pair k compares sequences k and k + 1
-    active = np.flatnonzero(most > 0)
-    offset, block = 0, 64
-    cols = np.arange(block)
-    while len(active):
-        pos = offset + cols                                     # [block]
-        valid = pos[None, :] < most[active, None]               # [active, block]
-        a = flat[np.minimum(starts[active, None] + pos, len(flat) - 1)]
-        b = flat[np.minimum(starts[active + 1, None] + pos, len(flat) - 1)]
-        differs = (a != b) | ~valid
-        first = np.where(differs.any(axis=1), differs.argmax(axis=1), block)
-        lcps[active + 1] = offset + first
-        active = active[first == block]
-        offset += block
+    """For each sequence, its longest common prefix with the one before it (0 for the first): list slices
+    compared (no Python work per token, and no copy of every token into an array, which took longer)."""
+    lcps = np.zeros(len(seqs), dtype=np.int64)
+    for k in range(1, len(seqs)):
+        lcps[k] = common_prefix(seqs[k - 1], seqs[k])
     return lcps
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
+    """The length of the common prefix of two sequences, known to be at least `start`: slices compared,
+    each twice as long as the last, then the differing one halved down to the token."""
+    n = min(len(a), len(b))
+    if a is b:
+        return n
+    lo, step = start, 64
+    while lo < n:
+        hi = min(n, lo + step)
+        if a[lo:hi] != b[lo:hi]:
+            while hi - lo > 8:          # the first difference is in [lo, hi)
+                mid = (lo + hi) // 2
+                if a[lo:mid] == b[lo:mid]:
+                    lo = mid
+                else:
+                    hi = mid
+            while a[lo] == b[lo]:
+                lo += 1
+            return lo
+        lo, step = hi, 2 * step
+    return n
 
 
 def build_tree(prompts: Sequence[Sequence[int]]) -> tuple[PlanNode, list[PlanNode], list[int]]:

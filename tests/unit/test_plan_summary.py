@@ -1,7 +1,8 @@
 """`summarize` (a plan's figures from sorted prompts, in numpy) against brute force and `make_plan`.
 
-Prompts are drawn over a tiny alphabet, from a small pool with extensions, truncations and exact
-copies, so that shared prefixes, prompts that are prefixes of others and duplicates are common.
+Prompts are drawn over a tiny alphabet, from a small pool with extensions, truncations, exact
+copies and the very same list again (a select's choices share their context's), so that shared
+prefixes, prompts that are prefixes of others and duplicates are common.
 """
 from __future__ import annotations
 
@@ -19,14 +20,18 @@ long_tokens = st.builds(lambda n, tail: [k % 2 for k in range(n)] + tail, st.int
 
 @st.composite
 def batches(draw, max_prompts: int = 14, long: bool = False):
-    """Non-empty prompts: drawn from a pool, then copied, extended or cut (never to empty)."""
+    """Non-empty prompts: drawn from a pool, then copied, extended or cut (never to empty), or an earlier
+    prompt's list itself."""
     seq = long_tokens if long else tokens
     pool = draw(st.lists(seq, min_size=1, max_size=4))
     prompts = []
     for _ in range(draw(st.integers(1, max_prompts))):
-        base = list(draw(st.sampled_from(pool + prompts)))
-        how = draw(st.sampled_from(["copy", "extend", "cut", "new"]))
-        if how == "extend":
+        picked = draw(st.sampled_from(pool + prompts))
+        base = list(picked)
+        how = draw(st.sampled_from(["copy", "same", "extend", "cut", "new"]))
+        if how == "same":
+            base = picked
+        elif how == "extend":
             base += draw(seq)
         elif how == "cut":
             base = base[:draw(st.integers(1, len(base)))]
@@ -122,6 +127,17 @@ def test_merging_parts_sorted_on_their_own_sorts_the_whole(prompts, data):
     plain = prompts[:cut]
     if plain:
         assert posthoc_figures(plain, generated, (order, lcps)) == posthoc_figures(plain, generated)
+
+
+def test_sorted_lcps_of_one_list_at_several_places():
+    """A list object at several places is sorted once and placed at each, among equal prompts of other
+    objects by index; the common prefixes cross the comparison's slice edges (64, 192, 448)."""
+    base = [i % 3 for i in range(500)]
+    a, b = base[:300] + [1], base[:300] + [1]
+    prompts = [a, base[:64] + [9], b, a, base[:192] + [0], a, base[:448], base[:447] + [2], b]
+    order, lcps = sorted_lcps(prompts)
+    assert order == sorted(range(len(prompts)), key=lambda i: (prompts[i], i))
+    assert lcps.tolist() == [0] + [lcp(prompts[i], prompts[j]) for i, j in zip(order, order[1:])]
 
 
 def test_sorted_lcps_long_shared_prefixes():
