@@ -92,6 +92,7 @@ class CallPreparer:
 
     def _prepare(self, pending: list[Pending], fail: Callable[[Pending, str], None], known: KnownIds | None,
                  record: KnownIds | None) -> None:
+        self.encoder.prefixes.next_round()     # a wave's texts begin with the last wave's
         gens, selects = [], []
         for p in pending:
             if isinstance(p.op, Select):

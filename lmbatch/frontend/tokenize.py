@@ -32,7 +32,7 @@ import importlib.metadata
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, TypeAlias
 
 # a line cut: after a newline, before an ASCII letter or digit (found by its newline: a pattern that starts
 # with a lookbehind is tried at every position, several times slower on long prompts)
@@ -42,6 +42,8 @@ _WORD_CUT = re.compile(r"(?<=\S)(?= [A-Za-z0-9])")
 _ALNUM = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
 _FOLLOW = "A"       # appended to a segment that a line cut ends; its one token is dropped
 _SAFE_NORMALIZERS = (None, "NFC")
+# a text to encode: ids of its start known already (a list of its own), its segments ended by line cuts, its last
+Parts: TypeAlias = tuple[list[int], list[str], list[str]]
 
 
 def choice_texts(context: str, continuations: Sequence[str]) -> tuple[str, list[str]]:
@@ -109,6 +111,48 @@ def tokenizer_cache_file(model_dir: Path) -> Path:
     return cache_dir() / "tokenizers" / f"{h.hexdigest()[:40]}.json"
 
 
+class KnownPrefixes:
+    """Token ids of texts encoded lately, up to each one's last line cut. A program's next call's text
+    begins with its last one's (the last prompt, its output, more), so it takes those ids and only its
+    rest is split and joined (a text's segments up to a cut are the same in any text they begin). Kept
+    for the last two rounds (`next_round`: each wave's calls): about a wave's texts, no more."""
+
+    TRIES = 8           # a text's line cuts looked up, from its end
+    MOST = 1 << 17      # entries a round holds before it counts as ended
+
+    def __init__(self) -> None:
+        self.now: dict[str, tuple[list[int], int]] = {}
+        self.last: dict[str, tuple[list[int], int]] = {}
+
+    def next_round(self) -> None:
+        if self.now:
+            self.last, self.now = self.now, {}
+
+    def find(self, text: str) -> tuple[list[int], int] | None:
+        """(ids of text[:c], c) for the last of text's line cuts c that some text ended at, or None."""
+        if not (self.now or self.last):
+            return None
+        end, tries = len(text), 0
+        while tries < self.TRIES:
+            c = text.rfind("\n", 0, end) + 1
+            if c == 0:
+                return None
+            if c < len(text) and text[c] in _ALNUM:
+                tries += 1
+                hit = self.now.get(text[:c]) or self.last.get(text[:c])
+                if hit is not None:
+                    return hit[0][:hit[1]], c
+            end = c - 1
+        return None
+
+    def add(self, text: str, cut: int, ids: list[int], k: int) -> None:
+        """`ids[:k]` are text[:cut]'s (cut: its last line cut; `ids` are only read)."""
+        if cut > 0:
+            if len(self.now) >= self.MOST:
+                self.next_round()
+            self.now[text[:cut]] = (ids, k)
+
+
 class TextEncoder:
     """Token ids of many texts (no special tokens added), each distinct segment tokenized once.
 
@@ -131,6 +175,7 @@ class TextEncoder:
         self.word_cuts = self.splittable and not any(" " in t.get("content", "") for t in spec.get("added_tokens", []))
         self._words: dict[str, list[int]] = {}
         self._last_cut: dict[str, list[int]] = {}       # the last pieces of segments a line cut ends
+        self.prefixes = KnownPrefixes()
 
     @property
     def hf(self) -> Any:
@@ -241,12 +286,18 @@ class TextEncoder:
             start = m.end()
         return cut, [text[start:]]
 
-    def _join(self, parts: list[tuple[list[str], list[str]]]) -> list[list[int]]:
-        self._tokenize(self._cut, (s for cut, _ in parts for s in cut), _FOLLOW)
-        self._tokenize(self._end, (s for _, end in parts for s in end))
+    def _parts(self, text: str) -> Parts:
+        """A text as (ids of its start known already, its other segments ended by a line cut, its last)."""
+        hit = self.prefixes.find(text) if self.splittable else None
+        if hit is None:
+            return [], *self._split(text)
+        return hit[0], *self._split(text[hit[1]:])
+
+    def _join(self, parts: list[Parts]) -> list[list[int]]:
+        self._tokenize(self._cut, (s for _, cut, _ in parts for s in cut), _FOLLOW)
+        self._tokenize(self._end, (s for _, _, end in parts for s in end))
         out = []
-        for cut, end in parts:
-            ids: list[int] = []
+        for ids, cut, end in parts:     # ids: a list of this part's own
             for s in cut:
                 ids += self._cut[s]
             for s in end:
@@ -256,7 +307,12 @@ class TextEncoder:
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         """Ids of each text, equal to tokenizing it whole."""
-        return self._join([self._split(t) for t in texts])
+        parts = [self._parts(t) for t in texts]
+        out = self._join(parts)
+        if self.splittable:
+            for t, (_, _, end), ids in zip(texts, parts, out):
+                self.prefixes.add(t, len(t) - len(end[0]), ids, len(ids) - len(self._end[end[0]]))
+        return out
 
     def encode_choices(self, pairs: Sequence[tuple[str, Sequence[str]]]) -> list[tuple[list[int], list[list[int]]]]:
         """lm-eval's `_encode_pair` for each (context, continuations): the context's ids and each
@@ -266,29 +322,32 @@ class TextEncoder:
         in a non-space alone (a space cut); otherwise the context's last segment with the
         continuation (a whole text has the context's line cuts up to there, since a cut depends on
         two characters). The ids up to that segment are the context's own."""
-        tails: list[tuple[list[str], list[str]]]
-        contexts, tails, whole_tail = [], [], []     # whole_tail: the tail starts at the context's last segment
+        tails: list[Parts]
+        contexts, tails, whole_tail, texts = [], [], [], []     # whole_tail: a tail from the context's last segment
         for context, conts in pairs:
             ctx, wholes = choice_texts(context, conts)
-            cut, end = self._split(ctx)
-            contexts.append((cut, end))
+            head, cut, end = self._parts(ctx)
+            contexts.append((head, cut, end))
+            texts.append(ctx)
             last = len(ctx) - len(end[0])
             space_cut = self.splittable and bool(ctx) and not ctx[-1].isspace()
             for w in wholes:
                 cont = w[len(ctx):]
                 if space_cut and len(cont) > 1 and cont[0] == " " and cont[1] in _ALNUM:
-                    tails.append(([], [cont]))
+                    tails.append(([], [], [cont]))
                     whole_tail.append(False)
                 else:
-                    tails.append(self._split(w[last:]))
+                    tails.append(([], *self._split(w[last:])))
                     whole_tail.append(True)
         ctx_ids = self._join(contexts)
         tail_ids = self._join(tails)
         out, k = [], 0
-        for (_, conts), ids, (_, end) in zip(pairs, ctx_ids, contexts):
+        for (_, conts), ids, (_, _, end), ctx in zip(pairs, ctx_ids, contexts, texts):
             if not ids:
                 raise ValueError("empty context: lm-eval would use a prefix token here, lmbatch does not")
             keep = len(ids) - len(self._end[end[0]])     # the context's ids before its last segment
+            if self.splittable:
+                self.prefixes.add(ctx, len(ctx) - len(end[0]), ids, keep)
             out.append((ids, [tail_ids[j][len(ids) - keep:] if whole_tail[j] else tail_ids[j]
                               for j in range(k, k + len(conts))]))
             k += len(conts)
@@ -324,4 +383,5 @@ class TextEncoder:
         """Forget memoized segments."""
         for memo in (self._cut, self._end, self._words, self._last_cut):
             memo.clear()
+        self.prefixes = KnownPrefixes()
 

@@ -175,7 +175,8 @@ def execute(o: RunOptions, interp: Interpreter, engine: BatchEngine, parts: Part
         if works is not None:
             run_spread(interp, engine, works, parts, progress, Every(every, stop))
         else:
-            for finished in interp.stream(engine, handover_due=Every(every, stop), progress=progress):
+            for finished in interp.stream(engine, handover_due=Every(every, stop), progress=progress,
+                                          settle=True):
                 parts.write(finished)
                 if stop.asked:
                     raise Interrupted(stop.kept())
@@ -192,7 +193,8 @@ class HostGC:
     the host phases build millions (instances, prompts, token lists) and that scanning took about a third
     of their time (full MMLU's dry run on a 2-core CPU: ~14.8 s with it, ~8.8 s without). They run
     without it; what they built is frozen (never scanned again) before model work, which runs with the
-    collector (generation may leave cycles that hold device memory)."""
+    collector (generation may leave cycles that hold device memory), each wave's survivors frozen before
+    the next (`interpreter.settled_host_work`); everything is unfrozen at the run's end."""
 
     def __enter__(self) -> HostGC:
         self.was_enabled = gc.isenabled()

@@ -84,7 +84,8 @@ class Programs:
         interp.plan_first_wave()
         meter = TokenProgress(disable=True)
         by_run = interp.tally.rows_by_run
-        for finished in interp.stream(engine, handover_due=due, progress=meter):
+        # each wave's survivors frozen (interpreter.settled_host_work): this worker process ends with the run
+        for finished in interp.stream(engine, handover_due=due, progress=meter, settle=True):
             reqs = [r for run in finished for r in by_run.pop(run.index, [])]
             if not self.token_ids:
                 reqs = [dataclasses.replace(r, token_ids=None) for r in reqs]

@@ -301,3 +301,28 @@ def test_one_wave_of_selects_takes_its_plans_optimum(tiny_tok):
     assert len(executed) == interp.stats.executed < 3 * 4      # equal prompts ran once
     assert interp.stats.unique_tokens == summarize(executed).unique_tokens
     assert interp.stats.optimal_hit_rate == interp.prompt_tree_optimal_hit_rate > 0
+
+
+def test_host_work_between_waves_runs_without_the_collector_and_what_it_made_is_frozen():
+    """`settled_host_work`: the collector off inside, back on after; what was made inside (and what lived
+    before) frozen, so the passes of the next wave do not walk it; `settle=False` changes nothing."""
+    import gc
+
+    from lmbatch.frontend.interpreter import settled_host_work
+
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        with settled_host_work(False):
+            assert gc.isenabled()
+        before = gc.get_freeze_count()
+        with settled_host_work():
+            assert not gc.isenabled()
+            made = [[k, k + 1] for k in range(1000)]
+        assert gc.isenabled() and gc.get_freeze_count() >= before + len(made)
+        ids = {id(m) for m in made}
+        assert not any(id(o) in ids for o in gc.get_objects())        # in no generation the collector walks
+    finally:
+        gc.unfreeze()
+        if not was:
+            gc.disable()

@@ -255,6 +255,58 @@ def test_random_texts_tokenize_as_whole(kind, texts, pairs):
     check_encoder(shared, tok, ref_encode, [], extra)
 
 
+# a program's calls: each round's texts continue the last round's (a line cut, an output, more)
+step = st.tuples(st.sampled_from(["\nStep 1:", "\nIs it right?", "\n1.", "\nA", "", " Q:", "\n\nZ"]),
+                 random_text).map("".join)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=150, deadline=None)
+@given(starts=st.lists(random_text, min_size=1, max_size=3), rounds=st.lists(
+    st.tuples(st.lists(st.tuples(st.integers(0, 10), step), min_size=1, max_size=4), st.booleans()),
+    min_size=1, max_size=4))
+def test_texts_that_continue_earlier_ones_tokenize_as_whole(kind, starts, rounds):
+    """Texts that begin with an earlier round's take those ids up to a line cut (`KnownPrefixes`) and
+    still tokenize as whole texts, as contexts of choices too."""
+    tok = tokenizer_kind(kind)
+    enc = fresh_encoder(kind)
+    enc.clear()
+    texts = list(starts)
+    assert enc.encode(texts) == [raw_ids(tok, t) for t in texts]
+    for picks, as_choices in rounds:
+        enc.prefixes.next_round()
+        texts = [texts[k % len(texts)] + more for k, more in picks]
+        if as_choices and all(t.rstrip() for t in texts):
+            got = enc.encode_choices([(t, [" yes", " no"]) for t in texts])
+            assert got == [lm_eval_choices(functools.partial(raw_ids, tok), t, [" yes", " no"]) for t in texts]
+        else:
+            assert enc.encode(texts) == [raw_ids(tok, t) for t in texts]
+
+
+def test_a_text_that_continues_an_earlier_one_takes_its_ids():
+    """The ids up to the earlier text's last line cut are taken, not made again; two rounds that encode
+    other texts on, forgotten (a round that encodes nothing does not count)."""
+    enc = TextEncoder(tokenizer_kind("qwen2"))
+    first = "Question: two and two?\nAnswer: Let's think.\nStep 1:"
+    enc.encode([first])
+    enc.prefixes.next_round()
+    later = first + " 2 + 2 = 4\nIs this step correct? Answer yes or no:"
+    ids, at = enc.prefixes.find(later)
+    assert at == first.index("Step 1:") and ids == raw_ids(tokenizer_kind("qwen2"), first[:at])
+    assert enc.encode_choices([(later, [" yes"])])[0][0] == raw_ids(tokenizer_kind("qwen2"), later)
+    enc.prefixes.next_round()
+    enc.prefixes.next_round()
+    assert enc.prefixes.find(later) is not None
+    enc.encode(["Other\nText"])
+    enc.prefixes.next_round()
+    assert enc.prefixes.find(later) is None
+    # only at a line cut: where its newline is followed by no letter or digit, the text is not cut there
+    enc.encode(["Intro\nStep 1:"])
+    enc.prefixes.next_round()
+    for text in ("Intro\n\nStep", "Intro\n Step", "Intro\n\n\n1", "Intro\n", "Intro\n.\nA"):
+        assert enc.encode([text]) == [raw_ids(tokenizer_kind("qwen2"), text)], text
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_cut_examples(kind):
     """Hand-picked texts at the cut rules' edges."""
