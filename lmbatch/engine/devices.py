@@ -6,12 +6,13 @@ entries), and `--data-parallel auto` / `--tensor-parallel auto` from them and th
   fewest GPUs (a power of two dividing its heads) whose share fits;
 - data parallel, auto: every visible GPU over that (on a Ray cluster, every GPU of the cluster), but one
   engine for a job whose model work is known to be small (a cached scoring workload's figures); on CPU 1.
-  A run whose steps the host sets puts GENERATING_SHARE workers on each local GPU where the machine has
-  the cores: one that generates in several stages (`EngineSpec.stages`, tree of thought's 7) on a model
-  of SMALL_MODEL_BYTES at most, so one worker's host work (its step loop, the next stage's tokenizing and
-  planning) runs beside the other's kernels. Where a step's device time is longer (an 8B model), or a
-  run is one or two stages (lm-eval's generate_until, thinking then JSON), two workers a GPU measured no
-  faster or slower: each reads the weights for half the rows (BENCHMARKS.md, "Workers a GPU").
+  A run whose steps the host sets puts up to GENERATING_SHARE workers on each local GPU (SHARED_WORKERS in
+  all at most) where the machine has the cores: one that generates in several stages (`EngineSpec.stages`,
+  tree of thought's 7) on a model of SMALL_MODEL_BYTES at most, so one worker's host work (its step loop,
+  the next stage's tokenizing and planning) runs beside the others' kernels. Where a step's device time
+  is longer (an 8B model), or a run is one or two stages (lm-eval's generate_until, thinking then JSON),
+  two workers a GPU measured no faster or slower: each reads the weights for half the rows (BENCHMARKS.md,
+  "Workers a GPU").
   A number of workers beyond the GPUs (a multiple of them, one GPU a model) puts as many on each GPU
   (`EngineSpec.gpu_share`): they share its memory, and one's host work runs beside another's kernels.
 """
@@ -34,7 +35,8 @@ FIT_SHARE = 0.6     # the weights may take this share of a GPU's memory: the res
 # rules in the code")
 SMALL_JOB_FLOPS = 1.2e15
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-GENERATING_SHARE = 2    # workers a GPU that `auto` gives a run whose steps the host sets (`_share`) ...
+GENERATING_SHARE = 4    # workers a GPU that `auto` gives a run whose steps the host sets (`_share`), at most ...
+SHARED_WORKERS = 8      # ... and workers in all (the most measured: 8 on 4 GPUs; 4 on one, BENCHMARKS.md) ...
 HOST_BOUND_STAGES = 3   # ... one that generates in this many stages or more
 SMALL_MODEL_BYTES = 4 << 30     # ... on a model of these bytes of weights at most
 CORES_A_WORKER = 4      # ... where the machine has this many cores for each worker
@@ -153,16 +155,20 @@ def layout(spec: EngineSpec, cfg: ModelConfig, gpus: GPUs | None = None, work: f
 
 
 def _share(spec: EngineSpec, cfg: ModelConfig, gpus: GPUs, t: int, cores: int | None) -> int:
-    """Workers a GPU for auto: GENERATING_SHARE for a run that generates in HOST_BOUND_STAGES or more on
-    local GPUs, each alone on a model of SMALL_MODEL_BYTES at most, where the cores go round; else 1."""
-    size, k = weight_bytes(cfg, spec.dtype or "bfloat16"), GENERATING_SHARE
+    """Workers a GPU for auto, for a run that generates in HOST_BOUND_STAGES or more on local GPUs, each
+    alone on a model of SMALL_MODEL_BYTES at most: as many as GENERATING_SHARE, SHARED_WORKERS in all,
+    the cores (CORES_A_WORKER each) and the GPU's memory (FIT_SHARE of it for their weights) allow, where
+    that is 2 or more; else 1."""
+    size = weight_bytes(cfg, spec.dtype or "bfloat16")
     if not (spec.graphs_ahead and spec.stages >= HOST_BOUND_STAGES) or t > 1 or spec.ray_address is not None \
-            or gpus.memory is None or size > SMALL_MODEL_BYTES or k * size > FIT_SHARE * gpus.memory:
+            or gpus.memory is None or size > SMALL_MODEL_BYTES or not gpus.visible:
         return 1
     if cores is None:
         from lmbatch.engine.threads import usable_cores
         cores = usable_cores()
-    return k if cores >= CORES_A_WORKER * k * gpus.visible else 1
+    k = min(GENERATING_SHARE, SHARED_WORKERS // gpus.visible, cores // (CORES_A_WORKER * gpus.visible),
+            int(FIT_SHARE * gpus.memory // size))
+    return k if k >= 2 else 1
 
 
 def _tensor_parallel(cfg: ModelConfig, dtype: str, gpus: GPUs) -> tuple[int, str]:

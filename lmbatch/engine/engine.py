@@ -24,7 +24,7 @@ from lmbatch.engine.decode import Decode
 from lmbatch.engine.kv import KVSlots
 from lmbatch.engine.logits import LogitCapture
 from lmbatch.engine.model_runner import ModelRunner
-from lmbatch.engine.options import EngineOptions
+from lmbatch.engine.options import DECODE_ROWS, EngineOptions
 from lmbatch.engine.prefill import Prefill
 from lmbatch.engine.protocol import Handover, Progress, Request, Result, StreamArgs, drain, remaining
 from lmbatch.engine.radix_cache import RadixTree
@@ -57,6 +57,8 @@ class Engine:
                  **overrides: Any):
         """`overrides`: EngineOptions fields, e.g. `Engine(model, kv_cache_tokens=4096)`."""
         o = self.options = replace(options or EngineOptions(), **overrides)
+        self.rows: int = o.max_running if o.max_running is not None else DECODE_ROWS    # decode rows
+        o = self.options = replace(o, max_running=self.rows)
         if o.kv_cache_tokens is None or o.max_tokens_per_batch is None:
             raise ValueError("EngineOptions' sizes are left to fit: engine.build.fit decides them")
         self.batch_tokens: int = o.max_tokens_per_batch
@@ -66,7 +68,7 @@ class Engine:
         self.attn, self.graphs = self.model_runner.attn, self.model_runner.graphs
         self.tree = RadixTree(self.pool.free) if o.cache else None
         self.sampler = Sampler(self.cfg, self.device, tokenizer=tokenizer, masks=o.masks,
-                               jump_forward=o.jump_forward, max_rows=o.max_running)
+                               jump_forward=o.jump_forward, max_rows=self.rows)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, options: EngineOptions | None = None, *,
@@ -161,7 +163,7 @@ class Engine:
         capture = LogitCapture(state)       # registers every request's logit demands on the plan
         t1 = time.perf_counter()
         kv = KVSlots(self.pool, self.tree, state.stats)
-        decode = Decode(state, self.model_runner, kv, capture, self.sampler, self.options.max_running)
+        decode = Decode(state, self.model_runner, kv, capture, self.sampler, self.rows)
         prefill = Prefill(state, self.model_runner, kv, capture, decode, self.batch_tokens)
         handed = bytearray(len(requests))
 

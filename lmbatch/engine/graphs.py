@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # the tokens that jump-forward appended (32 requests: ~41 rows), and a large model's step costs about
 # what its padded rows cost (8B shape, H200: 5.97 ms at 40 rows, 6.25 ms at 48)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 36, 40, 44, 48, 52, 56, 60, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384,
-           448, 512)
+           448, 512, 640, 768, 896, 1024)
 
 
 class _GraphAttention(AttentionBackend):

@@ -12,6 +12,7 @@ import torch
 from lmbatch.attention.base import ForwardBatch, default_backend, make_backend
 from lmbatch.attention.kv_pool import KVPool, LatentKVPool, Slots
 from lmbatch.attention.registry import REFERENCE, REGISTRY, able
+from lmbatch.engine.options import DECODE_ROWS
 from lmbatch.engine.threads import CpuThreads
 from lmbatch.errors import UserError
 from lmbatch.model.network import Transformer
@@ -111,7 +112,9 @@ class ModelRunner:
             from lmbatch.engine.graphs import DecodeGraphs
             # a row per token: a step's rows after jump-forwards may outnumber its requests
             scratch = int(self.pool.reserve(1)[0])
-            self.graphs = DecodeGraphs(cast(Transformer, model), self.pool, scratch, 2 * o.max_running)
+            rows = cast(int, o.max_running)     # graphs to twice the rows (jump-forward), past DECODE_ROWS only to them
+            largest = min(2 * rows, max(rows, DECODE_ROWS))
+            self.graphs = DecodeGraphs(cast(Transformer, model), self.pool, scratch, largest)
             self.graphs.deterministic = o.deterministic
             if entry.levels != "never" and not o.deterministic and not cfg.attn_sinks:     # the levels have no sinks
                 self.graphs.use_cascade(every_step=entry.levels == "every")

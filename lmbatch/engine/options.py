@@ -8,13 +8,17 @@ from dataclasses import dataclass
 MASK_MODES = ("overlap", "lazy", "eager")   # when grammar rows fill their token masks (engine/sampler.py)
 
 
+DECODE_ROWS = 512           # decode rows of an engine whose options were not fitted, and of a large model's
+SMALL_DECODE_ROWS = 1024    # of a small model on a GPU (build.fit): its steps read the weights for twice the rows
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     kv_cache_tokens: int | None = 32768         # KV pool size (None: fitted to the device, engine/build.py)
     max_tokens_per_batch: int | None = 4096     # prefill batch budget (None: likewise)
     attention: str | None = None        # backend name (lmbatch.attention.BACKENDS); None: the device's default
     cache: bool = True                  # reuse KV across requests (the radix cache)
-    max_running: int = 512              # decode rows (the largest decode graph holds 512)
+    max_running: int | None = None      # decode rows (None: fitted, engine/build.py; unfitted: DECODE_ROWS)
     cuda_graphs: bool = True            # replay decode steps as CUDA graphs (CUDA only)
     jump_forward: bool = True           # append grammar-forced text without decoding it
     masks: str = "overlap"              # when grammar rows fill their token masks (MASK_MODES)

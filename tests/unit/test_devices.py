@@ -122,7 +122,10 @@ def test_more_workers_than_gpus_share_them_evenly(monkeypatch):
 
 
 @pytest.mark.parametrize("preset, gpus, cores, stages, want", [
-    ("qwen2.5-1.5b", GPUs(1, 141 * GIB), 16, 7, (2, 1, "2 workers: 1 GPU visible, 2 a GPU: 7 stages")),
+    ("qwen2.5-1.5b", GPUs(1, 141 * GIB), 16, 7, (4, 1, "4 workers: 1 GPU visible, 4 a GPU: 7 stages")),
+    ("qwen2.5-1.5b", GPUs(1, 141 * GIB), 12, 7, (3, 1, "3 workers: 1 GPU visible, 3 a GPU: 7 stages")),
+    ("qwen2.5-1.5b", GPUs(2, 141 * GIB), 64, 7, (8, 1, "8 workers: 2 GPUs visible, 4 a GPU: 7 stages")),
+    ("qwen2.5-1.5b", GPUs(1, 12 * GIB), 16, 7, (2, 1, "2 workers: 1 GPU visible, 2 a GPU: 7 stages")),  # memory
     ("qwen2.5-1.5b", GPUs(4, 80 * GIB), 64, 3, (8, 1, "8 workers: 4 GPUs visible, 2 a GPU: 3 stages")),
     ("qwen2.5-1.5b", GPUs(4, 80 * GIB), 16, 7, (4, 1, "4 workers: 4 GPUs visible")),        # 2 cores a worker
     ("qwen2.5-1.5b", GPUs(1, 80 * GIB), 16, 2, (1, 1, "1 worker: 1 GPU visible")),          # thinking then JSON
@@ -130,31 +133,33 @@ def test_more_workers_than_gpus_share_them_evenly(monkeypatch):
     ("qwen3-8b", GPUs(1, 141 * GIB), 16, 7, (1, 1, "1 worker: 1 GPU visible")),             # 15.3 GiB of weights
     ("qwen2.5-1.5b", GPUs(4, None), 64, 7, (4, 1, "4 workers: 4 GPUs visible")),            # memory not known
 ])
-def test_a_host_bound_run_gets_two_workers_a_gpu(preset, gpus, cores, stages, want):
+def test_a_host_bound_run_gets_several_workers_a_gpu(preset, gpus, cores, stages, want):
     """auto, for a run that generates (`graphs_ahead`) in HOST_BOUND_STAGES or more on a model of
-    SMALL_MODEL_BYTES at most: GENERATING_SHARE workers on each GPU where their weights fit FIT_SHARE of it
-    and the machine has CORES_A_WORKER cores for each; a run that only scores, a small job and a
-    placement by Ray keep a worker a GPU."""
+    SMALL_MODEL_BYTES at most: up to GENERATING_SHARE workers on each GPU (SHARED_WORKERS in all) where their
+    weights fit FIT_SHARE of it and the machine has CORES_A_WORKER cores for each; a run that only scores, a
+    small job and a placement by Ray keep a worker a GPU."""
     spec = EngineSpec(str(PRESETS / preset), "auto", data_parallel="auto", tensor_parallel="auto", stages=stages)
     got = layout(spec, _cfg(preset), gpus, cores=cores)
     assert (got.data_parallel, got.tensor_parallel) == want[:2]
     assert got.why.endswith(want[2]), got.why
-    shared = "a GPU" in want[2]
     scoring = layout(replace(spec, graphs_ahead=False), _cfg(preset), gpus, cores=cores)
-    assert scoring.data_parallel == want[0] // (2 if shared else 1)
+    assert scoring.data_parallel == gpus.visible
     assert layout(spec, _cfg(preset), gpus, work=1e14, cores=cores).data_parallel == (1 if want[0] > 1 else want[0])
     asked = layout(replace(spec, data_parallel=gpus.visible), _cfg(preset), gpus, cores=cores)
     assert asked.data_parallel == gpus.visible
 
 
-def test_two_workers_a_gpu_share_it(monkeypatch):
-    """The layout auto picks for tree of thought on a small model and one GPU puts both workers on it, each with
-    half its memory; without the cores for two, one worker."""
+def test_workers_a_gpu_share_it(monkeypatch):
+    """The layout auto picks for tree of thought on a small model and one GPU puts its workers on it, each with
+    its share of its memory; as many as the cores allow (4 each), one without the cores for two."""
     import lmbatch.engine.threads as threads
 
     monkeypatch.setattr(devices, "visible_gpus", lambda: GPUs(1, 141 * GIB))
     monkeypatch.setattr(threads, "usable_cores", lambda: 16)
     spec = EngineSpec("m", "auto", data_parallel="auto", stages=7)
+    got, why = devices.resolved(spec, _cfg("qwen2.5-1.5b"))
+    assert (got.device, got.workers, got.gpu_share) == ("cuda", 4, 4), why
+    monkeypatch.setattr(threads, "usable_cores", lambda: 8)
     got, why = devices.resolved(spec, _cfg("qwen2.5-1.5b"))
     assert (got.device, got.workers, got.gpu_share) == ("cuda", 2, 2), why
     monkeypatch.setattr(threads, "usable_cores", lambda: 4)
@@ -172,3 +177,15 @@ def test_tree_of_thought_is_a_run_of_several_stages(tmp_path):
     assert (tot.stages, mmlu.stages) == (7, 1)
     o = RunOptions.of(task="tot-gsm8k", model="m", out=tmp_path)
     assert engine_spec(o, tmp_path, tot.generates, tot.stages).stages == 7
+
+
+def test_decode_rows_follow_the_models_size_on_a_gpu():
+    """1,024 decode rows for a model of SMALL_MODEL_BYTES at most on a GPU, 512 for a larger one and on the CPU;
+    an engine built from options never fitted takes DECODE_ROWS, and one the caller sized keeps its own."""
+    from lmbatch.engine import build
+    from lmbatch.engine.options import DECODE_ROWS, SMALL_DECODE_ROWS, EngineOptions
+
+    assert build.decode_rows(_cfg("qwen2.5-1.5b"), "cuda", "bfloat16") == SMALL_DECODE_ROWS == 1024
+    assert build.decode_rows(_cfg("qwen2.5-1.5b"), "cpu", "float32") == DECODE_ROWS == 512
+    assert build.decode_rows(_cfg("qwen3-8b"), "cuda", "bfloat16") == 512
+    assert EngineOptions().max_running is None and EngineOptions(max_running=3).max_running == 3
