@@ -167,8 +167,8 @@ def decode_rows(cfg: ModelConfig, device: str, dtype: str) -> int:
     """Decode rows: SMALL_DECODE_ROWS for a model of SMALL_MODEL_BYTES at most on a GPU (a step of 1,024 rows
     costs less than two of 512: tree of thought at 1.5B, decode steps 11.3 -> 9.6 s, BENCHMARKS.md), else
     DECODE_ROWS (a larger model's step is its GEMMs' FLOPs already at 512 rows)."""
-    from lmbatch.engine.devices import SMALL_MODEL_BYTES, weight_bytes
     from lmbatch.engine.options import DECODE_ROWS, SMALL_DECODE_ROWS
+    from lmbatch.engine.sizes import SMALL_MODEL_BYTES, weight_bytes
 
     small = device == "cuda" and weight_bytes(cfg, dtype) <= SMALL_MODEL_BYTES
     return SMALL_DECODE_ROWS if small else DECODE_ROWS

@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+from lmbatch.engine.sizes import SMALL_MODEL_BYTES, weight_bytes
 from lmbatch.errors import UserError
 
 if TYPE_CHECKING:
@@ -34,11 +35,9 @@ FIT_SHARE = 0.6     # the weights may take this share of a GPU's memory: the res
 # would start later than one engine does for less than they could save (BENCHMARKS.md, "Figures behind
 # rules in the code")
 SMALL_JOB_FLOPS = 1.2e15
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GENERATING_SHARE = 4    # workers a GPU that `auto` gives a run whose steps the host sets (`_share`), at most ...
 SHARED_WORKERS = 8      # ... and workers in all (the most measured: 8 on 4 GPUs; 4 on one, BENCHMARKS.md) ...
-HOST_BOUND_STAGES = 3   # ... one that generates in this many stages or more
-SMALL_MODEL_BYTES = 4 << 30     # ... on a model of these bytes of weights at most
+HOST_BOUND_STAGES = 3   # ... one that generates in this many stages or more (on a model of SMALL_MODEL_BYTES)
 CORES_A_WORKER = 4      # ... where the machine has this many cores for each worker
 
 
@@ -87,17 +86,6 @@ def _nvml() -> tuple[int | None, int | None]:
     except Exception:  # noqa: BLE001  pynvml's own error types (no driver, no GPU): as if it were missing
         return None, None
     return n, min(mem) if mem else None
-
-
-def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
-    """The model's weights in memory: every linear layer (every expert), embeddings and LM head."""
-    h = cfg.hidden_size
-    attention = cfg.attention_params()
-    sparse = sum(cfg.sparse_layers)
-    mlp = (cfg.num_layers - sparse) * 3 * h * cfg.intermediate_size + \
-        sparse * ((cfg.num_experts * cfg.moe_intermediate_size + cfg.shared_experts_size) * 3 * h + h * cfg.num_experts)
-    embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    return (cfg.num_layers * attention + mlp + embeddings) * DTYPE_BYTES.get(dtype, 2)
 
 
 def check_count(flag: str, wanted: int | str) -> None:
