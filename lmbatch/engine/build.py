@@ -157,21 +157,23 @@ def fit(spec: EngineSpec, cfg: ModelConfig) -> tuple[EngineSpec, Attention]:
     batch = o.max_tokens_per_batch if o.max_tokens_per_batch is not None else \
         default_batch_tokens(cfg, device, dtype, share)
     fp8_gemm = o.fp8_gemm if o.fp8_gemm is not None else fp8_fits(spec, cfg, device, dtype)
-    rows = o.max_running if o.max_running is not None else decode_rows(cfg, device, dtype)
+    rows = o.max_running if o.max_running is not None else decode_rows(cfg, device, dtype, spec.stages)
     options = replace(o, kv_cache_tokens=kv, max_tokens_per_batch=batch, attention=attention.name, fp8_gemm=fp8_gemm,
                       max_running=rows)
     return replace(spec, device=device, dtype=dtype, options=options), attention
 
 
-def decode_rows(cfg: ModelConfig, device: str, dtype: str) -> int:
-    """Decode rows: SMALL_DECODE_ROWS for a model of SMALL_MODEL_BYTES at most on a GPU (a step of 1,024 rows
-    costs less than two of 512: tree of thought at 1.5B, decode steps 11.3 -> 9.6 s, BENCHMARKS.md), else
-    DECODE_ROWS (a larger model's step is its GEMMs' FLOPs already at 512 rows)."""
+def decode_rows(cfg: ModelConfig, device: str, dtype: str, stages: int = 1) -> int:
+    """Decode rows: SMALL_DECODE_ROWS for a run whose host sets the pace (one that generates in
+    HOST_BOUND_STAGES or more, on a model of SMALL_MODEL_BYTES at most, on a GPU: tree of thought at 1.5B,
+    decode steps 11.3 -> 9.6 s, half of them, BENCHMARKS.md), else DECODE_ROWS: a larger model's step is its
+    GEMMs' FLOPs at 512 rows already, and a run of one stage of long prompts took longer with 1,024 (lm-eval's
+    gsm8k at 1.5B, 1,319 rows of ~1,260 tokens: execute 14.2 s against 12.7, H200, 2026-11-29)."""
     from lmbatch.engine.options import DECODE_ROWS, SMALL_DECODE_ROWS
-    from lmbatch.engine.sizes import SMALL_MODEL_BYTES, weight_bytes
+    from lmbatch.engine.sizes import HOST_BOUND_STAGES, SMALL_MODEL_BYTES, weight_bytes
 
-    small = device == "cuda" and weight_bytes(cfg, dtype) <= SMALL_MODEL_BYTES
-    return SMALL_DECODE_ROWS if small else DECODE_ROWS
+    host_bound = device == "cuda" and stages >= HOST_BOUND_STAGES and weight_bytes(cfg, dtype) <= SMALL_MODEL_BYTES
+    return SMALL_DECODE_ROWS if host_bound else DECODE_ROWS
 
 
 def fp8_fits(spec: EngineSpec, cfg: ModelConfig, device: str, dtype: str) -> bool:

@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from lmbatch.engine.sizes import SMALL_MODEL_BYTES, weight_bytes
+from lmbatch.engine.sizes import HOST_BOUND_STAGES, SMALL_MODEL_BYTES, weight_bytes
 from lmbatch.errors import UserError
 
 if TYPE_CHECKING:
@@ -36,8 +36,8 @@ FIT_SHARE = 0.6     # the weights may take this share of a GPU's memory: the res
 # rules in the code")
 SMALL_JOB_FLOPS = 1.2e15
 GENERATING_SHARE = 4    # workers a GPU that `auto` gives a run whose steps the host sets (`_share`), at most ...
-SHARED_WORKERS = 8      # ... and workers in all (the most measured: 8 on 4 GPUs; 4 on one, BENCHMARKS.md) ...
-HOST_BOUND_STAGES = 3   # ... one that generates in this many stages or more (on a model of SMALL_MODEL_BYTES)
+SHARED_WORKERS = 8      # ... and workers in all (the most measured: 8 on 4 GPUs; 4 on one, BENCHMARKS.md), for a
+# run that generates in HOST_BOUND_STAGES or more on a model of SMALL_MODEL_BYTES (engine/sizes.py) ...
 CORES_A_WORKER = 4      # ... where the machine has this many cores for each worker
 
 

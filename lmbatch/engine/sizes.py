@@ -1,6 +1,6 @@
 """What a model takes in memory, decided from its config alone (no torch): its weights' bytes, and whether it
-is small enough that its decode steps are short and a run's host sets their pace (engine/devices.py gives such
-a run several workers a GPU, engine/build.py more decode rows)."""
+is small enough that its decode steps are short and a run of several stages has its host set their pace
+(engine/devices.py gives such a run several workers a GPU, engine/build.py more decode rows)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from lmbatch.model.config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+HOST_BOUND_STAGES = 3   # a run that generates in this many stages or more on such a model: its host sets the pace
 SMALL_MODEL_BYTES = 4 << 30     # weights of a small model at most (1.5B in bf16: 2.9 GiB; 8B: 15.3)
 
 

@@ -179,13 +179,16 @@ def test_tree_of_thought_is_a_run_of_several_stages(tmp_path):
     assert engine_spec(o, tmp_path, tot.generates, tot.stages).stages == 7
 
 
-def test_decode_rows_follow_the_models_size_on_a_gpu():
-    """1,024 decode rows for a model of SMALL_MODEL_BYTES at most on a GPU, 512 for a larger one and on the CPU;
-    an engine built from options never fitted takes DECODE_ROWS, and one the caller sized keeps its own."""
+def test_decode_rows_follow_the_models_size_and_the_runs_stages_on_a_gpu():
+    """1,024 decode rows for a run of HOST_BOUND_STAGES or more on a model of SMALL_MODEL_BYTES at most on a GPU;
+    512 for a run of fewer stages, a larger model and on the CPU; an engine built from options never fitted
+    takes DECODE_ROWS, and one the caller sized keeps its own."""
     from lmbatch.engine import build
     from lmbatch.engine.options import DECODE_ROWS, SMALL_DECODE_ROWS, EngineOptions
 
-    assert build.decode_rows(_cfg("qwen2.5-1.5b"), "cuda", "bfloat16") == SMALL_DECODE_ROWS == 1024
-    assert build.decode_rows(_cfg("qwen2.5-1.5b"), "cpu", "float32") == DECODE_ROWS == 512
-    assert build.decode_rows(_cfg("qwen3-8b"), "cuda", "bfloat16") == 512
+    assert build.decode_rows(_cfg("qwen2.5-1.5b"), "cuda", "bfloat16", 7) == SMALL_DECODE_ROWS == 1024
+    assert build.decode_rows(_cfg("qwen2.5-1.5b"), "cuda", "bfloat16", 1) == DECODE_ROWS == 512
+    assert build.decode_rows(_cfg("qwen2.5-1.5b"), "cuda", "bfloat16", 2) == 512      # thinking then JSON
+    assert build.decode_rows(_cfg("qwen2.5-1.5b"), "cpu", "float32", 7) == 512
+    assert build.decode_rows(_cfg("qwen3-8b"), "cuda", "bfloat16", 7) == 512
     assert EngineOptions().max_running is None and EngineOptions(max_running=3).max_running == 3
