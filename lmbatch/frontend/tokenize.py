@@ -115,16 +115,20 @@ class KnownPrefixes:
     """Token ids of texts encoded lately, up to each one's last line cut. A program's next call's text
     begins with its last one's (the last prompt, its output, more), so it takes those ids and only its
     rest is split and joined (a text's segments up to a cut are the same in any text they begin). Kept
-    for the last two rounds (`next_round`: each wave's calls): about a wave's texts, no more."""
+    for the last two rounds (`next_round`: each wave's calls): about a wave's texts, no more. Off until the
+    first round starts (the interpreter's calls): a caller that encodes texts of one kind (lm-eval's
+    requests) neither keeps them nor looks them up."""
 
-    TRIES = 8           # a text's line cuts looked up, from its end
-    MOST = 1 << 17      # entries a round holds before it counts as ended
+    TRIES = 4           # a text's line cuts looked up, from its end
+    MOST = 1 << 15      # entries a round holds before it counts as ended
 
     def __init__(self) -> None:
+        self.on = False
         self.now: dict[str, tuple[list[int], int]] = {}
         self.last: dict[str, tuple[list[int], int]] = {}
 
     def next_round(self) -> None:
+        self.on = True
         if self.now:
             self.last, self.now = self.now, {}
 
@@ -147,7 +151,7 @@ class KnownPrefixes:
 
     def add(self, text: str, cut: int, ids: list[int], k: int) -> None:
         """`ids[:k]` are text[:cut]'s (cut: its last line cut; `ids` are only read)."""
-        if cut > 0:
+        if cut > 0 and self.on:
             if len(self.now) >= self.MOST:
                 self.next_round()
             self.now[text[:cut]] = (ids, k)

@@ -271,6 +271,7 @@ def test_texts_that_continue_earlier_ones_tokenize_as_whole(kind, starts, rounds
     tok = tokenizer_kind(kind)
     enc = fresh_encoder(kind)
     enc.clear()
+    enc.prefixes.next_round()
     texts = list(starts)
     assert enc.encode(texts) == [raw_ids(tok, t) for t in texts]
     for picks, as_choices in rounds:
@@ -288,6 +289,9 @@ def test_a_text_that_continues_an_earlier_one_takes_its_ids():
     other texts on, forgotten (a round that encodes nothing does not count)."""
     enc = TextEncoder(tokenizer_kind("qwen2"))
     first = "Question: two and two?\nAnswer: Let's think.\nStep 1:"
+    enc.encode([first])
+    assert not enc.prefixes.now         # off until a round starts (a caller of one kind of text: lm-eval's)
+    enc.prefixes.next_round()
     enc.encode([first])
     enc.prefixes.next_round()
     later = first + " 2 + 2 = 4\nIs this step correct? Answer yes or no:"
