@@ -1,10 +1,10 @@
-"""Two data-parallel workers on one GPU (`--data-parallel 2` where one GPU is visible, and auto's choice for
-tree of thought on a small model): each fits its pool to half the free memory, runs its programs whole, and
-the run gives one engine's generated text and answers (float32, greedy where the program is)."""
+"""Data-parallel workers on one GPU (`--data-parallel 2` where one GPU is visible, and auto's choice for tree
+of thought on a small model: up to 4): each fits its pool to its share of the free memory, runs its programs
+whole, and the run gives one engine's generated text and answers (float32, greedy where the program is)."""
 import pytest
 from conftest import make_tiny_with_tokenizer, tot_on_workers
 
-from lmbatch.engine.devices import CORES_A_WORKER, visible_gpus
+from lmbatch.engine.devices import CORES_A_WORKER, GENERATING_SHARE, SHARED_WORKERS, visible_gpus
 from lmbatch.engine.threads import usable_cores
 
 pytestmark = pytest.mark.gpu
@@ -20,10 +20,11 @@ def test_two_workers_share_one_gpu(tmp_path, monkeypatch):
     assert s2["kv_cache_tokens"] <= s1["kv_cache_tokens"]
     assert [(r["id"], r["prediction"], r["outputs"]) for r in two] == [(r["id"], r["prediction"], r["outputs"])
                                                                        for r in one]
-    # auto's rule: the cores for two workers, and the GPU's memory known (NVML)
-    two_a_gpu = usable_cores() >= CORES_A_WORKER * 2 and visible_gpus().memory is not None
-    assert sa["data_parallel"]["workers"] == (2 if two_a_gpu else 1)
-    assert sa["data_parallel"]["why"].endswith("2 workers: 1 GPU visible, 2 a GPU: 7 stages" if two_a_gpu
+    # auto's rule: as many as the cores allow (of GENERATING_SHARE), the GPU's memory known (NVML)
+    k = min(GENERATING_SHARE, SHARED_WORKERS, usable_cores() // CORES_A_WORKER) if visible_gpus().memory else 1
+    k = k if k >= 2 else 1
+    assert sa["data_parallel"]["workers"] == k
+    assert sa["data_parallel"]["why"].endswith(f"{k} workers: 1 GPU visible, {k} a GPU: 7 stages" if k > 1
                                                else "1 worker: 1 GPU visible")
     assert [(r["id"], r["prediction"], r["outputs"]) for r in auto] == [(r["id"], r["prediction"], r["outputs"])
                                                                         for r in one]
