@@ -6,12 +6,14 @@ own work are all that is timed. Tree of thought's phases between waves can be me
     python benchmarks/bench_host.py --profile OUT.prof -- tot-gsm8k
 
 The model's weights are loaded but never run; only its tokenizer and vocabulary matter. Prints summary.json's
-phases (`tokenize`, `plan`; `execute` here is the programs' and the interpreter's work on results).
+phases (`tokenize`, `plan`; `execute` here is the programs' and the interpreter's work on results) and the
+seconds Python's cycle collector took, by generation (`gc_s`: the passes that walk what the run holds).
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import random
 import sys
@@ -47,6 +49,20 @@ def instant_stream(self, requests, **args):
     yield Handover(list(range(len(requests))), state.results, state.stats, True)
 
 
+class CollectorClock:
+    """A `gc.callbacks` entry: seconds and passes of the cycle collector, by generation."""
+
+    def __init__(self) -> None:
+        self.seconds, self.passes, self._t = [0.0, 0.0, 0.0], [0, 0, 0], 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._t
+            self.passes[info["generation"]] += 1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="default: the embedded model")
@@ -60,6 +76,8 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="bench-host-"))
     argv = ["run", *a.args, "--device", "cpu", "--out", str(out), "--run-id", "r", "--quiet"]
     argv += ["--model", a.model] if a.model else []
+    collector = CollectorClock()
+    gc.callbacks.append(collector)
     prof = cProfile.Profile() if a.profile else None
     if prof:
         prof.enable()
@@ -70,7 +88,9 @@ def main() -> None:
             prof.disable()
             prof.dump_stats(a.profile)
     s = json.loads((out / "r" / "summary.json").read_text())
+    gc.callbacks.remove(collector)
     print(json.dumps({"args": a.args, "time_s": {k: round(v, 2) for k, v in s["time_s"].items()},
+                      "gc_s": [round(t, 2) for t in collector.seconds], "gc_passes": collector.passes,
                       "counts": s["counts"], "optimal_hit_rate": s["optimal_hit_rate"]}))
     sys.stdout.flush()
 
