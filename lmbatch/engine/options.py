@@ -8,8 +8,9 @@ from dataclasses import dataclass
 MASK_MODES = ("overlap", "lazy", "eager")   # when grammar rows fill their token masks (engine/sampler.py)
 
 
-DECODE_ROWS = 512           # decode rows of an engine whose options were not fitted, and of a large model's
-SMALL_DECODE_ROWS = 1024    # of a small model on a GPU (build.fit): its steps read the weights for twice the rows
+DECODE_ROWS = 512           # decode rows of an engine whose options were not fitted, and of most runs
+SMALL_DECODE_ROWS = 1024    # of a run whose host sets the pace (build.decode_rows): a step reads the weights for
+                            # twice the rows, and there are half as many steps
 
 
 @dataclass(frozen=True)
