@@ -8,6 +8,8 @@ from typing import Sequence
 
 import numpy as np
 
+from lmbatch.scheduler.planner import common_prefix
+
 
 def merge_sorted(seqs: Sequence[Sequence[int]], parts: Sequence[tuple[Sequence[int], np.ndarray]]
                  ) -> tuple[list[int], np.ndarray]:
@@ -31,13 +33,14 @@ def merge_sorted(seqs: Sequence[Sequence[int]], parts: Sequence[tuple[Sequence[i
                     best, top = k, seqs[parts[k][0][pos[k]]]
                 continue
             head = seqs[parts[k][0][pos[k]]]
-            m = _lcp(top, head, start=shared[k])
+            m = common_prefix(top, head, start=shared[k])
             if m < len(top) and (m == len(head) or head[m] < top[m]):
                 best, top = k, head
         lcps[len(order)] = shared[best]
         for k in live:
             if k != best:
-                shared[k] = _lcp(top, seqs[parts[k][0][pos[k]]], start=shared[k]) if shared[k] == shared[best] \
+                head = seqs[parts[k][0][pos[k]]]
+                shared[k] = common_prefix(top, head, start=shared[k]) if shared[k] == shared[best] \
                     else min(shared[k], shared[best])
         order.append(parts[best][0][pos[best]])
         pos[best] += 1
@@ -46,14 +49,3 @@ def merge_sorted(seqs: Sequence[Sequence[int]], parts: Sequence[tuple[Sequence[i
         else:
             live.remove(best)
     return order, lcps
-
-
-def _lcp(a: Sequence[int], b: Sequence[int], step: int = 256, start: int = 0) -> int:
-    """The length of the common prefix of two sequences (lists compared a slice at a time), known to be at
-    least `start`."""
-    n, k = min(len(a), len(b)), start
-    while k < n and a[k:k + step] == b[k:k + step]:
-        k += step
-    while k < n and a[k] == b[k]:       # k > n only where a whole slice matched to the shorter's end
-        k += 1
-    return min(k, n)

@@ -93,8 +93,8 @@ def sorted_lcps(prompts: Sequence[Sequence[int]]) -> tuple[list[int], np.ndarray
     lcps = np.fromiter((len(prompts[i]) for i in order), dtype=np.int64, count=n)   # a repeat's: its length
     starts = [k for k in range(n) if rep[order[k]] == order[k]]                     # each object's first place
     lcps[starts] = _adjacent_lcps([prompts[order[k]] for k in starts])
-    lens = lcps.copy() if len(distinct) == n else np.fromiter((len(prompts[i]) for i in order), np.int64, n)
     if len(distinct) < n:       # equal prompts of different objects: by index, as a stable sort of all gives
+        lens = np.fromiter((len(prompts[i]) for i in order), np.int64, n)
         same = np.zeros(n, dtype=bool)
         same[1:] = (lcps[1:] == lens[1:]) & (lens[1:] == lens[:-1])
         at = np.asarray(order, dtype=np.int64)
