@@ -20,6 +20,7 @@ import torch
 from lmbatch.attention.base import AttentionBackend, ForwardBatch, no_sinks, to_device
 from lmbatch.engine.cascade import LevelPlan, plan_levels, replan
 from lmbatch.engine.radix_cache import Node
+from lmbatch.engine.slot_arena import SlotArena, gather, row_deltas
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -81,6 +82,8 @@ class DecodeGraphs:
         self.kv_indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)
         # at least a slot per row of the largest bucket: a capture's rows read one index each
         self.kv_indices = torch.full((max(pool.num_slots, n),), scratch_slot, dtype=torch.int32, device=dev)
+        self.iota = torch.arange(len(self.kv_indices), dtype=torch.int64, device=dev)
+        self.arena = SlotArena(scratch_slot, dev)      # rows' slot lists, sent once (engine/slot_arena.py)
         self.rows = torch.arange(n, dtype=torch.int64, device=dev)  # every graph input must outlive capture
         # (bucket, attends with the level tables) -> the graph and its logits
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -195,17 +198,21 @@ class DecodeGraphs:
     def run(self, tokens: list[int], positions: list[int], seqs: list, rows: list[int] | None = None,
             pending: tuple[np.ndarray, torch.Tensor] | None = None, ends: list[Node | None] | None = None
             ) -> torch.Tensor:
-        """One decode step: token t of row i sits at positions[i]; seqs[i] (1-D int arrays) are its KV
-        slots up to and including that position. Rows may be consecutive tokens of one sequence (each
-        stores its KV before any attends). `pending` = (src, device tokens): row i's token is
-        tokens[src[i]] where src[i] >= 0 (sampled by the last step, never seen by the host). `ends`:
-        the tree node where row i's prompt ends (its first keys are that node's path), for the shared
-        levels of cascade attention. Returns the logits [len(rows), vocab] of the rows asked for (default:
-        all), in the model's dtype where it soft-caps none (Transformer.forward's float_logits): a view of the
-        graph's output when those are all its rows of one replay (valid until the next: graphs share their
-        memory), else a copy. Past the largest bucket, rows run in order in several replays."""
-        rows = list(range(len(tokens))) if rows is None else rows
+        """One decode step: token t of row i sits at positions[i]; seqs[i] (a 1-D int array, unchanged while
+        rows pass it) holds its KV slots from the sequence's start, of which those up to and including that
+        position are read (an array passed at an earlier step is not sent to the device again: slot_arena.py).
+        Rows may be consecutive tokens of one sequence (each stores its KV before any attends). `pending` =
+        (src, device tokens): row i's token is tokens[src[i]] where src[i] >= 0 (sampled by the last step,
+        never seen by the host). `ends`: the tree node where row i's prompt ends (its first keys are that
+        node's path), for the shared levels of cascade attention. Returns the logits [len(rows), vocab] of the
+        rows asked for (default: all), in the model's dtype where it soft-caps none (Transformer.forward's
+        float_logits): a view of the graph's output when those are all its rows of one replay (valid until the
+        next: graphs share their memory), else a copy. Past the largest bucket, rows run in order in several
+        replays."""
         cap = self.buckets[-1]
+        if rows is None and len(tokens) <= cap:     # every row's logits, of one replay: a view
+            return self._replay(tokens, positions, seqs, pending, self._level_plan(ends))
+        rows = list(range(len(tokens))) if rows is None else rows
         parts = []
         for lo in range(0, len(tokens), cap):
             hi = lo + cap
@@ -226,45 +233,53 @@ class DecodeGraphs:
         key = (b, self._cascades(b) and plan is not None)
         if key not in self.graphs:
             self._capture(*key)
-        pad = b - n
-        # host: one int64 array [ids | positions | out slots | kv_indptr | src | kv_indices | levels], one copy
-        lens = np.fromiter(map(len, seqs), dtype=np.int64, count=n)
-        total = int(lens.sum()) + pad
+        lens = np.ones(b, dtype=np.int64)      # padding rows: one key, the scratch slot
+        lens[:n] = positions
+        lens[:n] += 1       # a row's keys: its slots up to and including its position's
+        total = int(lens.sum())
         if total > len(self.kv_indices):  # shared prefixes counted per sequence: grow, recapture
             self.kv_indices = torch.full((2 * total,), self.scratch, dtype=torch.int32, device=self.ids.device)
+            self.iota = torch.arange(len(self.kv_indices), dtype=torch.int64, device=self.ids.device)
             self.graphs.clear()
             self.pool_handle = None     # the graphs' memory pool went with them: capturing into it asserts
             self.capture_all()
             return self._replay(tokens, positions, seqs, pending, plan)
+        placed = self.arena.place(seqs)
+        assert (placed.sizes >= lens[:n]).all(), "a row's slots end before its position"
+        fresh = sum(len(s) for s in placed.fresh)
         levels = level_size(b, plan, self.levels.per_block) if self.levels is not None and key[1] else 0
-        staged = self._staging(3 * b + b + 1 + b + total + levels)
+        # host: one int64 array [ids | positions | deltas | lens | kv_indptr | src | fresh slots | levels], one copy
+        staged = self._staging(4 * b + b + 1 + b + fresh + levels)
         host = staged.numpy()
-        ids, pos, out, indptr, src, flat, lv = np.split(host, np.cumsum([b, b, b, b + 1, b, total]))
+        ids, pos, delta, ln, indptr, src, new, lv = np.split(host, np.cumsum([b, b, b, b, b + 1, b, fresh]))
         ids[:n], ids[n:] = tokens, 0
         pos[:n], pos[n:] = positions, 0
         src[:n], src[n:] = (pending[0] if pending is not None else -1), -1
+        ln[:] = lens
         indptr[0] = 0
-        np.cumsum(np.concatenate([lens, np.ones(pad, dtype=np.int64)]), out=indptr[1:])
-        np.concatenate(seqs, out=flat[:total - pad], casting="unsafe")
-        flat[total - pad:] = self.scratch
-        out[:] = flat[indptr[1:] - 1]
+        np.cumsum(lens, out=indptr[1:])
+        delta[:] = row_deltas(placed.offsets, indptr)
+        if fresh:
+            np.concatenate(placed.fresh, out=new, casting="unsafe")
         if levels:
             stage_levels(lv, b, plan, indptr)
         dev = staged.to(self.ids.device, non_blocking=True)
         copied = self._copied[self._turn] = torch.cuda.Event()
         copied.record()
-        self.ids[:b], self.pos[:b], self.out_slots[:b] = dev[:b], dev[b:2 * b], dev[2 * b:3 * b]
-        self.kv_indptr[:b + 1] = dev[3 * b:4 * b + 1]
+        at = np.cumsum([b, b, b, b, b + 1, b, fresh])
+        self.arena.write(placed, dev[at[5]:at[6]])
+        self.ids[:b], self.pos[:b] = dev[:b], dev[b:2 * b]
+        self.kv_indptr[:b + 1] = dev[at[3]:at[4]]
+        gather(self.arena.buffer, dev[at[1]:at[2]], dev[at[2]:at[3]], total, self.iota, self.kv_indices)
+        self.out_slots[:b] = self.kv_indices[dev[at[3] + 1:at[4]] - 1]     # each row's last key: its new token's
         if pending is not None:         # the last step's tokens, where they are
-            s = dev[4 * b + 1:5 * b + 1]
+            s = dev[at[4]:at[5]]
             self.ids[:b] = torch.where(s >= 0, pending[1][s.clamp(min=0)], self.ids[:b])
-        self.kv_indices[:total] = dev[5 * b + 1:5 * b + 1 + total]
         if levels:
-            load_levels(cast("CascadeLevels", self.levels), dev[5 * b + 1 + total:], b, plan)
+            load_levels(cast("CascadeLevels", self.levels), dev[at[6]:], b, plan)
         graph, logits = self.graphs[key]
         graph.replay()
         return logits[:n]
-
 
 
 def level_size(b: int, plan: LevelPlan | None, per_block: int) -> int:

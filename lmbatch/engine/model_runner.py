@@ -140,6 +140,8 @@ class ModelRunner:
         `pending_src` of `pending`, the tokens the last step sampled."""
         if self.graphs is not None:
             self.capture_graphs()
+            if pending is not None and all(r.pending for r in rows):   # a step of sampled tokens only
+                return self._decode_pending(rows, pending)
             toks, positions, seqs, last, src = [], [], [], [], []
             ends: list[Node | None] | None = [] if self.graphs.levels is not None else None     # cascade
             for r in rows:
@@ -148,14 +150,14 @@ class ModelRunner:
                 if r.pending:
                     toks.append(0)
                     positions.append(start)
-                    seqs.append(slots[:start + 1])
+                    seqs.append(slots)
                     src.append(r.pending_src)
                     r.fed += 1
                 else:
                     for j, t in enumerate(r.out[r.fed:]):
                         toks.append(t)
                         positions.append(start + j)
-                        seqs.append(slots[:start + j + 1])
+                        seqs.append(slots)
                         src.append(-1)
                     r.fed = len(r.out)
                 if ends is not None:
@@ -169,6 +171,17 @@ class ModelRunner:
             b.add(r.out[r.fed:], start, r.slots[start:end], r.slots[:end], np.array([end - 1]), _UNCAPTURED)
             r.fed = len(r.out)
         return self.forward(b)
+
+    def _decode_pending(self, rows: list[Running], pending: torch.Tensor) -> torch.Tensor:
+        """`decode` where every row feeds the token the last step sampled (overlapped decode's steady state):
+        a token a row, its logits every row's."""
+        graphs = cast("DecodeGraphs", self.graphs)
+        positions = [r.prompt_len + r.fed for r in rows]
+        src = np.fromiter((r.pending_src for r in rows), dtype=np.int64, count=len(rows))
+        for r in rows:
+            r.fed += 1
+        ends = [r.node for r in rows] if graphs.levels is not None else None
+        return graphs.run([0] * len(rows), positions, [r.slots for r in rows], None, (src, pending), ends)
 
     @torch.inference_mode()
     def warm_up(self, tokens: int = 16) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, cast
 
+import numpy as np
 import torch
 
 from lmbatch.attention.base import to_device
@@ -34,6 +35,7 @@ class Launched(NamedTuple):
     tokens: torch.Tensor        # on the device, a row each
     host: torch.Tensor          # the same, copied into pinned memory
     done: torch.cuda.Event
+    watch: np.ndarray | None    # per token id: whether it needs `_append`'s checks (`Sampler._watch`)
 
 
 class Picked(NamedTuple):
@@ -55,6 +57,7 @@ class Sampler:
         self._mask_buf: torch.Tensor | None = None
         self._retok_memo: dict = {}     # retokenized jump boundaries (the tokenizer never changes)
         self._stop_memo: dict[tuple[str, ...], frozenset[int] | None] = {}
+        self._watch_memo: dict[frozenset[tuple[str, ...]], np.ndarray | None] = {}
         self._host_buf: torch.Tensor | None = None     # pinned: launched tokens on their way to the host
 
     def pick(self, rows: list[Running], logits: torch.Tensor) -> Picked:
@@ -106,17 +109,53 @@ class Sampler:
         done.record()
         for k, r in enumerate(rows):
             r.pending, r.pending_src = 1, k
-        return Launched(rows, tokens, host, done)
+        return Launched(rows, tokens, host, done, self._watch(rows, logits.shape[-1]))
 
     def land(self, launched: Launched) -> None:
         """Append a launch's tokens to its rows (those that ended meanwhile drop theirs). The host buffer is
-        free again once this returns: the next launch may reuse it."""
+        free again once this returns: the next launch may reuse it.
+
+        A token that is no EOS id and cannot end one of the launch's stop strings (`_watch`) can only end its
+        row by the length limit: it skips `_append`'s other checks (a plain row has no grammar or thinking),
+        and its row's stop-string search moves past it as `_stop_in_tail` would have."""
         launched.done.synchronize()
-        for r, t in zip(launched.rows, launched.host.tolist()):
+        toks, watch = launched.host.tolist(), launched.watch
+        if watch is None:
+            for r, t in zip(launched.rows, toks):
+                r.pending = 0
+                if not r.finish:
+                    r.steps += 1
+                    self._append(r, t)
+            return
+        for r, t, look in zip(launched.rows, toks, watch[launched.host.numpy()].tolist()):
             r.pending = 0
-            if not r.finish:
-                r.steps += 1
+            if r.finish:
+                continue
+            r.steps += 1
+            if look:
                 self._append(r, t)
+                continue
+            out = r.out
+            out.append(t)
+            r.stop_seen = len(out)
+            if len(out) >= r.params.max_new_tokens:
+                r.finish = "length"
+
+    def _watch(self, rows: list[Running], vocab: int) -> np.ndarray | None:
+        """For plain rows (`plain`): a bool per token id (`vocab` of them), true for EOS ids and for the
+        tokens that may end one of the rows' stop strings (`_stop_tokens`); None where a stop string's
+        tokens cannot be told (every token is then checked in full)."""
+        stops = frozenset(r.params.stop for r in rows)
+        if stops not in self._watch_memo:
+            helds = [self._stop_tokens(stop) if stop else frozenset()
+                     for stop in (stops if self.tokenizer is not None else ())]
+            watch = None
+            if all(h is not None for h in helds):
+                watch = np.zeros(vocab, dtype=bool)
+                for ids in (self.cfg.eos_token_ids, *helds):
+                    watch[[t for t in ids or () if t < vocab]] = True
+            self._watch_memo[stops] = watch
+        return self._watch_memo[stops]
 
     @staticmethod
     def plain(r: Running) -> bool:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from lmbatch.engine.sampler import Sampler
+from lmbatch.engine.sampler import Launched, Sampler
 from lmbatch.engine.state import Running
 from lmbatch.model.config import ModelConfig
 from lmbatch.model.embedded import embedded_model_dir
@@ -111,3 +111,44 @@ def test_the_tokens_a_stop_string_ends_in(tokenizers):
     assert sampler._stop_tokens(("a", "the ")) is None and len(sampler._stop_tokens(("a", " the"))) > 1000
     assert Sampler(ModelConfig.from_dir(embedded_model_dir()), torch.device("cpu"), tokenizer=hf)._stop_tokens(
         ("\n",)) is None
+
+
+class _Landed:
+    def synchronize(self):
+        pass
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_landing_a_step_skips_only_checks_that_could_not_end_a_row(tokenizers, data):
+    """`Sampler.land` checks in full only a token its `_watch` names (an EOS id, or one that may end a stop
+    string of the launch's rows): rows end, at the same token and for the same reason, and search for
+    their stop strings from the same place, as when every token is checked in full."""
+    name = data.draw(st.sampled_from(["embedded-lazy", "llama-lazy", "embedded"]))
+    tok = _reference(tokenizers, name)
+    cfg = ModelConfig.from_dir(embedded_model_dir())
+    sampler = Sampler(cfg, torch.device("cpu"), tokenizer=tokenizers[name])
+    text_ids = tok.encode("Question: 2 + 2?\n\nAnswer: 4.\nx::y", add_special_tokens=False)
+    specials = [t for t in cfg.eos_token_ids if t < len(tok)]
+    token = st.one_of(st.sampled_from(text_ids), st.integers(0, len(tok) - 1), st.sampled_from(specials))
+
+    def params():
+        return SamplingParams(max_new_tokens=data.draw(st.integers(1, 30)), ignore_eos=data.draw(st.booleans()),
+                              stop=tuple(data.draw(st.lists(st.sampled_from(["\n\n", "Question:", "::", "\n", "4."]),
+                                                            max_size=2, unique=True))))
+    rows = [params() for _ in range(data.draw(st.integers(1, 6)))]
+    fast = [Running(i, None, torch.zeros(0, dtype=torch.int64), 0, p) for i, p in enumerate(rows)]
+    full = [Running(i, None, torch.zeros(0, dtype=torch.int64), 0, p) for i, p in enumerate(rows)]
+    vocab = len(tok)
+    watch = sampler._watch(fast, vocab)
+    if name == "embedded" and any(p.stop for p in rows):
+        assert watch is None, "a transformers tokenizer cannot say which tokens end a stop string"
+    for _ in range(data.draw(st.integers(1, 35))):
+        toks = torch.tensor(data.draw(st.lists(token, min_size=len(rows), max_size=len(rows))))
+        sampler.land(Launched(fast, toks, toks, _Landed(), watch))
+        sampler.land(Launched(full, toks, toks, _Landed(), None))
+        for a, b in zip(fast, full):
+            assert (a.out, a.finish, a.steps) == (b.out, b.finish, b.steps)
+            assert not a.params.stop or a.stop_seen == b.stop_seen
+    if watch is not None:
+        assert watch[list(specials)].all() and 0 < watch.sum() < vocab // 4
