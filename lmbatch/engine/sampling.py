@@ -6,6 +6,8 @@ its device in a few vectorized ops (no per-row host round trip).
 """
 from __future__ import annotations
 
+from operator import attrgetter
+
 import numpy as np
 import torch
 
@@ -14,6 +16,7 @@ from lmbatch.requests import SamplingParams
 
 _M1, _M2 = -49064778989728563, -4265267296055464877   # 0xff51afd7ed558ccd, 0xc4ceb9fe1a85ec53 as int64
 _K_SEED, _K_STEP, _K_TOKEN = 0x9E3779B97F4A7C15 - (1 << 64), 0x632BE59BD9B4E019, 0x2545F4914F6CDD1D
+_TEMPERATURE, _SEED, _TOP_P = attrgetter("temperature"), attrgetter("seed"), attrgetter("top_p")
 CPU_ROWS = 4    # rows of noise at a time on the CPU (`noisy_argmax`): 4 x 49,152 int64s stay in the cache
 
 
@@ -44,24 +47,25 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], steps: 
     """As `sample`, the tokens left on the logits' device (launched: nothing waits for them). On CUDA,
     rows without top-p are picked by one Triton kernel (lmbatch.kernels.sampling: the same noise and
     token as the PyTorch ops here, which `fused=False` runs instead)."""
-    hot = [i for i, p in enumerate(params) if p.temperature > 0]
+    n = len(params)
+    temperature = np.fromiter(map(_TEMPERATURE, params), dtype=np.float32, count=n)
+    hot = np.flatnonzero(temperature > 0)
     # every row sampled: no greedy pick to make first (a pass over the whole batch's logits)
-    out = logits.argmax(dim=-1) if len(hot) < len(params) else torch.empty(len(params), dtype=torch.int64,
-                                                                            device=logits.device)
-    if hot:
+    out = logits.argmax(dim=-1) if len(hot) < n else torch.empty(n, dtype=torch.int64, device=logits.device)
+    if len(hot):
         # the rows' settings in two host arrays, each one copy that waits for nothing (a tensor made on
         # the device from a list waits for the work queued before it: the step's forward pass)
-        ints = to_device(torch.from_numpy(np.array([hot, [params[i].seed for i in hot], [steps[i] for i in hot]],
-                                                   dtype=np.int64)), logits.device)
-        floats = to_device(torch.from_numpy(np.array([[params[i].temperature for i in hot],
-                                                      [params[i].top_p for i in hot]], dtype=np.float32)),
-                           logits.device)
-        idx, seeds, st = ints[0], ints[1], ints[2]
-        nucleus = any(params[i].top_p < 1.0 for i in hot)
+        seeds = np.fromiter(map(_SEED, params), dtype=np.int64, count=n)[hot]
+        top_ps = np.fromiter(map(_TOP_P, params), dtype=np.float32, count=n)[hot]
+        ints = to_device(torch.from_numpy(np.stack([hot, seeds, np.asarray(steps, dtype=np.int64)[hot]])),
+                         logits.device)
+        floats = to_device(torch.from_numpy(np.stack([temperature[hot], top_ps])), logits.device)
+        idx, seeds_t, st = ints[0], ints[1], ints[2]
+        nucleus = bool((top_ps < 1.0).any())
         if fused and logits.is_cuda and not nucleus and logits.stride(-1) == 1:
             from lmbatch.kernels.sampling import gumbel_argmax
 
-            out[idx] = gumbel_argmax(logits, idx, seeds, st, floats[0], (_K_SEED, _K_STEP, _K_TOKEN, _M1, _M2))
+            out[idx] = gumbel_argmax(logits, idx, seeds_t, st, floats[0], (_K_SEED, _K_STEP, _K_TOKEN, _M1, _M2))
             return out
         temp, top_p = floats[0][:, None], floats[1][:, None]
         z = logits[idx].float() / temp
@@ -71,10 +75,10 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], steps: 
             drop_sorted = sorted_p.cumsum(-1) - sorted_p >= top_p
             z = z.masked_fill(torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted), float("-inf"))
         if logits.is_cuda:
-            gumbel = -torch.log(-torch.log(_uniform(seeds, st, z.shape[-1])))
+            gumbel = -torch.log(-torch.log(_uniform(seeds_t, st, z.shape[-1])))
             out[idx] = (z + gumbel).argmax(dim=-1)
         else:
-            out[idx] = noisy_argmax(z, seeds, st)
+            out[idx] = noisy_argmax(z, seeds_t, st)
     return out
 
 
