@@ -10,6 +10,7 @@ same tokens.
 """
 from __future__ import annotations
 
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, cast
 
 import numpy as np
@@ -119,15 +120,9 @@ class Sampler:
         row by the length limit: it skips `_append`'s other checks (a plain row has no grammar or thinking),
         and its row's stop-string search moves past it as `_stop_in_tail` would have."""
         launched.done.synchronize()
-        toks, watch = launched.host.tolist(), launched.watch
-        if watch is None:
-            for r, t in zip(launched.rows, toks):
-                r.pending = 0
-                if not r.finish:
-                    r.steps += 1
-                    self._append(r, t)
-            return
-        for r, t, look in zip(launched.rows, toks, watch[launched.host.numpy()].tolist()):
+        watch = launched.watch
+        looks = repeat(True) if watch is None else watch[launched.host.numpy()].tolist()
+        for r, t, look in zip(launched.rows, launched.host.tolist(), looks):
             r.pending = 0
             if r.finish:
                 continue
@@ -149,12 +144,7 @@ class Sampler:
         if stops not in self._watch_memo:
             helds = [self._stop_tokens(stop) if stop else frozenset()
                      for stop in (stops if self.tokenizer is not None else ())]
-            watch = None
-            if all(h is not None for h in helds):
-                watch = np.zeros(vocab, dtype=bool)
-                for ids in (self.cfg.eos_token_ids, *helds):
-                    watch[[t for t in ids or () if t < vocab]] = True
-            self._watch_memo[stops] = watch
+            self._watch_memo[stops] = _token_mask(vocab, [self.cfg.eos_token_ids, *helds])
         return self._watch_memo[stops]
 
     @staticmethod
@@ -304,6 +294,16 @@ class Sampler:
             return None
         out = r.out if r.thinking else r.out[:r.think_start]
         return self.tokenizer.decode(out[:-1] if r.thinking and r.finish == "eos" else out)
+
+
+def _token_mask(vocab: int, sets: list) -> np.ndarray | None:
+    """A bool per token id below `vocab`, true for the ids in any of `sets`; None if one of them is None."""
+    if any(ids is None for ids in sets):
+        return None
+    mask = np.zeros(vocab, dtype=bool)
+    for ids in sets:
+        mask[[t for t in ids if t < vocab]] = True
+    return mask
 
 
 def _device_busy(logits: torch.Tensor) -> Callable[[], bool] | None:
