@@ -13,8 +13,9 @@ every row's own keys once, at the copy bandwidth measured here.
 Variants: `split` (the decode kernel as a step runs it), `splitN` (N key ranges a row; `split1`: one
 program a (row, KV head), no merge), `cascade` (the cascade kernel as a step runs it), `cascade@K=V,..`
 (its settings overridden: S shared key ranges, M query rows a shared program, W its warps, N its key block,
-P its pipeline stages, whole=0 for own keys in ranges and a merge after), `fi-decode` (FlashInfer's batch
-decode on tensor cores), `fi-cascade` (its two-level cascade: each prefix once for its rows, then own keys).
+P its pipeline stages, T the programs a shared level aims at, G the programs walking level blocks, whole=0
+for own keys in ranges and a merge after), `fi-decode` (FlashInfer's batch decode on tensor cores),
+`fi-cascade` (its two-level cascade: each prefix once for its rows, then own keys).
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def reference(q, k, v, seqs, scale, rows) -> torch.Tensor:
 
 
 SETTINGS = {"S": ("cascade", "SHARED_SPLITS"), "M": ("cascade", "BLOCK_M"), "W": ("cascade", "SHARED_WARPS"),
-            "N": ("cascade", "SHARED_BLOCK_N"), "P": ("cascade", "SHARED_STAGES"), "whole": ("decode", "WHOLE_FROM")}
+            "N": ("cascade", "SHARED_BLOCK_N"), "P": ("cascade", "SHARED_STAGES"), "T": ("cascade", "TARGET_PROGRAMS"),
+            "G": ("cascade", "PROGRAMS"), "whole": ("decode", "WHOLE_FROM")}
 
 
 def configured(variant: str):
