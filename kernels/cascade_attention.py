@@ -37,7 +37,11 @@ BLOCK_M = 128       # query rows of a shared program: ROWS rows x GROUP query he
 SHARED_SPLITS = 8   # the most key ranges per (block, KV head) of a shared level
 TARGET_PROGRAMS = 128
 PROGRAMS = 64       # programs walking the level blocks, per (KV head, key range)
-SHARED_BLOCK_N, SHARED_WARPS, SHARED_STAGES = 64, 8, 2      # the shared program's key block, warps, stages
+SHARED_BLOCK_N, SHARED_WARPS, SHARED_STAGES = 64, 8, 3      # the shared program's key block, warps, stages
+# 3 stages against 2, one layer as a graph replays it (1.5B shape, H200, bench_decode_attention.py): 0.86-0.93x
+# at 256, 512 and 1,024 rows, for 16 samples of 800 keys and for a shared 2,000-key prefix (BENCHMARKS.md).
+# Heads wider than 128 keep 2: three stages of their key and value blocks with the query block pass the
+# shared memory
 
 
 def rows_per_block(group: int) -> int:
@@ -142,7 +146,8 @@ def cascade_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
         q, k_pool, v_pool, mid_o, mid_l, kv_indices, levels.blocks, levels.block_rows, levels.n_blocks, scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), SOFTCAP=float(softcap), GROUP=group,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=BLOCK_M, ROWS=rows_per_block(group), BLOCK_N=SHARED_BLOCK_N,
-        SPLITS=ranges, LEVELS=LEVELS, PROGRAMS=PROGRAMS, num_warps=SHARED_WARPS, num_stages=SHARED_STAGES)
+        SPLITS=ranges, LEVELS=LEVELS, PROGRAMS=PROGRAMS, num_warps=SHARED_WARPS,
+        num_stages=SHARED_STAGES if block_d <= 128 else min(SHARED_STAGES, 2))
     if splits_for(T, kvh) == 1:     # rows fill the GPU: own keys and the merge in one program a (row, KV head)
         return whole(q, k_pool, v_pool, kv_indices, kv_indptr, scale, None, softcap,
                      (levels.skip[:T], levels.levels[:T], mid_o, mid_l))
