@@ -146,10 +146,10 @@ def _options(values: dict[str, Any]) -> RunOptions:
 
 def run(**values: Any) -> None:
     """Run a task's every instance through the engine; write results/<run_id>/."""
-    from lmbatch.engine.threads import yield_when_waiting
+    from lmbatch.engine.threads import cpu_environment
     from lmbatch.run.run import run as do_run
 
-    yield_when_waiting()        # before torch loads: OpenMP's threads sleep when they wait (a busy CPU)
+    cpu_environment()           # before torch loads: OpenMP's threads sleep when they wait, MKL's bits fixed
     try:
         opts = _options(values)
         if opts.output.dry_run:
@@ -267,11 +267,11 @@ def _write_html(path: Optional[Path], runs: list[Run], comparison: Optional[Comp
 def lm_eval(ctx: typer.Context) -> None:
     """Run lm-evaluation-harness tasks on lmbatch: lm_eval's own arguments (--tasks, --model_args
     pretrained=DIR, --include_path, --output_path, ...); --model lmbatch is implied."""
-    from lmbatch.engine.threads import yield_when_waiting
+    from lmbatch.engine.threads import cpu_environment
     from lmbatch.lm_eval.engine import start_early
     from lmbatch.lm_eval.index import build_ahead, end_ahead
 
-    yield_when_waiting()            # before torch loads (the model's thread, lm-eval): waiting threads sleep
+    cpu_environment()               # before torch loads (the model's thread, lm-eval): as `run`
     build_ahead()                   # lm-eval's task index, where lmbatch's cache has none, in a process
     start_early(list(ctx.args))     # the model loads while lm-eval imports and builds its tasks
     try:

@@ -4,8 +4,13 @@ import os
 import random
 
 import pytest
-import torch
-from transformers import (
+
+from lmbatch.engine.threads import cpu_environment
+
+cpu_environment()       # before torch loads, as the CLI does: MKL's bits whatever the threads (engine/threads.py)
+
+import torch  # noqa: E402
+from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     DeepseekV3Config,
     Gemma2Config,
@@ -24,7 +29,7 @@ from transformers import (
     SmolLM3Config,
 )
 
-from lmbatch.requests import ScoreRequest
+from lmbatch.requests import ScoreRequest  # noqa: E402
 
 # GPU tests (marked gpu) need CUDA: on a machine without it they are not collected at all.
 collect_ignore = [] if torch.cuda.is_available() else ["gpu"]

@@ -5,16 +5,21 @@ A forward pass is hundreds of ops; each op split over threads ends at a barrier 
 Where another process holds a core, the thread scheduled on it runs only when the kernel gives it a slice
 (milliseconds), so every op of a decode step waits that long: on this project's 2-core CPU beside a 2-thread
 job, tree of thought's decode took 13x longer with torch's two threads than with one. So:
-- `yield_when_waiting` (before torch loads: OpenMP reads it once) makes waiting threads sleep rather than spin
-  (`OMP_WAIT_POLICY=PASSIVE`; `KMP_BLOCKTIME=0` for Intel's OpenMP), so idle threads leave the cores to whoever
-  runs; a user's own setting wins;
+- `cpu_environment` (before torch loads: OpenMP and MKL read it once) makes waiting threads sleep rather than
+  spin (`OMP_WAIT_POLICY=PASSIVE`; `KMP_BLOCKTIME=0` for Intel's OpenMP), so idle threads leave the cores to
+  whoever runs, and puts MKL in its strict reproducible mode (`MKL_CBWR=AUTO,STRICT`: a GEMM's bits do not
+  depend on its threads); a user's own setting wins;
 - `CpuThreads` gives each forward batch `free cores` threads (at least 1, at most the process's share), from
   /proc/stat's busy time less this process's own over the last SAMPLE_S, and a batch under SMALL_TOKENS
   tokens (a decode step of few rows) 1 unless every core the process may take is free (its ops are too small
   for a split to pay for one wait on a core another process holds);
 - `--threads N` (`EngineSpec.threads`) fixes the count for users who know their machine.
-The thread count changes no bit of a result here: MKL splits a GEMM's rows and columns, not its sums, and
-torch's reductions split over rows (tests/unit/test_threads.py checks the model's logits)."""
+The thread count changes no bit of a result here: MKL's strict mode gives a GEMM the same bits on any number of
+threads (torch's CPU flash attention too, whose products are MKL's), and torch's reductions split over rows
+(tests/unit/test_threads.py checks the model's logits). Without it, on an AVX2-only AMD EPYC (2026-11-29, MKL
+2024.2), GEMMs of 5-11 rows and the flash kernel's attention of 1 or 3 queries a head changed in their last bits
+between one thread and two; with it, none did, at the same speed (a 2,048 x 576 x 1,536 GEMM 26.1 ms against
+25.0, one of 32 rows 448 us against 576)."""
 from __future__ import annotations
 
 import os
@@ -22,14 +27,16 @@ import time
 from collections import Counter
 
 WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+SAME_BITS = {"MKL_CBWR": "AUTO,STRICT"}     # MKL's conditional numerical reproducibility, strict: whatever the threads
 SMALL_TOKENS = 16       # a batch of fewer tokens runs on one thread unless the process's every core is free
 IDLE_MARGIN = 0.25      # cores others may use of those and still count as free (a machine's own background)
 SAMPLE_S = 0.5          # the free cores are measured over at least this long
 
 
-def yield_when_waiting() -> None:
-    """OpenMP's threads sleep when they wait (unless the user set the variables): call before torch loads."""
-    for key, value in WAIT_POLICY.items():
+def cpu_environment() -> None:
+    """OpenMP's threads sleep when they wait, and MKL's results do not depend on its threads (unless the user set
+    the variables): call before torch loads."""
+    for key, value in {**WAIT_POLICY, **SAME_BITS}.items():
         os.environ.setdefault(key, value)
 
 

@@ -110,16 +110,18 @@ def test_an_engine_puts_the_process_setting_back_and_the_count_changes_no_bit(ti
 
 
 def test_the_wait_policy_is_set_before_torch_loads():
-    """`lmbatch run` and `lmbatch lm-eval` set OpenMP's wait policy before anything imports torch; a user's own
-    setting wins."""
+    """`lmbatch run` and `lmbatch lm-eval` set OpenMP's wait policy and MKL's strict reproducible mode before
+    anything imports torch; a user's own setting wins."""
     code = """
 import os, sys
 os.environ.pop("OMP_WAIT_POLICY", None)
+os.environ.pop("MKL_CBWR", None)
 os.environ["KMP_BLOCKTIME"] = "7"
 import lmbatch.cli, lmbatch.run.run, lmbatch.lm_eval.engine
 seen = []
 def look(*args, **kwargs):
-    seen.append((os.environ.get("OMP_WAIT_POLICY"), os.environ.get("KMP_BLOCKTIME"), "torch" in sys.modules))
+    seen.append((os.environ.get("OMP_WAIT_POLICY"), os.environ.get("KMP_BLOCKTIME"), os.environ.get("MKL_CBWR"),
+                 "torch" in sys.modules))
     raise SystemExit(0)
 lmbatch.run.run.run = look
 lmbatch.lm_eval.engine.start_early = look
@@ -131,4 +133,4 @@ for args in (["run", "mmlu"], ["lm-eval", "--tasks", "x"]):
 print(seen)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == str([("PASSIVE", "7", False)] * 2), out.stdout + out.stderr
+    assert out.stdout.strip() == str([("PASSIVE", "7", "AUTO,STRICT", False)] * 2), out.stdout + out.stderr
