@@ -29,7 +29,6 @@ class Placed(NamedTuple):
     sizes: np.ndarray           # int64: each row's array's length
     start: int                  # where the arrays new to the arena go, one after another
     fresh: list[np.ndarray]     # those arrays, to be written there before the step's gather
-    capacity: int               # the arena's length now (it grew: every array is fresh)
 
 
 class SlotArena:
@@ -63,13 +62,13 @@ class SlotArena:
         else:
             start = self.top
         return Placed(np.array(got, dtype=np.int64), np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs)),
-                      start, fresh, self.capacity)
+                      start, fresh)
 
     def write(self, placed: Placed, staged: torch.Tensor) -> None:
         """Put the fresh arrays (`staged`: their slots one after another, on the device) in their places, after
         growing the arena where `place` did (nothing in it is kept then: every array was fresh)."""
-        if len(self.buffer) < placed.capacity:
-            self.buffer = torch.full((placed.capacity,), self.scratch, dtype=torch.int32, device=self.device)
+        if len(self.buffer) < self.capacity:
+            self.buffer = torch.full((self.capacity,), self.scratch, dtype=torch.int32, device=self.device)
         if len(staged):
             self.buffer[placed.start:placed.start + len(staged)] = staged
 
