@@ -2,7 +2,8 @@
 radix-tree KV cache.
 
 It keeps what outlives a run (the model on its device with its KV pool, attention backend and decode
-graphs: `ModelRunner`; the radix cache; the sampler) and drives each run's parts in one direction:
+graphs: `ModelRunner`; the radix cache; the sampler); each run (`Stream`, engine/stream.py) drives its parts
+in one direction:
 
     plan -> RunState -> Prefill (ragged batches of prompt chunks, in plan order)
                          -> LogitCapture (logits of demanded positions, reduced on the device)
@@ -14,27 +15,21 @@ whichever request happens to compute the position.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence, cast
 
 import torch
 
-from lmbatch.engine.decode import Decode
-from lmbatch.engine.kv import KVSlots
-from lmbatch.engine.logits import LogitCapture
 from lmbatch.engine.model_runner import ModelRunner
 from lmbatch.engine.options import DECODE_ROWS, EngineOptions
-from lmbatch.engine.prefill import Prefill
-from lmbatch.engine.protocol import Handover, Progress, Request, Result, StreamArgs, drain, remaining
+from lmbatch.engine.protocol import Handover, Progress, Request, Result, StreamArgs, drain
 from lmbatch.engine.radix_cache import RadixTree
 from lmbatch.engine.sampler import Sampler
-from lmbatch.engine.state import RunState
+from lmbatch.engine.stream import Stream
 from lmbatch.model.checkpoint import model_config
 from lmbatch.model.network import Transformer
 from lmbatch.model.tensor_parallel import TensorParallel, shard_config
 from lmbatch.requests import GenerateRequest, GenerateResult, RunStats, ScoreRequest, ScoreResult
-from lmbatch.scheduler.planner import plan_requests
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -116,6 +111,7 @@ class Engine:
         return [self.match_len(ids) for ids in seqs]
 
     data_parallel = 1       # one engine (BatchEngine)
+    open_stream = True      # `stream` takes `feed`
     tensor_parallel = 1     # its model on one device (a worker's rank of a split model is driven by its group)
 
     def optimal_unique_tokens(self) -> int | None:
@@ -145,51 +141,12 @@ class Engine:
 
         `progress(i, stats)` is called as request i's last prompt token is issued (scoring) or as its
         generation ends, and as `progress(-1, stats)` between decode steps (`stats.decoding_tokens`).
-        `groups` (a program's calls on one device) changes nothing on one engine."""
+        `groups` (a program's calls on one device) changes nothing on one engine.
+
+        With `feed` the stream is open: requests join it while it runs (engine/stream.py)."""
         try:
             with torch.inference_mode():
-                yield from self._stream(requests, args)
+                yield from Stream(self, requests, args).run()
         finally:
             if self.model_runner.threads is not None:
                 self.model_runner.threads.restore()       # the process's own thread setting back
-
-    def _stream(self, requests: Sequence[Request], args: StreamArgs) -> Iterator[Handover]:
-        t0 = time.perf_counter()
-        plan = args.get("plan")
-        if plan is None:
-            plan = plan_requests(requests, args.get("schedule", "dfs"), args.get("seed", 0))
-        handover_due = args.get("handover_due")
-        state = RunState(requests, plan, args.get("progress"))
-        capture = LogitCapture(state)       # registers every request's logit demands on the plan
-        t1 = time.perf_counter()
-        kv = KVSlots(self.pool, self.tree, state.stats)
-        decode = Decode(state, self.model_runner, kv, capture, self.sampler, self.rows)
-        prefill = Prefill(state, self.model_runner, kv, capture, decode, self.batch_tokens)
-        handed = bytearray(len(requests))
-
-        def hand_over() -> Handover:
-            """The batch being built runs now and every logit in flight is recorded: each request
-            reported done so far has its final result."""
-            prefill.flush()
-            capture.drain()
-            final, state.final = state.final, []
-            capture.finish_scores(final)
-            for i in final:
-                handed[i] = 1
-            return Handover(final, state.results, state.stats, False)
-
-        for i in plan.order:
-            prefill.add(i)
-            if handover_due is not None and handover_due():
-                yield hand_over()
-        prefill.flush()
-        for _ in decode.run_all():
-            state.decoding(decode.decoded)
-            if handover_due is not None and handover_due():
-                yield hand_over()
-        capture.drain()
-        capture.finish_scores()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        state.stats.plan_s, state.stats.execute_s = t1 - t0, time.perf_counter() - t1
-        yield Handover(remaining(state.stats, handed), state.results, state.stats, True)

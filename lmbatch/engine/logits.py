@@ -55,12 +55,14 @@ class _Demands:
     prompt_key: dict[int, int]          # generation request -> the key of its prompt's last position
 
 
-def _demands(state: RunState) -> _Demands:
-    """Number the run's demanded positions and their wanted tokens (see `_Demands`)."""
+def _demands(state: RunState, first: int = 0) -> _Demands:
+    """Number the demanded positions and wanted tokens of the run's requests from `first` on (see
+    `_Demands`; request indices in it count from `first`, those of `prompt_key` are the run's)."""
     nodes: dict[int, int] = {}
     # a segment: the positions of one request in one node of its path
     seg_node, seg_lo, seg_len, seg_req, targets = [], [], [], [], []
-    for i, r in enumerate(state.requests):
+    requests = state.requests[first:]
+    for i, r in enumerate(requests, first):
         if isinstance(r, ScoreRequest):
             positions = score_positions(r)
             lo, hi, tokens = positions.start, positions.stop, r.continuation
@@ -73,7 +75,7 @@ def _demands(state: RunState) -> _Demands:
                 seg_node.append(nodes.setdefault(id(plan_node), len(nodes)))
                 seg_lo.append(a)
                 seg_len.append(b - a)
-                seg_req.append(i)
+                seg_req.append(i - first)
                 targets.append(tokens[a - lo:b - lo])
     lens = np.asarray(seg_len, dtype=np.int64)
     starts = np.cumsum(lens) - lens
@@ -95,13 +97,35 @@ def _demands(state: RunState) -> _Demands:
     whole[pair_key[pair_tgt < 0]] = True
     key_node, key_pos = uniq // width, uniq % width
     bounds = np.searchsorted(key_node, np.arange(len(nodes) + 1))
-    req_ptr = np.zeros(len(state.requests) + 1, dtype=np.int64)
-    np.cumsum(np.bincount(req, minlength=len(state.requests)), out=req_ptr[1:])
-    gens = [i for i, r in enumerate(state.requests) if not isinstance(r, ScoreRequest)]
+    req_ptr = np.zeros(len(requests) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(req, minlength=len(requests)), out=req_ptr[1:])
+    gens = [i for i, r in enumerate(requests) if not isinstance(r, ScoreRequest)]
     return _Demands(key_pos, pair_ptr, pair_tgt, whole,
                     {node_ids[n]: key_pos[bounds[n]:bounds[n + 1]] for n in range(len(nodes))},
                     {node_ids[n]: np.arange(bounds[n], bounds[n + 1]) for n in range(len(nodes))},
-                    req_ptr, key, tgt, pair, {i: int(key[req_ptr[i]]) for i in gens})
+                    req_ptr, key, tgt, pair, {first + i: int(key[req_ptr[i]]) for i in gens})
+
+
+class _Growing:
+    """An array appended to in place (its room doubled when it runs out), read through `view`."""
+
+    def __init__(self, a: np.ndarray):
+        self.buf, self.n = a, len(a)
+
+    def append(self, x: np.ndarray) -> np.ndarray:
+        """`x` appended; the whole array now (a view that the next growth replaces)."""
+        need = self.n + len(x)
+        if need > len(self.buf):
+            buf = np.empty(max(need, 2 * len(self.buf)), dtype=self.buf.dtype)
+            buf[:self.n] = self.buf[:self.n]
+            self.buf = buf
+        self.buf[self.n:need] = x
+        self.n = need
+        return self.buf[:need]
+
+
+# the arrays of `_Demands` and of `LogitCapture` that grow as requests join a running stream
+_KEYED = ("status", "unlaunched", "argmax")
 
 
 class LogitCapture:
@@ -116,6 +140,32 @@ class LogitCapture:
         self.rows: dict[int, torch.Tensor] = {}
         self._inflight: list[_InFlight] = []
         self._own: dict[int, np.ndarray] = {}
+        self._growing: dict[str, _Growing] | None = None     # made when requests first join (`extend`)
+
+    def extend(self, first: int) -> None:
+        """The run's requests from `first` on joined it (`RunState.extend`): number their demands after
+        the run's (their plan is their own, so they share no key with the requests before them)."""
+        new, d = _demands(self.state, first), self.d
+        keys, pairs, positions = len(d.pos), len(d.pair_tgt), len(d.req_key)
+        if self._growing is None:
+            fields = ("pos", "pair_ptr", "pair_tgt", "whole", "req_ptr", "req_key", "req_tgt", "req_pair")
+            self._growing = {f: _Growing(getattr(d, f)) for f in fields}
+            self._growing.update({f: _Growing(getattr(self, f)) for f in (*_KEYED, "logprob")})
+        g = self._growing
+        d.pos = g["pos"].append(new.pos)
+        d.pair_ptr = g["pair_ptr"].append(new.pair_ptr[1:] + pairs)
+        d.pair_tgt = g["pair_tgt"].append(new.pair_tgt)
+        d.whole = g["whole"].append(new.whole)
+        d.node_pos.update(new.node_pos)
+        d.node_key.update({node: k + keys for node, k in new.node_key.items()})
+        d.req_ptr = g["req_ptr"].append(new.req_ptr[1:] + positions)
+        d.req_key = g["req_key"].append(new.req_key + keys)
+        d.req_tgt = g["req_tgt"].append(new.req_tgt)
+        d.req_pair = g["req_pair"].append(new.req_pair + pairs)
+        d.prompt_key.update({i: k + keys for i, k in new.prompt_key.items()})
+        for f in _KEYED:
+            setattr(self, f, g[f].append(np.zeros(len(new.pos), dtype=g[f].buf.dtype)))
+        self.logprob = g["logprob"].append(np.zeros(len(new.pair_tgt), dtype=np.float64))
 
     def prompt_key(self, i: int) -> int:
         """The key generation request i's first token is sampled from: its prompt's last position."""
@@ -193,16 +243,26 @@ class LogitCapture:
         n = len(pairs)
         return _InFlight(keys, pairs, reduced[:n], reduced[n:], kept, event)
 
-    def drain(self) -> None:
-        """Record the logits of every batch still in flight."""
+    def drain(self, wait: bool = True) -> None:
+        """Record the logits of every batch still in flight (`wait` False: of those the device has finished;
+        batches finish in launch order)."""
+        done = 0
         for f in self._inflight:
             if f.event is not None:
+                if not wait and not f.event.query():
+                    break
                 f.event.synchronize()
             self.logprob[f.pairs] = f.values.numpy()
             self.argmax[f.keys] = f.argmax.numpy().astype(np.int64)
             self.status[f.keys] = CAPTURED
             self.rows.update(f.rows)
-        self._inflight = []
+            done += 1
+        del self._inflight[:done]
+
+    def scored(self, i: int) -> bool:
+        """Whether every logit score request i needs is recorded (its score may be summed)."""
+        d = self.d
+        return bool((self.status[d.req_key[d.req_ptr[i]:d.req_ptr[i + 1]]] == CAPTURED).all())
 
     def row(self, key: int) -> torch.Tensor:
         """The captured logits row of a position some request samples from."""

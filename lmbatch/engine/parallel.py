@@ -70,6 +70,7 @@ class WorkerLoad:
 class ParallelEngine(Workers):
     """`spec.workers` engines in worker processes, used as one (a `BatchEngine`). Each engine is
     `spec.ranks` processes (a tensor-parallel group, one device each)."""
+    open_stream = False     # a batch is cut across the workers before it runs: no request joins it
 
     def __init__(self, spec: EngineSpec, cfg: ModelConfig, gpus: Sequence[str] | None = None):
         """`gpus`: the CUDA_VISIBLE_DEVICES entry of each process (worker k's rank r: k * tp + r);

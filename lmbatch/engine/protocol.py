@@ -31,13 +31,15 @@ class StreamArgs(TypedDict, total=False):
     made from the requests ("dfs", 0) unless `plan` was made ahead (one engine uses it; several cut its
     sorted order); `progress(i, stats)` is called as request i is done; `handover_due()` is asked
     between batches and decode steps; `groups`: requests of one group run on one engine (a program's
-    calls)."""
+    calls); `feed(idle)`: requests that join the running batch (an open stream: only an engine whose
+    `open_stream` is True takes it; `idle`: it has nothing left to run, and ends if none join)."""
     schedule: str
     seed: int
     plan: Plan | None
     progress: Progress | None
     handover_due: Callable[[], bool] | None
     groups: Sequence[Hashable] | None
+    feed: Callable[[bool], Sequence[Request]] | None
 
 
 class Handover(NamedTuple):
@@ -74,6 +76,7 @@ class BatchEngine(Protocol):
     cfg: ModelConfig
     data_parallel: int          # engines behind this one
     tensor_parallel: int        # devices each engine's model is split over
+    open_stream: bool           # whether `stream` takes `feed` (requests joining while it runs)
 
     @property
     def device(self) -> torch.device: ...

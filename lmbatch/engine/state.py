@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING, Callable, Sequence, cast
 from lmbatch.attention.kv_pool import Slots
 from lmbatch.engine.protocol import Progress, Request, Result
 from lmbatch.engine.radix_cache import Node
-from lmbatch.requests import GenerateRequest, GenerateResult, RunStats, SamplingParams, ScoreRequest, ScoreResult
+from lmbatch.requests import (
+    GenerateRequest,
+    GenerateResult,
+    RunStats,
+    SamplingParams,
+    ScoreRequest,
+    ScoreResult,
+    optimal_hit_rate,
+)
 from lmbatch.scheduler.planner import Plan, PlanNode
 
 if TYPE_CHECKING:      # lmbatch.grammar imports xgrammar: loaded only where a grammar is used
@@ -70,6 +78,31 @@ class RunState:
                               members=plan.members)
         self.stats.decode_budget = sum(r.params.most_tokens for r in requests if isinstance(r, GenerateRequest))
         self._report_at = 0.0           # when the next decode step reports its tokens to `progress`
+        self._joined: list[Request] | None = None      # `requests`, once others joined (`extend`)
+
+    def extend(self, requests: Sequence[Request], plan: Plan) -> int:
+        """Requests that join the run while it runs (an open stream), with their own plan (indices into
+        `requests`): they take the indices after the run's; returns the first. Their plan's figures add
+        to the run's (the optimum of each joining batch: a later batch's prompts may hit what an earlier
+        left in the cache)."""
+        base = len(self.requests)
+        st = self.stats
+        if self._joined is None:        # copies: the caller's sequence and the plan's members stay theirs
+            self._joined = list(self.requests)
+            self.requests = self._joined
+            st.members = dict(st.members)
+        self._joined.extend(requests)
+        self.paths += [plan.path(j) for j in range(len(requests))]
+        self.results += [GenerateResult() if isinstance(r, GenerateRequest) else ScoreResult() for r in requests]
+        st.requests += len(requests)
+        st.executed += len(plan.order)
+        st.prompt_tokens += plan.prompt_tokens
+        st.unique_tokens += plan.unique_tokens
+        st.optimal_hit_rate = st.engine_optimal_hit_rate = optimal_hit_rate(st.unique_tokens, st.prompt_tokens)
+        st.order += [base + j for j in plan.order]
+        st.members.update({base + j: [base + m for m in ms] for j, ms in plan.members.items()})
+        st.decode_budget += sum(r.params.most_tokens for r in requests if isinstance(r, GenerateRequest))
+        return base
 
     def done(self, i: int) -> None:
         """Request i needs nothing more from the engine (its score may still be summed at the end)."""

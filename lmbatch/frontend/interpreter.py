@@ -1,12 +1,17 @@
-"""Runs a whole batch of LM programs on the engine, in waves.
+"""Runs a whole batch of LM programs on the engine: one open stream, or waves.
 
 Every program runs in its own greenlet until it waits for a model result. The calls queued by all
 waiting programs form a wave, executed as one engine batch (planned as a radix tree, in DFS order).
 The first wave holds the first-stage calls of every instance, so the offline tree covers them all.
-Later calls depend on generated text; they join the next wave once their program has them, picked
-by longest cached prefix in the live tree (SGLang's online approximation of DFS), with the new
-tokens of a wave's generation calls capped so that what they leave in the cache is still there when
-their programs' next calls arrive. Score calls (select) always join: they leave nothing behind.
+Later calls depend on generated text. On an engine that takes requests while it runs
+(`open_stream`), a program's next calls join the running batch as soon as its results are back:
+at every handover made while decode rows are about to free, and whenever the engine has nothing
+left to run; nothing waits for a wave's slowest request. Otherwise (several workers' engine, or
+`LMBATCH_BARRIERS=1`) they join the next wave. Either way the calls that join are picked by longest
+cached prefix in the live tree (SGLang's online approximation of DFS), programs not yet started only
+while the cache footprint of those under way leaves room (`waves.pick_wave`), so that what a call
+leaves in the cache is still there when its program's next calls arrive. Score calls (select) always
+join: they leave nothing behind.
 
 `stream` yields the programs that complete as results come back: the engine hands results over
 whenever the caller's `handover_due()` says so and at the end of every wave (an engine of workers as
@@ -15,11 +20,13 @@ those that completed are yielded at each handover that was due.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import operator
+import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence, cast
 
 import greenlet
@@ -53,12 +60,29 @@ __all__ = ["Interpreter", "ProgramRun", "StageCounts"]
 @dataclass
 class _Wave:
     """A wave's engine requests while it runs: the call of each, and which are handed over already."""
-    requests: list[EngineRequest]
-    owner: list[Pending]
-    first_request: dict[int, int]       # id(call) -> its first request
-    waiting: dict[int, int]             # id(call) -> its requests not handed over yet
-    rank: dict[int, int]                # ProgramRun.index -> its first call's place in the wave
-    delivered: bytearray                # request -> handed over
+    requests: list[EngineRequest] = field(default_factory=list)
+    owner: list[Pending] = field(default_factory=list)
+    first_request: dict[int, int] = field(default_factory=dict)     # id(call) -> its first request
+    waiting: dict[int, int] = field(default_factory=dict)           # id(call) -> its requests not handed over yet
+    rank: dict[int, int] = field(default_factory=dict)  # ProgramRun.index -> its first call's place in the wave
+    delivered: bytearray = field(default_factory=bytearray)         # request -> handed over
+    entered: list[int] = field(default_factory=list)    # request -> the batch it entered the engine in
+
+    def add(self, requests: list[EngineRequest], owner: list[Pending], batch: int) -> int:
+        """Engine requests that enter the wave (at its start, or joining it while it runs), `owner[k]`
+        the call of each (its request holds its constraint now), all in batch `batch`; returns the index
+        of the first."""
+        first = len(self.requests)
+        self.requests += requests
+        self.owner += owner
+        for k, p in enumerate(owner, first):
+            p.constraint = None
+            self.first_request.setdefault(id(p), k)      # the wave keeps every call: ids stay unique
+            self.waiting[id(p)] = self.waiting.get(id(p), 0) + 1
+            self.rank.setdefault(p.owner.index, len(self.rank))
+        self.delivered += bytes(len(requests))
+        self.entered += [batch] * len(requests)
+        return first
 
 
 @contextmanager
@@ -84,25 +108,11 @@ def settled_host_work(settle: bool = True) -> Iterator[None]:
             gc.enable()
 
 
-class Interpreter:
-    def __init__(self, tokenizer: TextEncoder | object, calls: CallOptions, *, schedule: str = "dfs", seed: int = 0):
-        """`tokenizer`: a TextEncoder, or a transformers fast tokenizer it is made from."""
-        self.encoder = tokenizer if isinstance(tokenizer, TextEncoder) else TextEncoder.from_hf(tokenizer)
-        self.preparer = CallPreparer(self.encoder, calls)
-        self.schedule, self.seed = schedule, seed
-        self.first_plan: Plan | None = None     # the first wave's plan, made before the engine is there
-        self._planned: list[Pending] = []       # the calls it is for
-        self._planned_requests: tuple[list[EngineRequest], list[Pending]] | None = None   # theirs, where made
-        self.runs: list[ProgramRun] = []
-        self.ready: list[Pending] = []
-        self.hub = greenlet.getcurrent()
-        self.tally = Tally()
-        self.max_final_footprint = 0   # largest cache footprint of a finished program
-        self.waves = 0
-        self._completed: list[ProgramRun] = []      # complete programs not yielded yet
-        self._wave: _Wave | None = None
+class _Readings:
+    """What the run layer, tests and benchmarks read of an interpreter: its counts and its calls' preparation."""
+    tally: Tally
+    preparer: CallPreparer
 
-    # ---- what the run layer, tests and benchmarks read ---------------------------------------
     @property
     def stats(self) -> RunStats:
         return self.tally.stats
@@ -126,6 +136,33 @@ class Interpreter:
     @property
     def tokenize_s(self) -> float:
         return self.preparer.tokenize_s
+
+
+SETTLE_S = 1.0      # an open stream settles its host work (`settled_host_work`) at most this often
+
+
+class Interpreter(_Readings):
+    def __init__(self, tokenizer: TextEncoder | object, calls: CallOptions, *, schedule: str = "dfs", seed: int = 0,
+                 barriers: bool | None = None):
+        """`tokenizer`: a TextEncoder, or a transformers fast tokenizer it is made from. `barriers`: later
+        calls wait for the wave before them even on an engine with an open stream (default: where
+        `LMBATCH_BARRIERS=1`)."""
+        self.encoder = tokenizer if isinstance(tokenizer, TextEncoder) else TextEncoder.from_hf(tokenizer)
+        self.preparer = CallPreparer(self.encoder, calls)
+        self.schedule, self.seed = schedule, seed
+        self.barriers = os.environ.get("LMBATCH_BARRIERS") == "1" if barriers is None else barriers
+        self.first_plan: Plan | None = None     # the first wave's plan, made before the engine is there
+        self._planned: list[Pending] = []       # the calls it is for
+        self._planned_requests: tuple[list[EngineRequest], list[Pending]] | None = None   # theirs, where made
+        self.runs: list[ProgramRun] = []
+        self.ready: list[Pending] = []
+        self.hub = greenlet.getcurrent()
+        self.tally = Tally()
+        self.max_final_footprint = 0   # largest cache footprint of a finished program
+        self.waves = 0                 # batches of calls that entered the engine (waves, or an open stream's)
+        self._settled = 0.0            # when an open stream last settled its host work
+        self._completed: list[ProgramRun] = []      # complete programs not yielded yet
+        self._wave: _Wave | None = None
 
     # ---- the first stage, before any model work ---------------------------------------------------
     def start(self, program: Callable[..., None] | Mapping[str, Callable[..., None]], instances: list[Instance],
@@ -189,17 +226,22 @@ class Interpreter:
     def stream(self, engine: BatchEngine, *, handover_due: Callable[[], bool] | None = None,
                progress: Progress | None = None, wave_tokens: int | None = None,
                settle: bool = False) -> Iterator[list[ProgramRun]]:
-        """Run waves until every program has finished, yielding the programs that complete at every
-        handover (an empty list too: the caller may stop there). `wave_tokens`: the live cache a wave's
-        programs may fill (default three quarters of every engine's pool). `settle`: each wave is picked
-        (its calls tokenized and planned) in `settled_host_work` (a run's own process; it unfreezes at its end)."""
+        """Run every program to its end (one open stream, or waves: see the module), yielding the programs
+        that complete at every handover (an empty list too: the caller may stop there). `wave_tokens`: the
+        live cache the programs under way may fill (default three quarters of every engine's pool). `settle`:
+        calls are picked (tokenized and planned) in `settled_host_work` (a run's own process; it unfreezes at
+        its end)."""
         t0, tokenized, planned = time.perf_counter(), self.tokenize_s, self.stats.plan_s
         wave_tokens = wave_tokens or engine.kv_slots * engine.data_parallel * 3 // 4
+        feed: Callable[[bool], list[EngineRequest]] | None = None
+        if getattr(engine, "open_stream", False) and not self.barriers:
+            feed = functools.partial(self._join, engine, wave_tokens, settle=settle)
         yield self.take_completed()                  # programs that finished before any model work
         while self.ready:
             with settled_host_work(settle):
                 wave = self._pick_wave(engine, wave_tokens)
-            yield from self._run_wave(engine, wave, handover_due, progress)
+            self._settled = time.perf_counter()
+            yield from self._run_wave(engine, wave, handover_due, progress, feed)
         for run in self.runs:       # every program ends in the output, whatever it left unread
             if run.status is not Status.COMPLETE:
                 run.status = Status.COMPLETE
@@ -257,8 +299,9 @@ class Interpreter:
         self._if_complete(run)      # a program that returned before this call could run
 
     # ---- waves ----------------------------------------------------------------------------
-    def _pick_wave(self, engine: BatchEngine, wave_tokens: int) -> list[Pending]:
-        """The next wave (see `waves`) from the queued calls, prepared first; the rest stay queued."""
+    def _pick_wave(self, engine: BatchEngine, wave_tokens: int, force: bool = True) -> list[Pending]:
+        """The next wave (see `waves`) from the queued calls, prepared first; the rest stay queued.
+        `force`: a program not started joins even beyond the budget when nothing else would."""
         self.preparer.prepare([p for p in self.ready if p.ids is None], self._fail_call)
         for p in [p for p in self.ready if p.ids is not None and call_tokens(p) > engine.kv_slots]:
             n, p.ids = call_tokens(p), None     # a later stage's (the run sized the pool for the first)
@@ -266,7 +309,7 @@ class Interpreter:
             self._fail_call(p, f"instance {p.owner.instance.id}: {kind} {p.op.name!r} needs {n} tokens, more than "
                                f"the KV pool holds ({engine.kv_slots}): raise --kv-cache-tokens")
         ready = [p for p in self.ready if p.ids is not None]
-        budget = WaveBudget(wave_tokens, self.max_final_footprint)
+        budget = WaveBudget(wave_tokens, self.max_final_footprint, force)
         wave, self.ready = pick_wave(ready, self.runs, engine.match_lens, budget, self.schedule,
                                      self.seed + self.waves)
         for p in wave:
@@ -276,42 +319,54 @@ class Interpreter:
         return wave
 
     def _run_wave(self, engine: BatchEngine, wave: list[Pending], handover_due: Callable[[], bool] | None,
-                  progress: Progress | None) -> Iterator[list[ProgramRun]]:
+                  progress: Progress | None, feed: Callable[[bool], list[EngineRequest]] | None = None,
+                  ) -> Iterator[list[ProgramRun]]:
+        """Run a wave on the engine (with `feed`, an open stream: the programs' later calls join it)."""
         same = self._is_planned(wave)
         made, self._planned_requests = self._planned_requests, None
         requests, owner = made if same and made is not None else engine_requests(wave, self.seed)
-        for p in wave:
-            p.constraint = None         # its request holds it now
         self._planned = []
         plan, self.first_plan = (self.first_plan if same else None), None
-        first: dict[int, int] = {}
-        waiting: dict[int, int] = {}
-        for k, p in enumerate(owner):
-            first.setdefault(id(p), k)
-            waiting[id(p)] = waiting.get(id(p), 0) + 1
-        rank: dict[int, int] = {}
-        for p in wave:
-            rank.setdefault(p.owner.index, len(rank))
-        self._wave = _Wave(requests, owner, first, waiting, rank, bytearray(len(requests)))
+        self._wave = _Wave()
+        self._wave.add(requests, owner, self.waves)
         self.tally.start_wave(owner, None if plan is None or len(plan.dfs) != len(requests) else
                               (plan.dfs, plan.lcps, [r.prompt_len for r in requests]))
+        first = self.waves
         for h in engine.stream(requests, schedule=self.schedule, seed=self.seed + self.waves, plan=plan,
-                               progress=progress, handover_due=handover_due,
+                               progress=progress, handover_due=handover_due, feed=feed,
                                groups=[p.owner.index for p in owner]):
             if h.last:
-                self.tally.end_wave(h.stats)
+                self.tally.end_wave(h.stats, self.waves - first + 1)
             self._receive(h)
             if h.due or h.last:     # a handover not due: its programs wait for the next that is
                 yield self.take_completed()
         self._wave = None
         self.waves += 1
 
+    def _join(self, engine: BatchEngine, wave_tokens: int, idle: bool, settle: bool) -> list[EngineRequest]:
+        """The engine requests of queued calls that join the running wave now (an open stream's `feed`),
+        picked as a wave is; `idle`: the engine has nothing left to run."""
+        if not self.ready:
+            return []
+        now = time.perf_counter()
+        settle = settle and now - self._settled > SETTLE_S
+        with settled_host_work(settle):
+            calls = self._pick_wave(engine, wave_tokens, force=idle)
+        if settle:
+            self._settled = now
+        if not calls:
+            return []
+        requests, owner = engine_requests(calls, self.seed)
+        self.waves += 1
+        self.tally.join(owner, cast(_Wave, self._wave).add(requests, owner, self.waves))
+        return requests
+
     def _receive(self, h: Handover) -> None:
         """Engine requests `h.final` of the running wave have their results: resolve the calls whose
         requests all have, resume their programs (those that complete wait in `_completed`)."""
         w = cast(_Wave, self._wave)
         self.tally.account(w.requests, w.owner, h.results, [k for k in h.final if k in h.stats.members],
-                           h.stats.members, self.waves)
+                           h.stats.members, w.entered)
         touched: dict[int, ProgramRun] = {}
         for k in h.final:
             w.delivered[k] = 1

@@ -40,7 +40,10 @@ class Tally:
         self.prompt_tree_optimal_hit_rate = 0.0
         self._prompts: list[list[int]] = []            # executed prompts, for the post-hoc optimum
         self._generated: list[tuple[list[int], int]] = []  # (prompt + fed output, prompt length)
-        self.waves: list[int] = []                         # each wave's plan's unique tokens
+        # batches of requests the engine ran (a wave, or each batch that joined an open stream), and the
+        # unique tokens of the first's plan: the optimum of a run of one batch without generation
+        self.batches = 0
+        self.first_unique = 0
         # by task (a suite has several): token counts, and the task's own optimum (`finish`)
         self.tasks: dict[str, TokenCounts] = {}
         self.task_unique: dict[str, int] = {}
@@ -60,19 +63,25 @@ class Tally:
                    tree: tuple[Sequence[int], np.ndarray, list[int]] | None = None) -> None:
         """Count a wave's calls (`owner[j]` is the call of its engine request j). `tree`: the first wave's
         requests' sorted order and common prefixes (its plan's) and their prompts' lengths."""
-        if tree is not None and not self.waves:
+        if tree is not None and not self.batches:
             self._tree = (*tree, [p.owner.instance.task for p in owner])
+        self._first = {}
+        self.join(owner, 0)
+
+    def join(self, owner: list[Pending], first: int) -> None:
+        """Count calls that joined the running wave (an open stream), their engine requests numbered
+        from `first`."""
         for p in dict.fromkeys(owner):
             self.stages.setdefault(p.stage, StageCounts()).calls += 1
-        self._first = {}
-        for k, p in enumerate(owner):
+        for k, p in enumerate(owner, first):
             self._first.setdefault(id(p), k)      # a select's first choice's request
 
     def account(self, requests: list[EngineRequest], owner: list[Pending],
                 results: Sequence[ScoreResult | GenerateResult], executed: Sequence[int],
-                members: dict[int, list[int]], wave: int) -> None:
+                members: dict[int, list[int]], wave: Sequence[int]) -> None:
         """Count executed engine requests of a wave whose results are final, in the order given
-        (their execution order, or the order they finished in when handed over during the wave)."""
+        (their execution order, or the order they finished in when handed over during the wave);
+        `wave[j]`: the batch request j entered the engine in."""
         first = self._first
         for j in executed:
             p, r = owner[j], results[j]
@@ -91,7 +100,7 @@ class Tally:
                 self.think_tokens += r.think_tokens
             select = isinstance(p.op, Select)
             row = RequestRow(
-                order=self.requests_accounted, wave=wave, instance_id=p.owner.instance.id, task=task, stage=p.stage,
+                order=self.requests_accounted, wave=wave[j], instance_id=p.owner.instance.id, task=task, stage=p.stage,
                 call=p.op.name, kind="select" if select else "gen",
                 choices=[m - first[id(p)] for m in members[j]] if select else [], prompt_tokens=r.prompt_tokens,
                 cached_tokens=r.cached_tokens, computed_tokens=r.computed_tokens, decode_tokens=r.decode_tokens,
@@ -99,11 +108,13 @@ class Tally:
             self.requests_accounted += 1
             self.rows_by_run.setdefault(p.owner.index, []).append(row)
 
-    def end_wave(self, st: RunStats) -> None:
-        """Add a wave's engine run to the totals."""
+    def end_wave(self, st: RunStats, batches: int = 1) -> None:
+        """Add a wave's engine run to the totals (`batches`: of requests that entered it)."""
         self.stats.add_run(st)
         self.stats.plan_s += st.plan_s
-        self.waves.append(st.unique_tokens)
+        if not self.batches:
+            self.first_unique = st.unique_tokens
+        self.batches += batches
 
     def absorb(self, other: Tally) -> None:
         """Add another interpreter's counts, each of its waves and the prompts it executed (a data-parallel
@@ -128,7 +139,9 @@ class Tally:
         self._prompt_tasks += other._prompt_tasks
         self._generated += other._generated
         self._generated_tasks += other._generated_tasks
-        self.waves += other.waves
+        if not self.batches:
+            self.first_unique = other.first_unique
+        self.batches += other.batches
         self._tree = None           # no one wave's plan holds every request
 
     def finish(self) -> None:
@@ -153,7 +166,7 @@ class Tally:
             self.sorted = self._merged(seqs) or sorted_lcps(seqs)
             s.unique_tokens, plain = posthoc_figures(self._prompts, self._generated, self.sorted)
         else:
-            plain = self.waves[0] if len(self.waves) == 1 else summarize(self._prompts).unique_tokens
+            plain = self.first_unique if self.batches == 1 else summarize(self._prompts).unique_tokens
             s.unique_tokens = plain     # the prompts' own tree (Theorem 3.1)
         s.optimal_hit_rate = optimal_hit_rate(s.unique_tokens, s.prompt_tokens)
         s.engine_optimal_hit_rate = s.optimal_hit_rate
@@ -179,7 +192,7 @@ class Tally:
         if len(self.tasks) == 1:
             self.task_unique = {task: self.stats.unique_tokens for task in self.tasks}
             return
-        if len(self.waves) == 1 and not self._generated and self._tree is not None:
+        if self.batches == 1 and not self._generated and self._tree is not None:
             self._tasks_from_tree(*self._tree)
             return
         for task in self.tasks:

@@ -18,9 +18,12 @@ from lmbatch.frontend.runs import ProgramRun
 
 @dataclass(frozen=True)
 class WaveBudget:
-    """What bounds a wave: the live cache footprint it may reach, and what a finished program took."""
+    """What bounds a wave: the live cache footprint it may reach, and what a finished program took; `force`:
+    an empty wave takes one program not started whatever the footprint (a wave must; calls that join a
+    running one need not)."""
     wave_tokens: int
     max_final_footprint: int        # largest cache footprint of a finished program (0: none yet)
+    force: bool = True
 
 
 def pick_wave(ready: list[Pending], runs: Sequence[ProgramRun], match_lens: Callable[[list[list[int]]], list[int]],
@@ -42,7 +45,7 @@ def pick_wave(ready: list[Pending], runs: Sequence[ProgramRun], match_lens: Call
 def _admit(fresh: list[Pending], wave: list[Pending], runs: Sequence[ProgramRun], matched: dict[int, int],
            budget: WaveBudget) -> list[Pending]:
     """Append to `wave` the calls of programs not yet started while the budget allows (at least one
-    program when the wave is empty); returns the calls left out."""
+    program when the wave is empty and the budget says `force`); returns the calls left out."""
     active = [r for r in runs if r.started and not r.finished]
     live = sum(r.footprint for r in active)
     grown = budget.max_final_footprint or 4 * max((r.footprint for r in active), default=0)
@@ -51,7 +54,7 @@ def _admit(fresh: list[Pending], wave: list[Pending], runs: Sequence[ProgramRun]
     for p in fresh:
         if p.owner.index not in admitted:
             cost = max(grown, len(gen_ids(p)) - matched[id(p)] + new_tokens(p))
-            if (wave or admitted) and live + cost > budget.wave_tokens:
+            if (wave or admitted or not budget.force) and live + cost > budget.wave_tokens:
                 left.append(p)
                 continue
             admitted.add(p.owner.index)

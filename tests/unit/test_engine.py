@@ -389,3 +389,105 @@ def test_handover_gives_each_result_once_as_final_and_changes_nothing(llama, see
         else:
             assert a.token_ids == b.token_ids
     assert (stats.computed_tokens, stats.cached_tokens) == (plain_stats.computed_tokens, plain_stats.cached_tokens)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10**6), batch=st.sampled_from([4, 16, 256]), joins=st.integers(1, 4))
+def test_an_open_stream_runs_joined_requests_in_tree_order(llama, seed, batch, joins):
+    """Requests fed to a running stream (`feed`, as the interpreter feeds its programs' later calls): each is
+    handed over once, with the result a run of its own batch gives; each joined batch runs in its own plan's
+    DFS order and computes exactly what a run of it would after the batches before it had run (what they
+    left in the cache is hit, nothing is computed twice), while earlier batches' generations still decode;
+    the stream ends when nothing runs and nothing joins."""
+    from lmbatch.scheduler.planner import plan_requests
+
+    path, _ = llama
+    rng = random.Random(seed)
+    scores = random_requests(rng, 40, vocab=120)
+    # generations: each prompt starts with a token of its own, so no other prompt can extend its output
+    gens = [GenerateRequest([120 + k] + [rng.randrange(120) for _ in range(rng.randint(0, 8))],
+                            SamplingParams(max_new_tokens=rng.randint(1, 6), temperature=0.7, seed=k))
+            for k in range(6)]
+    reqs = scores + gens
+    rng.shuffle(reqs)
+    cuts = sorted(rng.sample(range(1, len(reqs)), joins))
+    batches = [reqs[a:b] for a, b in zip([0, *cuts], [*cuts, len(reqs)])]
+    opts = dict(max_tokens_per_batch=batch, max_running=3)
+    warm = engine(path, **opts)             # the batches one after another on one engine: the wave schedule
+    ref = [warm.run(b) for b in batches]
+
+    waiting, asked = list(batches[1:]), []
+
+    def feed(idle):
+        asked.append(idle)
+        return waiting.pop(0) if waiting and (idle or rng.random() < 0.5) else []
+
+    def value(r):
+        return (r.logprob, r.is_greedy) if isinstance(r, ScoreResult) else list(r.token_ids)
+
+    handovers, seen = [], {}
+    for h in engine(path, **opts).stream(batches[0], feed=feed):
+        handovers.append(h)
+        seen.update((i, value(h.results[i])) for i in h.final)     # as handed over
+    assert not waiting and asked[-1] is True and handovers[-1].last
+    final = [i for h in handovers for i in h.final]
+    assert sorted(final) == list(range(len(reqs)))          # each handed over once
+    got, stats = handovers[-1].results, handovers[-1].stats
+    assert all(seen[i] == value(got[i]) for i in seen)      # a result handed over was final
+    base, order = 0, []
+    for b, (results, _) in zip(batches, ref):
+        order += [base + j for j in plan_requests(b, "dfs", 0).order]
+        for k, r in enumerate(results):
+            mine = got[base + k]
+            if isinstance(r, ScoreResult):
+                assert abs(mine.logprob - r.logprob) < 1e-4 and mine.is_greedy == r.is_greedy
+            else:
+                assert mine.token_ids == r.token_ids
+        base += len(b)
+    assert stats.order == order             # tree order, batch by batch
+    assert stats.requests == len(reqs) and stats.executed == sum(s.executed for _, s in ref)
+    for counted in ("computed_tokens", "cached_tokens", "decode_tokens", "prompt_tokens"):
+        assert getattr(stats, counted) == sum(getattr(s, counted) for _, s in ref), counted
+
+
+@pytest.mark.parametrize("max_running", [2, 8])
+def test_a_later_call_joins_while_others_decode_and_hits_its_prefix(llama, max_running):
+    """A program's next calls (prompt + what it generated + more) fed to the stream as soon as its generation
+    ends: they join while longer generations still decode (no barrier), find everything but the last generated
+    token in the cache, and give what the same requests give run on their own."""
+    path, _ = llama
+    firsts = [GenerateRequest([100 + k, 5, 6, 7][: 2 + k % 3], SamplingParams(max_new_tokens=2 + 3 * k,
+                              temperature=0.8, seed=k, ignore_eos=True)) for k in range(6)]
+    eng = engine(path, max_tokens_per_batch=16, max_running=max_running)
+    follow: dict[int, int] = {}             # first request -> its follow-ups' first index
+    joined: list[tuple[bool, int]] = []     # (idle, requests that joined)
+    state = {"results": None, "n": len(firsts), "handed": set()}
+    later: list = []
+
+    def feed(idle):
+        new = []
+        for i in sorted(state["handed"] - set(follow)):
+            if i < len(firsts):             # a first call ended: its program's next two calls
+                ids = firsts[i].prompt + list(state["results"][i].token_ids)
+                follow[i] = state["n"] + len(new)
+                new += [ScoreRequest(ids + [9], [10, 11]),
+                        GenerateRequest(ids + [12], SamplingParams(max_new_tokens=3, temperature=0.8, seed=50 + i))]
+        state["n"] += len(new)
+        later.extend(new)
+        joined.append((idle, len(new)))
+        return new
+
+    for h in eng.stream(firsts, feed=feed):
+        state["results"] = h.results
+        state["handed"] |= set(h.final)
+    got = h.results
+    assert sorted(follow) == list(range(len(firsts))) and len(got) == len(firsts) + len(later)
+    assert any(n and not idle for idle, n in joined)      # joined while generations still ran
+    alone, _ = engine(path, max_tokens_per_batch=16, max_running=max_running).run(later)
+    for i, j in follow.items():
+        out = len(got[i].token_ids)
+        assert out == firsts[i].params.max_new_tokens
+        score, gen = got[j], got[j + 1]
+        assert score.cached_tokens == len(firsts[i].prompt) + out - 1       # all but the last generated token
+        assert abs(score.logprob - alone[j - len(firsts)].logprob) < 1e-4
+        assert gen.token_ids == alone[j + 1 - len(firsts)].token_ids

@@ -245,7 +245,7 @@ def test_a_first_wave_of_selects_planned_ahead_runs_that_plan(tiny_tok, monkeypa
     """`plan_ahead` (called while the model loads) plans a first wave of selects once; the engine
     runs that plan instead of making its own, with the same results. A first wave that is not all
     selects is left to the engine."""
-    from lmbatch.engine import engine as engine_module
+    from lmbatch.engine import stream as engine_module
     from lmbatch.frontend import interpreter as interp_module
 
     def program(s, q):
