@@ -45,12 +45,6 @@ class Decode:
         self.admit()
 
     @property
-    def hungry(self) -> bool:
-        """Whether requests that joined now would soon find a decode row: fewer are queued than 1/8 of
-        the rows (an open stream takes new ones then, in batches of some size, not a few every step)."""
-        return len(self.queue) < max(1, self.max_running // REFILL_DIVISOR)
-
-    @property
     def can_admit(self) -> bool:
         return bool(self.queue) and len(self.running) < self.max_running
 

@@ -2,23 +2,25 @@
 (Decode), their results handed over as they become final (`protocol.Handover`).
 
 With `feed` the stream is open: requests join it while it runs (a program's next calls, as soon as its
-last results are back). After a decode step that ended an eighth of the rows' worth of requests (or any,
-when few are queued for rows), the requests whose results are final are handed over without waiting for
-the device (scores whose logits are still on their way wait for the next handover), and `feed(False)` gives
-the requests that join: planned by themselves (their own radix tree, in DFS order) and queued. Their
-prompts are issued PREFILL_SLICE_S of host work at a time between decode steps, while the device computes
-the step just launched, and all at once when nothing decodes; their generations then queue for decode rows.
-With nothing left to run, `feed(True)` is asked, and the stream ends when it gives nothing.
+last results are back). After a decode step that ended requests while the decode batch, queue included,
+fills at most half its rows (the device underused: a wave's tail), the requests whose results are final
+are handed over without waiting for the device (scores whose logits are still on their way wait for the
+next handover), and `feed(False)` gives the requests that join: planned by themselves (their own radix
+tree, in DFS order), their prompts issued at once (their generations queue for decode rows). With nothing
+left to run, `feed(True)` is asked, and the stream ends when it gives nothing.
+
+Joining more often cost more than it saved, measured (BENCHMARKS.md, "Programs without barriers": tree of
+thought 1.3-2.1x slower joining at every step's results): each join is a small prefill batch of its own
+and a round of first tokens, where a wave's are few and large.
 """
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
 
 import torch
 
-from lmbatch.engine.decode import REFILL_DIVISOR, Decode
+from lmbatch.engine.decode import Decode
 from lmbatch.engine.kv import KVSlots
 from lmbatch.engine.logits import LogitCapture
 from lmbatch.engine.prefill import Prefill
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
     from lmbatch.engine.radix_cache import RadixTree
     from lmbatch.engine.sampler import Sampler
 
-PREFILL_SLICE_S = 0.003     # host work on joined prompts between two decode steps (a 1.5B step: ~7 ms of device)
+ROOM_SHARE = 2      # requests join while the decode batch fills at most 1/ROOM_SHARE of its rows
 
 
 class EngineParts(Protocol):
@@ -58,9 +60,6 @@ class Stream:
         self.decode = Decode(state, engine.model_runner, kv, capture, engine.sampler, engine.rows)
         self.prefill = Prefill(state, engine.model_runner, kv, capture, self.decode, engine.batch_tokens)
         self.handed = bytearray(len(requests))
-        self.pending: deque[int] = deque()      # joined requests whose prompts are not issued yet
-        self.starts: set[int] = set()           # of those, the first of each joined batch
-        self.feed_at = max(1, engine.rows // REFILL_DIVISOR)
 
     def run(self) -> Iterator[Handover]:
         state, decode = self.state, self.decode
@@ -69,26 +68,22 @@ class Stream:
         while True:
             for _ in decode.run_all():
                 state.decoding(decode.decoded)
-                if self.pending:
-                    yield from self._issue_some(PREFILL_SLICE_S if decode.running else None)
                 if due := self._due():
                     h = self._hand_over()
-                elif self.feed is not None and (len(state.final) >= self.feed_at or state.final and decode.hungry):
+                elif self.feed is not None and state.final and self._room(decode):
                     h = self._hand_over_ready()
                 else:
                     continue
                 if due or h.final:
                     yield h
                 if self.feed is not None and h.final:  # the caller resumed programs: their next calls join
-                    self._join(self.feed(False))
-            if self.pending:            # nothing decodes: the joined prompts at once (their gens queue)
-                yield from self._issue_some(None)
-                continue
+                    yield from self._join(self.feed(False))
             if self.feed is None:
                 break
             yield self._hand_over(self._due())      # nothing left to run: the caller's next calls, or the end
-            if not self._join(self.feed(True)):
+            if not (new := self.feed(True)):
                 break
+            yield from self._join(new)
         self.capture.drain()
         self.capture.finish_scores()
         if self.device.type == "cuda":
@@ -96,6 +91,12 @@ class Stream:
         st = self.state.stats
         st.plan_s, st.execute_s = self.plan_s, time.perf_counter() - self.t0 - self.plan_s
         yield Handover(remaining(st, self.handed), self.state.results, st, True)
+
+    @staticmethod
+    def _room(decode: Decode) -> bool:
+        """Whether the decode batch, queue included, fills at most half its rows (ROOM_SHARE): the device is
+        underused, and requests that join cost it little."""
+        return (len(decode.running) + len(decode.queue)) * ROOM_SHARE < decode.max_running
 
     def _due(self) -> bool:
         return self.handover_due is not None and self.handover_due()
@@ -108,33 +109,19 @@ class Stream:
             if self._due():
                 yield self._hand_over()
 
-    def _issue_some(self, slice_s: float | None) -> Iterator[Handover]:
-        """Issue joined prompts for `slice_s` of host work (None: all of them, and run the batch)."""
-        end = None if slice_s is None else time.perf_counter() + slice_s
-        pending = self.pending
-        while pending and (end is None or time.perf_counter() < end):
-            if pending[0] in self.starts:       # each joined batch in prefill batches of its own, as a run of it
-                self.starts.discard(pending[0])
-                self.prefill.flush()
-            self.prefill.add(pending.popleft())
-            if self._due():
-                yield self._hand_over()
-        if not pending:
-            self.prefill.flush()
-
-    def _join(self, new: Sequence[Request]) -> bool:
-        """Requests fed to the running stream: planned by themselves, queued for `_issue_some`."""
+    def _join(self, new: Sequence[Request]) -> Iterator[Handover]:
+        """Requests fed to the running stream: planned by themselves and issued now, in their plan's order
+        (their generations queue for decode rows)."""
         if not new:
-            return False
+            return
         t = time.perf_counter()
         joined = plan_requests(new, self.schedule, self.seed)
         first = self.state.extend(new, joined)
         self.capture.extend(first)
         self.handed.extend(bytes(len(new)))
-        self.pending.extend(first + j for j in joined.order)
-        self.starts.add(first + joined.order[0])
         self.plan_s += time.perf_counter() - t
-        return True
+        yield from self._issue([first + j for j in joined.order])
+        self.prefill.flush()
 
     # ---- handovers ----------------------------------------------------------------------------------
     def _hand_over(self, due: bool = True) -> Handover:

@@ -4,9 +4,9 @@ Every program runs in its own greenlet until it waits for a model result. The ca
 waiting programs form a wave, executed as one engine batch (planned as a radix tree, in DFS order).
 The first wave holds the first-stage calls of every instance, so the offline tree covers them all.
 Later calls depend on generated text. On an engine that takes requests while it runs
-(`open_stream`), a program's next calls join the running batch as soon as its results are back:
-at every handover made while decode rows are about to free, and whenever the engine has nothing
-left to run; nothing waits for a wave's slowest request. Otherwise (several workers' engine, or
+(`open_stream`), a program's next calls join the running batch once its results are back and the
+batch has room (engine/stream.py: its decode rows at most half taken), and whenever the engine has
+nothing left to run; a program need not wait for a wave's slowest request. Otherwise (several workers' engine, or
 `LMBATCH_BARRIERS=1`) they join the next wave. Either way the calls that join are picked by longest
 cached prefix in the live tree (SGLang's online approximation of DFS), programs not yet started only
 while the cache footprint of those under way leaves room (`waves.pick_wave`), so that what a call

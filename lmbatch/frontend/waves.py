@@ -46,6 +46,8 @@ def _admit(fresh: list[Pending], wave: list[Pending], runs: Sequence[ProgramRun]
            budget: WaveBudget) -> list[Pending]:
     """Append to `wave` the calls of programs not yet started while the budget allows (at least one
     program when the wave is empty and the budget says `force`); returns the calls left out."""
+    if not fresh:
+        return []
     active = [r for r in runs if r.started and not r.finished]
     live = sum(r.footprint for r in active)
     grown = budget.max_final_footprint or 4 * max((r.footprint for r in active), default=0)

@@ -1,6 +1,6 @@
-"""Programs without barriers (issue 56): on one engine a program's next call joins the running batch as soon
-as its last result is back (the engine's open stream), where before it waited for the wave of every other
-program's calls (`LMBATCH_BARRIERS=1` keeps that). Tree of thought, a sampled program of uneven stages, JSON
+"""Programs without barriers (issue 56): on one engine a program's next call joins the running batch once its
+results are back and the batch has room (the engine's open stream), where before it waited for the wave of every
+other program's calls (`LMBATCH_BARRIERS=1` keeps that). Tree of thought, a sampled program of uneven stages, JSON
 after thinking and a suite of JSON and MMLU give the same results either way: bit for bit with
 `--deterministic`, the same text and scores to float32 batching noise without; on one engine and on two
 workers (each running its programs whole, with an open stream of its own)."""
