@@ -9,7 +9,7 @@ next handover), and `feed(False)` gives the requests that join: planned by thems
 tree, in DFS order), their prompts issued at once (their generations queue for decode rows). With nothing
 left to run, `feed(True)` is asked, and the stream ends when it gives nothing.
 
-Joining more often cost more than it saved, measured (BENCHMARKS.md, "Programs without barriers": tree of
+Joining more often cost more than it saved (BENCHMARKS.md, "Figures behind rules in the code": tree of
 thought 1.3-2.1x slower joining at every step's results): each join is a small prefill batch of its own
 and a round of first tokens, where a wave's are few and large.
 """
