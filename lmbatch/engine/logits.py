@@ -107,7 +107,7 @@ def _demands(state: RunState, first: int = 0) -> _Demands:
 
 
 class _Growing:
-    """An array appended to in place (its room doubled when it runs out), read through `view`."""
+    """An array appended to in place (its room doubled when it runs out), read as what `append` returns."""
 
     def __init__(self, a: np.ndarray):
         self.buf, self.n = a, len(a)
