@@ -35,7 +35,7 @@ def worker_tallies(programs: int = 1319, workers: int = 4, seed: int = 0) -> lis
     for t in tallies:
         t.stats.prompt_tokens = sum(map(len, t._prompts))
         t.tasks["tot"] = t.stats
-        t.waves = [1, 2]
+        t.batches = 2
         t.finish()          # on its worker
     return [pickle.loads(pickle.dumps(t)) for t in tallies]       # as they arrive
 

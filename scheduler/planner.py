@@ -12,14 +12,18 @@ Definitions (reported by every run):
 from __future__ import annotations
 
 import random
+import sys
+from array import array
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence, cast
+from typing import Any, NamedTuple, Sequence, cast
 
 import numpy as np
 
 from lmbatch.requests import GenerateRequest, ScoreRequest, optimal_hit_rate
 
 SCHEDULES = ("dfs", "fcfs", "random")
+TOKEN_BYTES = array("I").itemsize     # a token id in a sort key (`sort_key`): 4 on every platform we know
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 @dataclass(eq=False)
@@ -82,7 +86,8 @@ def sorted_lcps(prompts: Sequence[Sequence[int]]) -> tuple[list[int], np.ndarray
         return [], np.zeros(0, dtype=np.int64)
     first: dict[int, int] = {}
     rep = [first.setdefault(id(p), i) for i, p in enumerate(prompts)]
-    distinct = sorted(first.values(), key=cast("Callable[[int], Any]", prompts.__getitem__))  # lexicographic
+    keys = {i: sort_key(prompts[i]) for i in first.values()}
+    distinct = sorted(first.values(), key=keys.__getitem__)     # lexicographic, equal ones by index (stable)
     if len(distinct) == n:
         order = distinct
     else:
@@ -92,7 +97,7 @@ def sorted_lcps(prompts: Sequence[Sequence[int]]) -> tuple[list[int], np.ndarray
         order = [i for r in distinct for i in places[r]]
     lcps = np.fromiter((len(prompts[i]) for i in order), dtype=np.int64, count=n)   # a repeat's: its length
     starts = [k for k in range(n) if rep[order[k]] == order[k]]                     # each object's first place
-    lcps[starts] = _adjacent_lcps([prompts[order[k]] for k in starts])
+    lcps[starts] = _adjacent_lcps([keys[order[k]] for k in starts]) // TOKEN_BYTES
     if len(distinct) < n:       # equal prompts of different objects: by index, as a stable sort of all gives
         lens = np.fromiter((len(prompts[i]) for i in order), np.int64, n)
         same = np.zeros(n, dtype=bool)
@@ -112,9 +117,21 @@ def sub_lcps(lcps: np.ndarray, ranks: np.ndarray) -> np.ndarray:
     return out
 
 
-def _adjacent_lcps(seqs: list[Sequence[int]]) -> np.ndarray:
-    """For each sequence, its longest common prefix with the one before it (0 for the first): list slices
-    compared (no Python work per token, and no copy of every token into an array, which took longer)."""
+def sort_key(tokens: Sequence[int]) -> bytes:
+    """Token ids (0 <= id < 2**32) as bytes that sort as the ids do, lexicographically: each id big-endian in
+    TOKEN_BYTES bytes, so two sequences compare at memcmp speed, where lists compare id by id through
+    Python's comparison (prompts of one long shared head took seconds to sort: tree of thought's post-hoc
+    optimum, 62k sequences, 5.8 s as lists, 0.6 s as bytes, keys made included). Their common prefix in
+    bytes, floored to TOKEN_BYTES, is the sequences' in tokens."""
+    a = array("I", tokens)
+    if _LITTLE_ENDIAN:
+        a.byteswap()
+    return a.tobytes()
+
+
+def _adjacent_lcps(seqs: list[Sequence[int]] | list[bytes]) -> np.ndarray:
+    """For each sequence, its longest common prefix with the one before it (0 for the first): slices
+    compared (no Python work per element)."""
     lcps = np.zeros(len(seqs), dtype=np.int64)
     for k in range(1, len(seqs)):
         lcps[k] = common_prefix(seqs[k - 1], seqs[k])

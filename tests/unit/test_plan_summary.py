@@ -13,16 +13,20 @@ from lmbatch.scheduler.merge import merge_sorted
 from lmbatch.scheduler.planner import make_plan, posthoc_figures, sorted_lcps, summarize
 
 tokens = st.lists(st.integers(0, 2), min_size=1, max_size=6)
+# ids that differ in one byte of four only (sort_key's big-endian bytes): an order or a common prefix taken
+# from the bytes rather than the ids would differ here
+wide_tokens = st.lists(st.sampled_from([0, 1, 255, 256, 257, 511, 65535, 65536, 65792, 2**24, 2**24 + 1, 2**31 - 1,
+                                        2**32 - 1]), min_size=1, max_size=6)
 # a long common run then a short tail: common prefixes across numpy's 64-position blocks
 long_tokens = st.builds(lambda n, tail: [k % 2 for k in range(n)] + tail, st.integers(0, 200),
                         st.lists(st.integers(0, 2), max_size=4)).filter(bool)
 
 
 @st.composite
-def batches(draw, max_prompts: int = 14, long: bool = False):
+def batches(draw, max_prompts: int = 14, long: bool = False, wide: bool = False):
     """Non-empty prompts: drawn from a pool, then copied, extended or cut (never to empty), or an earlier
     prompt's list itself."""
-    seq = long_tokens if long else tokens
+    seq = long_tokens if long else wide_tokens if wide else tokens
     pool = draw(st.lists(seq, min_size=1, max_size=4))
     prompts = []
     for _ in range(draw(st.integers(1, max_prompts))):
@@ -96,7 +100,7 @@ def test_summary_matches_brute_force_and_plan(data):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.one_of(batches(max_prompts=20), batches(max_prompts=8, long=True)))
+@given(st.one_of(batches(max_prompts=20), batches(max_prompts=8, long=True), batches(max_prompts=20, wide=True)))
 def test_sorted_lcps_brute_force(prompts):
     order, lcps = sorted_lcps(prompts)
     assert order == sorted(range(len(prompts)), key=lambda i: (prompts[i], i))
