@@ -53,7 +53,8 @@ class Engine:
         """`overrides`: EngineOptions fields, e.g. `Engine(model, kv_cache_tokens=4096)`."""
         o = self.options = replace(options or EngineOptions(), **overrides)
         self.rows: int = o.max_running if o.max_running is not None else DECODE_ROWS    # decode rows
-        o = self.options = replace(o, max_running=self.rows)
+        self.wide_rows: int = o.wide_rows if o.wide_rows is not None else self.rows    # ... of many generations
+        o = self.options = replace(o, max_running=self.rows, wide_rows=self.wide_rows)
         if o.kv_cache_tokens is None or o.max_tokens_per_batch is None:
             raise ValueError("EngineOptions' sizes are left to fit: engine.build.fit decides them")
         self.batch_tokens: int = o.max_tokens_per_batch
@@ -63,7 +64,7 @@ class Engine:
         self.attn, self.graphs = self.model_runner.attn, self.model_runner.graphs
         self.tree = RadixTree(self.pool.free) if o.cache else None
         self.sampler = Sampler(self.cfg, self.device, tokenizer=tokenizer, masks=o.masks,
-                               jump_forward=o.jump_forward, max_rows=self.rows)
+                               jump_forward=o.jump_forward, max_rows=max(self.rows, self.wide_rows))
 
     @classmethod
     def from_pretrained(cls, path: str | Path, options: EngineOptions | None = None, *,

@@ -113,7 +113,7 @@ class ModelRunner:
             # a row per token: a step's rows after jump-forwards may outnumber its requests
             scratch = int(self.pool.reserve(1)[0])
             rows = cast(int, o.max_running)     # graphs to twice the rows (jump-forward), past DECODE_ROWS only to them
-            largest = min(2 * rows, max(rows, DECODE_ROWS))
+            largest = max(min(2 * rows, max(rows, DECODE_ROWS)), o.wide_rows or rows)     # and a wide stream's
             self.graphs = DecodeGraphs(cast(Transformer, model), self.pool, scratch, largest)
             self.graphs.deterministic = o.deterministic
             if entry.levels != "never" and not o.deterministic and not cfg.attn_sinks:     # the levels have no sinks

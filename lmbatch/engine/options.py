@@ -9,8 +9,10 @@ MASK_MODES = ("overlap", "lazy", "eager")   # when grammar rows fill their token
 
 
 DECODE_ROWS = 512           # decode rows of an engine whose options were not fitted, and of most runs
-SMALL_DECODE_ROWS = 1024    # of a run whose host sets the pace (build.decode_rows): a step reads the weights for
-                            # twice the rows, and there are half as many steps
+SMALL_DECODE_ROWS = 1024    # of a run whose host sets the pace (build.decode_rows), and of a stream of many
+                            # generations on a small model (`wide_rows`): a step reads the weights for twice the
+                            # rows, and there are half as many steps
+WIDE_FROM = 4096            # generations a stream holds at least to decode with `wide_rows` (engine/stream.py)
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,7 @@ class EngineOptions:
     attention: str | None = None        # backend name (lmbatch.attention.BACKENDS); None: the device's default
     cache: bool = True                  # reuse KV across requests (the radix cache)
     max_running: int | None = None      # decode rows (None: fitted, engine/build.py; unfitted: DECODE_ROWS)
+    wide_rows: int | None = None        # ... of a stream of WIDE_FROM generations or more (None: max_running)
     cuda_graphs: bool = True            # replay decode steps as CUDA graphs (CUDA only)
     jump_forward: bool = True           # append grammar-forced text without decoding it
     masks: str = "overlap"              # when grammar rows fill their token masks (MASK_MODES)

@@ -23,6 +23,7 @@ import torch
 from lmbatch.engine.decode import Decode
 from lmbatch.engine.kv import KVSlots
 from lmbatch.engine.logits import LogitCapture
+from lmbatch.engine.options import WIDE_FROM
 from lmbatch.engine.prefill import Prefill
 from lmbatch.engine.protocol import Handover, Request, StreamArgs, remaining
 from lmbatch.engine.state import RunState
@@ -43,6 +44,7 @@ class EngineParts(Protocol):
     tree: RadixTree | None
     sampler: Sampler
     rows: int                   # decode rows
+    wide_rows: int              # ... of a stream of WIDE_FROM generations or more
     batch_tokens: int           # tokens a prefill batch holds
 
 
@@ -57,9 +59,18 @@ class Stream:
         self.plan_s = time.perf_counter() - t0
         self.t0, self.device = t0, engine.model_runner.device
         kv = KVSlots(engine.model_runner.pool, engine.tree, state.stats)
-        self.decode = Decode(state, engine.model_runner, kv, capture, engine.sampler, engine.rows)
+        self.decode = Decode(state, engine.model_runner, kv, capture, engine.sampler, self.rows(engine, requests))
         self.prefill = Prefill(state, engine.model_runner, kv, capture, self.decode, engine.batch_tokens)
         self.handed = bytearray(len(requests))
+
+    @staticmethod
+    def rows(engine: EngineParts, requests: Sequence[Request]) -> int:
+        """Decode rows: the engine's wide rows where the stream starts with WIDE_FROM generations or more (k
+        samples of every question: rounds of full steps, whose weights' read more rows share), else its rows.
+        Requests that join later keep them."""
+        wide = engine.wide_rows > engine.rows and \
+            sum(isinstance(r, GenerateRequest) for r in requests) >= WIDE_FROM
+        return engine.wide_rows if wide else engine.rows
 
     def run(self) -> Iterator[Handover]:
         state, decode = self.state, self.decode

@@ -192,3 +192,24 @@ def test_decode_rows_follow_the_models_size_and_the_runs_stages_on_a_gpu():
     assert build.decode_rows(_cfg("qwen2.5-1.5b"), "cpu", "float32", 7) == 512
     assert build.decode_rows(_cfg("qwen3-8b"), "cuda", "bfloat16", 7) == 512
     assert EngineOptions().max_running is None and EngineOptions(max_running=3).max_running == 3
+
+
+def test_wide_rows_are_a_small_models_on_a_gpu():
+    """1,024 rows for a stream of many generations on a model of SMALL_MODEL_BYTES at most on a GPU; else
+    DECODE_ROWS. A stream takes them only from WIDE_FROM generations, scores not counted."""
+    from types import SimpleNamespace
+
+    from lmbatch.engine import build
+    from lmbatch.engine.options import DECODE_ROWS, SMALL_DECODE_ROWS, WIDE_FROM
+    from lmbatch.engine.stream import Stream
+    from lmbatch.requests import GenerateRequest, SamplingParams, ScoreRequest
+
+    assert build.wide_rows(_cfg("qwen2.5-1.5b"), "cuda", "bfloat16") == SMALL_DECODE_ROWS == 1024
+    assert build.wide_rows(_cfg("qwen3-8b"), "cuda", "bfloat16") == DECODE_ROWS == 512
+    assert build.wide_rows(_cfg("qwen2.5-1.5b"), "cpu", "float32") == DECODE_ROWS
+    eng = SimpleNamespace(rows=512, wide_rows=1024)
+    gen = GenerateRequest([1, 2], SamplingParams(max_new_tokens=4))
+    score = ScoreRequest([1], [2])
+    assert Stream.rows(eng, [gen] * WIDE_FROM) == 1024
+    assert Stream.rows(eng, [gen] * (WIDE_FROM - 1) + [score] * 10) == 512
+    assert Stream.rows(SimpleNamespace(rows=1024, wide_rows=1024), [gen] * 3) == 1024

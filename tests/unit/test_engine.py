@@ -151,6 +151,22 @@ def test_finished_rows_are_refilled_while_long_generations_run(llama):
     assert stats.forward_batches <= 1 + (row_steps + 1) // 2 + 1, stats.forward_batches
 
 
+@pytest.mark.parametrize("wide_from", [4, 5])
+def test_a_stream_of_many_generations_decodes_with_the_wide_rows(llama, monkeypatch, wide_from):
+    """A stream that starts with WIDE_FROM generations or more decodes with the engine's `wide_rows` (4 rows
+    here: 4 requests of 6 tokens in 5 steps after their prompts' batch), one of fewer with its `rows` (2: two
+    rounds of 5 steps); the tokens are those of any row count."""
+    import lmbatch.engine.stream
+
+    path, _ = llama
+    monkeypatch.setattr(lmbatch.engine.stream, "WIDE_FROM", wide_from)
+    reqs = [GenerateRequest([3, 1, 4, i], SamplingParams(max_new_tokens=6, ignore_eos=True)) for i in range(4)]
+    free, _ = engine(path).generate(reqs)
+    got, stats = engine(path, max_running=2, wide_rows=4).generate(reqs, schedule="fcfs")
+    assert [r.token_ids for r in got] == [r.token_ids for r in free]
+    assert stats.forward_batches == (1 + 5 if wide_from <= len(reqs) else 1 + 2 * 5), stats.forward_batches
+
+
 @pytest.mark.parametrize("per_round, extra", [(1024, 1), (3, 3)])
 def test_first_tokens_of_queued_requests_take_one_sampling_round(llama, monkeypatch, per_round, extra):
     """Every request's first token comes from its prompt's logits: those of a whole wave, queued or
