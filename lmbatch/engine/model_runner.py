@@ -140,8 +140,8 @@ class ModelRunner:
         `pending_src` of `pending`, the tokens the last step sampled."""
         if self.graphs is not None:
             self.capture_graphs()
-            if pending is not None and all(r.pending for r in rows):   # a step of sampled tokens only
-                return self._decode_pending(rows, pending)
+            if all(r.pending or len(r.out) == r.fed + 1 for r in rows):    # a token a row (no jump-forward)
+                return self._decode_one(rows, pending)
             toks, positions, seqs, last, src = [], [], [], [], []
             ends: list[Node | None] | None = [] if self.graphs.levels is not None else None     # cascade
             for r in rows:
@@ -172,16 +172,24 @@ class ModelRunner:
             r.fed = len(r.out)
         return self.forward(b)
 
-    def _decode_pending(self, rows: list[Running], pending: torch.Tensor) -> torch.Tensor:
-        """`decode` where every row feeds the token the last step sampled (overlapped decode's steady state):
-        a token a row, its logits every row's."""
+    def _decode_one(self, rows: list[Running], pending: torch.Tensor | None) -> torch.Tensor:
+        """`decode` where every row feeds one token: the one the last step sampled on the device (overlapped
+        decode's steady state), or one the host appended (a first token from the prompt's logits, a grammar's
+        pick), as in a step that admits requests; its logits every row's. No list of each row's tokens and
+        no row picked from the logits (the general path's, for jump-forwards)."""
         graphs = cast("DecodeGraphs", self.graphs)
         positions = [r.prompt_len + r.fed for r in rows]
-        src = np.fromiter((r.pending_src for r in rows), dtype=np.int64, count=len(rows))
+        tokens = [0 if r.pending else r.out[r.fed] for r in rows]
+        feed = None
+        if pending is not None:
+            feed = (np.fromiter((r.pending_src if r.pending else -1 for r in rows), dtype=np.int64, count=len(rows)),
+                    pending)
+        else:
+            assert not any(r.pending for r in rows), "a token sampled on the device needs the step's tokens"
         for r in rows:
             r.fed += 1
         ends = [r.node for r in rows] if graphs.levels is not None else None
-        return graphs.run([0] * len(rows), positions, [r.slots for r in rows], None, (src, pending), ends)
+        return graphs.run(tokens, positions, [r.slots for r in rows], None, feed, ends)
 
     @torch.inference_mode()
     def warm_up(self, tokens: int = 16) -> None:
