@@ -71,11 +71,16 @@ class _GraphAttention(AttentionBackend):
 
 
 class DecodeGraphs:
-    def __init__(self, model: Transformer, pool: KVPool, scratch_slot: int, max_batch: int) -> None:
+    def __init__(self, model: Transformer, pool: KVPool, scratch_slot: int, max_batch: int,
+                 ahead: int | None = None) -> None:
+        """Buffers for steps of up to `max_batch` rows; the graphs of buckets up to `ahead` (default: all)
+        captured by `capture_all` and compiled ahead by `variants`' helpers, the larger ones once a run asks
+        for them (`capture_all(upto)`: a stream of wide rows, engine/stream.py)."""
         self.model, self.pool, self.scratch = model, pool, scratch_slot
         dev = pool.k.device
         self.buckets = [b for b in BUCKETS if b <= max(max_batch, 1)]
         n = self.buckets[-1]
+        self.ahead = min(ahead, n) if ahead is not None else n
         self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
         self.out_slots = torch.full((n,), scratch_slot, dtype=torch.int64, device=dev)
@@ -141,12 +146,14 @@ class DecodeGraphs:
             buf = self._staged[k] = torch.empty(size + size // 2, dtype=torch.int64).pin_memory()
         return buf[:size]
 
-    def capture_all(self) -> None:
-        """Capture every bucket now, largest first (the others reuse its memory), so that no run
-        pays for a capture."""
+    def capture_all(self, upto: int | None = None) -> None:
+        """Capture every bucket up to `ahead` now (`upto` raises it for good: a capture after the buffers
+        grow takes those too), largest first (the others reuse its memory), so that no step pays for a
+        capture."""
+        self.ahead = max(self.ahead, min(upto, self.buckets[-1])) if upto is not None else self.ahead
         for b in reversed(self.buckets):
             key = (b, self._cascades(b))
-            if key not in self.graphs:
+            if b <= self.ahead and key not in self.graphs:
                 self._capture(*key)
 
     def _cascades(self, b: int) -> bool:
@@ -156,7 +163,8 @@ class DecodeGraphs:
     def variants(self) -> list[tuple[int, bool]]:
         """Every graph a run may replay, largest bucket first: each bucket's, and a cascade bucket's
         plain-decode graph (for steps whose rows share no level)."""
-        return [(b, c) for b in reversed(self.buckets) for c in ((True, False) if self._cascades(b) else (False,))]
+        return [(b, c) for b in reversed(self.buckets) if b <= self.ahead
+                for c in ((True, False) if self._cascades(b) else (False,))]
 
     def warm(self, b: int, cascade: bool) -> None:
         """Run graph (b, cascade)'s forward once, uncaptured: its kernels compiled (engine/precompile.py)."""
@@ -207,9 +215,9 @@ class DecodeGraphs:
         node's path), for the shared levels of cascade attention. Returns the logits [len(rows), vocab] of the
         rows asked for (default: all), in the model's dtype where it soft-caps none (Transformer.forward's
         float_logits): a view of the graph's output when those are all its rows of one replay (valid until the
-        next: graphs share their memory), else a copy. Past the largest bucket, rows run in order in several
-        replays."""
-        cap = self.buckets[-1]
+        next: graphs share their memory), else a copy. Past the largest bucket captured ahead (`ahead`), rows
+        run in order in several replays."""
+        cap = max(b for b in self.buckets if b <= self.ahead)      # the largest graph a step may replay
         if rows is None and len(tokens) <= cap:     # every row's logits, of one replay: a view
             return self._replay(tokens, positions, seqs, pending, self._level_plan(ends))
         rows = list(range(len(tokens))) if rows is None else rows

@@ -113,17 +113,24 @@ class ModelRunner:
             # a row per token: a step's rows after jump-forwards may outnumber its requests
             scratch = int(self.pool.reserve(1)[0])
             rows = cast(int, o.max_running)     # graphs to twice the rows (jump-forward), past DECODE_ROWS only to them
-            largest = max(min(2 * rows, max(rows, DECODE_ROWS)), o.wide_rows or rows)     # and a wide stream's
-            self.graphs = DecodeGraphs(cast(Transformer, model), self.pool, scratch, largest)
+            ahead = min(2 * rows, max(rows, DECODE_ROWS))
+            # a wide stream's rows (EngineOptions.wide_rows) have buffers; their graphs wait for such a stream
+            self.graphs = DecodeGraphs(cast(Transformer, model), self.pool, scratch, max(ahead, o.wide_rows or rows),
+                                       ahead)
             self.graphs.deterministic = o.deterministic
             if entry.levels != "never" and not o.deterministic and not cfg.attn_sinks:     # the levels have no sinks
                 self.graphs.use_cascade(every_step=entry.levels == "every")
 
-    def capture_graphs(self) -> None:
-        """Capture every decode graph now (a run that only scores never needs them)."""
-        if self.graphs is not None and not self._captured:
+    def capture_graphs(self, rows: int | None = None) -> None:
+        """Capture every decode graph now (a run that only scores never needs them); `rows`: those of steps
+        that large too (a stream of wide rows)."""
+        if self.graphs is None:
+            return
+        if rows is not None:
+            self.graphs.capture_all(rows)
+        elif not self._captured:
             self.graphs.capture_all()
-            self._captured = True
+        self._captured = True
 
     def forward(self, batch: TokenBatch) -> torch.Tensor:
         """Logits at the batch's logit rows (launched; the device may still be computing them)."""

@@ -59,7 +59,10 @@ class Stream:
         self.plan_s = time.perf_counter() - t0
         self.t0, self.device = t0, engine.model_runner.device
         kv = KVSlots(engine.model_runner.pool, engine.tree, state.stats)
-        self.decode = Decode(state, engine.model_runner, kv, capture, engine.sampler, self.rows(engine, requests))
+        rows = self.rows(engine, requests)
+        if rows > engine.rows:      # the decode graphs of such steps, captured now (none for a run that never widens)
+            engine.model_runner.capture_graphs(rows)
+        self.decode = Decode(state, engine.model_runner, kv, capture, engine.sampler, rows)
         self.prefill = Prefill(state, engine.model_runner, kv, capture, self.decode, engine.batch_tokens)
         self.handed = bytearray(len(requests))
 

@@ -689,6 +689,30 @@ def test_graphs_captured_mid_run_leave_the_cache_alone(tmp_path, monkeypatch):
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
 
 
+def test_a_wide_stream_captures_its_buckets_as_it_starts(tmp_path, monkeypatch):
+    """An engine of 8 decode rows and 24 wide ones (EngineOptions.wide_rows) captures graphs up to 16 rows
+    ahead (twice its rows, jump-forward's); a stream of WIDE_FROM generations or more captures the 24-row
+    bucket as it starts and decodes its 24 requests in one round, with the float32 tokens and the forward
+    passes of an engine of 24 rows."""
+    import lmbatch.engine.stream
+
+    make_tiny_hf("llama", tmp_path, hidden_size=256, head_dim=64)
+    g = random.Random(3)
+    reqs = [GenerateRequest([g.randrange(5, 120) for _ in range(10 + i)],
+                            SamplingParams(max_new_tokens=6, ignore_eos=True)) for i in range(24)]
+    want, want_stats = Engine.from_pretrained(tmp_path, device="cuda", dtype=torch.float32, attention="triton",
+                                              max_running=24).generate(reqs)
+    eng = Engine.from_pretrained(tmp_path, device="cuda", dtype=torch.float32, attention="triton", max_running=8,
+                                 wide_rows=24)
+    eng.model_runner.capture_graphs()
+    assert eng.graphs.buckets[-1] == 24 and max(b for b, _ in eng.graphs.graphs) == 16
+    monkeypatch.setattr(lmbatch.engine.stream, "WIDE_FROM", 24)
+    got, stats = eng.generate(reqs)
+    assert max(b for b, _ in eng.graphs.graphs) == 24
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert stats.forward_batches == want_stats.forward_batches
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma2"])
 def test_deterministic_engine_bits_do_not_depend_on_the_batch(tmp_path, kind):
     """bf16 on CUDA with --deterministic: scores and greedy / sampled tokens bit for bit the same across
