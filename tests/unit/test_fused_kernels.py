@@ -1,6 +1,8 @@
-"""kernels/fused.py's RoPE-and-store kernel on the CPU, under Triton's interpreter: a decode step's q rotated
-in place and its keys (rotated) and values written into the KV pool's slots, as rotating then storing does
-(layers.apply_rope, AttentionBackend.store). The GPU suite runs it compiled, in bf16 (tests/gpu/test_gpu.py).
+"""Our small Triton kernels on the CPU, under Triton's interpreter, against their plain PyTorch forms:
+kernels/fused.py's RoPE-and-store (a decode step's q rotated in place and its keys (rotated) and values
+written into the KV pool's slots, as rotating then storing does: layers.apply_rope, AttentionBackend.store),
+RMSNorm and gated activations; kernels/sampling.py's Gumbel-max; kernels/moe.py's grouped-GEMM experts. The
+GPU suite runs them compiled, in bf16 (tests/gpu/test_gpu.py).
 
 The interpreter is chosen when `triton.jit` runs (TRITON_INTERPRET=1 at import): a process of its own."""
 
@@ -141,3 +143,40 @@ def test_fused_norm_and_activation_kernels_round_as_the_plain_ops():
         assert c["same_kind"] and c["near"], c
         if c["dtype"] == "torch.float16":
             assert c["exact"] >= (0.95 if "gelu" in c["case"] else 0.99), c
+
+
+MOE = r'''
+import json
+import torch
+import torch.nn.functional as F
+
+from lmbatch.kernels.moe import fused_moe
+from lmbatch.model.layers import act_mul
+
+out = []
+E, k, H, n = 8, 2, 64, 80      # the intermediate size past one block of 64 columns
+for T in (1, 7, 40):            # decode-sized (blocks of 16 rows a expert) and prefill-sized (64)
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g)
+    gu, dn = 0.2 * torch.randn(E, 2 * n, H, generator=g), 0.2 * torch.randn(E, H, n, generator=g)
+    w, ex = torch.topk(torch.softmax(torch.randn(T, E, generator=g), -1), k, -1)
+    want = torch.zeros(T, H)
+    for e in ex.unique().tolist():
+        t, s = torch.where(ex == e)
+        want.index_add_(0, t, F.linear(act_mul(F.linear(x[t], gu[e])), dn[e]) * w[t, s, None])
+    got = fused_moe(x, gu, dn, w, ex, act_mul)
+    out.append({"T": T, "unused": E - len(ex.unique()), "err": float((got - want).abs().max()),
+                "scale": float(want.abs().max())})
+print(json.dumps(out))
+'''
+
+
+def test_fused_moe_kernel_is_the_expert_loop():
+    """kernels/moe.py's grouped GEMMs (slots sorted by expert, each expert's run padded to a block) against
+    each expert run on its own tokens and the routing weights summed, float32 under Triton's interpreter: one
+    token, a decode-sized batch, a prefill-sized one; experts left without tokens. The GPU suite runs it
+    compiled, in bf16 (test_fused_moe_matches_the_expert_loop)."""
+    r = interpreted(MOE, timeout=600)
+    assert [c["T"] for c in r] == [1, 7, 40] and r[0]["unused"] > 0, r
+    for c in r:
+        assert c["err"] <= 1e-5 * max(1.0, c["scale"]), c
