@@ -118,12 +118,11 @@ def sub_lcps(lcps: np.ndarray, ranks: np.ndarray) -> np.ndarray:
 
 
 def sort_key(tokens: Sequence[int]) -> bytes:
-    """Token ids (0 <= id < 2**32) as bytes that sort as the ids do, lexicographically: each id big-endian in
-    TOKEN_BYTES bytes, so two sequences compare at memcmp speed, where lists compare id by id (by identity
-    where they hold the same int objects, else through Python's comparison). Tree of thought's post-hoc
-    optimum (62k sequences): sort and common prefixes 2.2 s as lists, 1.7 s as bytes, 0.9 s of it making
-    the keys (py-spy, H200 host); 6.1 s against 1.6 on this project's 2-core CPU (bench_posthoc_merge.py).
-    Their common prefix in bytes, floored to TOKEN_BYTES, is the sequences' in tokens."""
+    """Token ids (0 <= id < 2**32) as bytes that sort as the ids do, lexicographically (each id big-endian in
+    TOKEN_BYTES bytes; their common prefix in bytes, floored to TOKEN_BYTES, is the sequences' in tokens): two
+    compare at memcmp speed, where lists compare id by id. Tree of thought's post-hoc optimum (62k sequences):
+    sort and common prefixes 2.2 s as lists, 1.7 s as bytes, 0.9 s of it making the keys (py-spy, H200 host);
+    6.1 s against 1.6 on this project's 2-core CPU (benchmarks/bench_posthoc_merge.py)."""
     a = array("I", tokens)
     if _LITTLE_ENDIAN:
         a.byteswap()
